@@ -1,0 +1,417 @@
+"""BUZZ (Zhao et al., 2024): beehive-structured sparse KV cache with segmented heavy hitters, and its log-n variant.
+
+Cache layout, oldest to newest: ``k`` sink tokens | old tokens (survivors of earlier passes) | new tokens
+(left the window since the last pass) | a sliding window of the last ``w`` tokens. Nothing is evicted per
+step; once the buffered count reaches the threshold ``T`` one pass runs: old tokens are interval-sampled
+with stride s_hat = floor((s+1)/2) (no scores), new tokens are cut into hives of ``s`` consecutive tokens
+and each hive keeps its local maximum of accumulated attention (Algorithm 2); all survivors become old.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from policies._buzz_model import CountRule, held_trajectory
+from policies.base import LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError
+from policies.kernels import GROUP_REDUCE
+from policies.registry import register
+
+# parameter vector indices (schema order)
+_K, _S, _RATIO, _W, _T, _ON, _INCL, _TAIL, _ALIGN, _SCOPE, _REDUCE, _LOG_BASE, _LOG_CLAMP = range(13)
+# slot_state fields: accumulated attention, old flag; head_state fields: window, threshold, initialised
+_SCORE, _OLD = 0, 1
+_HW, _HT, _HINIT = 0, 1, 2
+
+
+@njit(cache=True)
+def _kept(m, stride, drop):
+    return m // stride if drop else (m + stride - 1) // stride
+
+
+@njit(cache=True)
+def middle_peak(T, s, on_new, incl, drop):
+    """Most middle (non-sink, non-window) slots held after any step, prefill transient included."""
+    lim = T if incl else T - 1
+    if not on_new:
+        return lim
+    # Algorithm 1 counting: up to lim buffered new tokens on top of the old ones; the old count follows the
+    # monotone map a -> kept(a, s_hat) + kept(fire, s) from at most lim (Remark 2's prefill), so its supremum
+    # is the larger of lim and the fixed point the sequence climbs to.
+    sh = (s + 1) // 2
+    per_pass = lim + 1
+    a = lim
+    top = a
+    for _ in range(1_000_000):
+        nxt = _kept(a, sh, drop) + _kept(per_pass, s, drop)
+        if nxt == a:
+            break
+        a = nxt
+        top = max(top, a)
+    return lim + top
+
+
+@njit(cache=True)
+def _largest_threshold(avail, s, on_new, incl, drop):
+    """Largest T >= s whose middle peak fits in ``avail`` slots (s when none does)."""
+    lo, hi = s, max(s, avail + 1)
+    if middle_peak(lo, s, on_new, incl, drop) > avail:
+        return s
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if middle_peak(mid, s, on_new, incl, drop) <= avail:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@njit(cache=True)
+def derive_window_threshold(params, budget):
+    """(w, T) for a budget: explicit values win; otherwise the largest w with T ~ ratio * w whose peak fits."""
+    k = int(params[_K])
+    s = int(params[_S])
+    on_new = params[_ON] == 1.0
+    incl = params[_INCL] != 0.0
+    drop = params[_TAIL] == 1.0
+    ratio = params[_RATIO]
+    if ratio <= 0.0:
+        ratio = (s * s + 1.0) / (s + 1.0) if s % 2 == 1 else s - 1.0
+    w0 = int(params[_W])
+    t0 = int(params[_T])
+    room = budget - k
+    if w0 > 0 and t0 > 0:
+        return w0, t0
+    if w0 > 0:
+        return w0, _largest_threshold(room - w0, s, on_new, incl, drop)
+    if t0 > 0:
+        return max(1, room - middle_peak(t0, s, on_new, incl, drop)), t0
+    lo, hi = 1, max(1, room)
+    while lo < hi:      # largest w whose (w, max(s, round(ratio * w))) fits
+        mid = (lo + hi + 1) // 2
+        tm = max(s, int(np.floor(ratio * mid + 0.5)))
+        if mid + middle_peak(tm, s, on_new, incl, drop) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, _largest_threshold(room - lo, s, on_new, incl, drop)
+
+
+@njit(cache=True)
+def _sample(idx, m, stride, by_score, scores, drop, right, keep_row):
+    """One BUZZ sampling pass over slots ``idx[:m]`` (position order): hives of ``stride`` consecutive slots,
+    each keeping its local max of ``scores`` (Algorithm 2, ties to the older token) or, without scores, its
+    first slot (interval sampling; the last one under right alignment). Evicts the rest in ``keep_row`` and
+    returns how many survivors it wrote to the front of ``idx``."""
+    n_groups = (m + stride - 1) // stride
+    out = np.empty(n_groups, np.int64)
+    n_out = 0
+    for gi in range(n_groups):
+        if right:   # hives anchored at the newest slot; the partial hive (if any) is the oldest
+            g1 = m - gi * stride
+            g0 = max(0, g1 - stride)
+        else:
+            g0 = gi * stride
+            g1 = min(m, g0 + stride)
+        pick = -1
+        if g1 - g0 == stride or not drop:
+            if by_score:
+                pick = g0
+                for j in range(g0 + 1, g1):
+                    if scores[idx[j]] > scores[idx[pick]]:
+                        pick = j
+            else:
+                pick = g1 - 1 if right else g0
+        for j in range(g0, g1):
+            if j != pick:
+                keep_row[idx[j]] = 0
+        if pick >= 0:
+            out[n_out] = idx[pick]
+            n_out += 1
+    res = np.sort(out[:n_out])
+    idx[:n_out] = res
+    return n_out
+
+
+@njit(cache=True)
+def _head_pass(h, n, t, k, w, s, drop, right, positions, slot_state, keep):
+    """Algorithm 1's pass on KV head h: interval-sample old, local-max-sample new, survivors become old."""
+    old = np.empty(n, np.int64)
+    new = np.empty(n, np.int64)
+    a = 0
+    b = 0
+    for i in range(n):
+        p = positions[h, i]
+        if p < k or p > t - w:
+            continue
+        if slot_state[h, i, _OLD] != 0.0:
+            old[a] = i
+            a += 1
+        else:
+            new[b] = i
+            b += 1
+    _sample(old, a, (s + 1) // 2, False, slot_state[h, :, _SCORE], drop, right, keep[h])
+    kept_new = _sample(new, b, s, True, slot_state[h, :, _SCORE], drop, right, keep[h])
+    for j in range(kept_new):
+        slot_state[h, new[j], _OLD] = 1.0
+
+
+@njit(cache=True)
+def _init_heads(params, budget, head_state):
+    for h in range(head_state.shape[0]):
+        if head_state[h, _HINIT] == 0.0:
+            w, T = derive_window_threshold(params, budget[h])
+            head_state[h, _HW] = w
+            head_state[h, _HT] = T
+            head_state[h, _HINIT] = 1.0
+
+
+@njit(cache=True)
+def _reduce(vals, g_n, mode):
+    if mode == 2:
+        best = vals[0]
+        for g in range(1, g_n):
+            best = max(best, vals[g])
+        return best
+    acc = 0.0
+    for g in range(g_n):
+        acc += vals[g]
+    return acc / g_n if mode == 0 else acc
+
+
+@njit(STEP_SIG, cache=True)
+def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
+          merge_w):
+    hkv = lengths.shape[0]
+    g_n = probs.shape[1]
+    k = int(params[_K])
+    s = int(params[_S])
+    on_new = params[_ON] == 1.0
+    incl = params[_INCL] != 0.0
+    drop = params[_TAIL] == 1.0
+    right = params[_ALIGN] == 1.0
+    layer_scope = params[_SCOPE] == 1.0
+    mode = int(params[_REDUCE])
+    _init_heads(params, budget, head_state)
+    vals = np.empty(g_n, np.float64)
+    if layer_scope:   # every head holds the same positions: one shared score per slot
+        for i in range(lengths[0]):
+            acc = 0.0
+            for h in range(hkv):
+                for g in range(g_n):
+                    vals[g] = probs[h, g, i]
+                acc += _reduce(vals, g_n, mode)
+            for h in range(hkv):
+                slot_state[h, i, _SCORE] += acc
+    else:
+        for h in range(hkv):
+            for i in range(lengths[h]):
+                for g in range(g_n):
+                    vals[g] = probs[h, g, i]
+                slot_state[h, i, _SCORE] += _reduce(vals, g_n, mode)
+    for h in range(hkv):
+        w = int(head_state[h, _HW])
+        T = int(head_state[h, _HT])
+        n = lengths[h]
+        counted = 0
+        for i in range(n):
+            p = positions[h, i]
+            if p >= k and p <= t - w and ((not on_new) or slot_state[h, i, _OLD] == 0.0):
+                counted += 1
+        if counted >= (T + 1 if incl else T):
+            _head_pass(h, n, t, k, w, s, drop, right, positions, slot_state, keep)
+
+
+@njit(cache=True)
+def _prompt_scores(q, k, scale, mode):
+    """Accumulated causal prompt attention per KV head and key: [Hkv, P] (query heads reduced by ``mode``)."""
+    P, hq, d = q.shape
+    hkv = k.shape[1]
+    g_n = hq // hkv
+    out = np.zeros((hkv, P), np.float64)
+    rows = np.empty((g_n, P), np.float64)
+    vals = np.empty(g_n, np.float64)
+    for h in range(hkv):
+        for r in range(P):
+            for g in range(g_n):
+                hq_i = h * g_n + g
+                mx = -np.inf
+                for i in range(r + 1):
+                    acc = 0.0
+                    for x in range(d):
+                        acc += np.float64(q[r, hq_i, x]) * np.float64(k[i, h, x])
+                    rows[g, i] = acc * scale
+                    mx = max(mx, rows[g, i])
+                tot = 0.0
+                for i in range(r + 1):
+                    rows[g, i] = np.exp(rows[g, i] - mx)
+                    tot += rows[g, i]
+                for i in range(r + 1):
+                    rows[g, i] /= tot
+            for i in range(r + 1):
+                for g in range(g_n):
+                    vals[g] = rows[g, i]
+                out[h, i] += _reduce(vals, g_n, mode)
+    return out
+
+
+@njit(PREFILL_SIG, cache=True)
+def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
+    """Remark 2: sample the prompt's middle until it fits in T (+ k + w): one local-max pass with stride s,
+    then interval passes with s_hat over the survivors (they are old tokens by then)."""
+    P = q.shape[0]
+    hkv = k.shape[1]
+    n_sinks = int(params[_K])
+    s = int(params[_S])
+    incl = params[_INCL] != 0.0
+    drop = params[_TAIL] == 1.0
+    right = params[_ALIGN] == 1.0
+    _init_heads(params, budget, head_state)
+    scores = _prompt_scores(q, k, scale, int(params[_REDUCE]))
+    if params[_SCOPE] == 1.0:
+        total = scores.sum(axis=0)
+        for h in range(hkv):
+            scores[h] = total
+    for h in range(hkv):
+        for i in range(P):
+            slot_state[h, i, _SCORE] = scores[h, i]
+        w = int(head_state[h, _HW])
+        T = int(head_state[h, _HT])
+        lim = T if incl else T - 1
+        lo = min(n_sinks, P)
+        hi = max(lo, P - w)
+        m = hi - lo
+        if m <= lim:
+            continue
+        idx = np.arange(lo, hi)
+        m = _sample(idx, m, s, True, slot_state[h, :, _SCORE], drop, right, keep[h])
+        while m > lim:
+            m = _sample(idx, m, (s + 1) // 2, False, slot_state[h, :, _SCORE], drop, right, keep[h])
+        for j in range(m):
+            slot_state[h, idx[j], _OLD] = 1.0
+
+
+@njit(LOGIT_SCALE_SIG, cache=True)
+def _logn_scale(params, n):
+    # n = 1 attends a single token, where any positive multiplier is exact; log(1) = 0 would be rejected
+    m = np.log(max(n, 2)) / np.log(params[_LOG_BASE])
+    if params[_LOG_CLAMP] != 0.0 and m < 1.0:
+        m = 1.0
+    return m
+
+
+@register
+class Buzz(Policy):
+    """BUZZ: sinks + beehive-sampled middle + sliding window, evicting in passes every threshold T.
+
+    Budget mapping: ``budget`` is the most slots per KV head BUZZ may ever hold. Unless ``window`` and
+    ``threshold`` are given, w is the largest window with T = max(s, round(t_over_w * w)) whose peak
+    k + w + (middle peak) fits, then T grows into any slot left over. With the default counting the peak is
+    exactly k + w + T = budget, so "equal cache size" comparisons against other policies are peak-to-peak;
+    ``footprint`` gives BUZZ's actual (sawtooth) slot count over time.
+
+    Choices where the paper is ambiguous (all parameters):
+      * ``threshold_on``: what counts toward T. "total" (default) = old + new middle tokens, as in Appendix
+        D.1's recurrence (eq. 10: T - a_{n-1} new tokens per pass), Figure 3 ("once the total token count
+        reaches the threshold"), Remark 2 (a container of T + k + w) and the authors' released code; the
+        cache then never exceeds k + w + T. "new" = Algorithm 1 read literally (T new tokens buffered per
+        pass whatever the old count): peak k + w + T + max(T, old steady state).
+      * ``inclusive_bounds``: Algorithm 1's `while m <= T` buffers T + 1 tokens, i.e. the pass fires when the
+        count exceeds T (default, also the released code's `size <= T: skip`); False fires when it reaches T
+        (eq. 10's a_1 = floor(T/s)). The fill loop's extra first-pass token is not reproduced (off by one).
+      * ``hive_tail``: a partial hive (count not a multiple of s or s_hat) yields its local max ("keep",
+        Algorithm 2's `A[idx:idx+s]` slice) or is evicted ("drop", the floors of eq. 10).
+      * ``hive_align``: hives start at the oldest token ("left", Algorithm 2) or end at the newest ("right").
+        Interval sampling keeps the first token of each interval (python's [::s_hat]), mirrored when right.
+      * ``score_scope``/``group_reduce``: accumulated attention (sum over all queries since a token was
+        cached, H2O-style) per KV head with the G query heads reduced by sum/mean/max (default sum, as the
+        released code), or one score per layer shared by all heads (all heads keep the same positions).
+      * the window holds the last w tokens including the newest; n_sinks=4 and s=5 follow the paper's
+        experiments; t_over_w=0 means Theorem 3.1's value for s (eq. 6: 4.33 at s = 5).
+    """
+
+    name = "buzz"
+    summary = "sinks + beehive local-max sampling + window, threshold passes"
+    schema = (
+        Param("n_sinks", 4, "int", 0, 1024, doc="attention-sink tokens k always kept"),
+        Param("stride", 5, "int", 3, 64, doc="hive stride s for new tokens (s_hat = (s+1)//2 for old; s>=3 so "
+                                            "old tokens are thinned)"),
+        Param("t_over_w", 0.0, "float", 0.0, 32.0, doc="T/w when deriving from the budget; 0 = Theorem 3.1's value"),
+        Param("window", 0, "int", 0, 1 << 20, doc="sliding window w; 0 = derive from the budget", searchable=False),
+        Param("threshold", 0, "int", 0, 1 << 20, doc="threshold T; 0 = derive from the budget", searchable=False),
+        Param("threshold_on", "total", "choice", choices=("total", "new"),
+              doc="tokens counted toward T: old+new (eq. 10, Fig. 3, Remark 2) or new only (Algorithm 1)"),
+        Param("inclusive_bounds", True, "bool", doc="pass fires when the count exceeds T (Alg. 1 `<=`) vs reaches T"),
+        Param("hive_tail", "keep", "choice", choices=("keep", "drop"), doc="partial hive keeps its max or is evicted"),
+        Param("hive_align", "left", "choice", choices=("left", "right"), doc="hives from the oldest or newest token"),
+        Param("score_scope", "head", "choice", choices=("head", "layer"), doc="accumulated scores per KV head or layer"),
+        Param("group_reduce", "sum", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query-head attention"),
+    )
+    slot_fields = 2
+    head_fields = 3
+    step_fn = _step
+    prefill_fn = _prefill
+
+    def validate(self) -> None:
+        w, T = self.params["window"], self.params["threshold"]
+        if T and T < self.params["stride"]:
+            raise PolicyError(f"{self.name}.threshold: {T} is below the stride {self.params['stride']} "
+                              f"(a pass must cover at least one full hive)")
+        # T >= s is also sufficient: a pass then never leaves more than it found room for (tested)
+
+    def rule(self, w: int, T: int) -> CountRule:
+        """The count conventions of this instance for a given window and threshold."""
+        p = self.params
+        return CountRule(p["n_sinks"], w, T, p["stride"], p["threshold_on"] == "new", p["inclusive_bounds"],
+                         p["hive_tail"] == "drop")
+
+    def window_threshold(self, budget: int) -> tuple[int, int]:
+        """The (w, T) this policy uses at ``budget`` (the kernels derive the same)."""
+        w, T = derive_window_threshold(self.param_vector(), int(budget))
+        return int(w), int(T)
+
+    def peak(self, budget: int) -> int:
+        """Most slots per KV head ever held at ``budget`` (<= budget once the budget is valid)."""
+        w, T = self.window_threshold(budget)
+        r = self.rule(w, T)
+        return r.k + w + int(middle_peak(T, r.s, r.threshold_on_new, r.inclusive, r.drop_tail))
+
+    def min_budget(self) -> int:
+        p = self.params
+        w = p["window"] or 1
+        T = p["threshold"] or p["stride"]
+        return p["n_sinks"] + w + int(middle_peak(T, p["stride"], p["threshold_on"] == "new",
+                                                  p["inclusive_bounds"], p["hive_tail"] == "drop"))
+
+    def check_budget(self, budget: int) -> None:
+        super().check_budget(budget)
+        if self.peak(budget) > budget:
+            raise PolicyError(f"{self.label()}: window {self.params['window']} and threshold "
+                              f"{self.params['threshold']} need {self.peak(budget)} slots, over the budget {budget}")
+
+    def guarantees(self, budget: int) -> Guarantees:
+        return Guarantees(sinks=self.params["n_sinks"], recent=self.window_threshold(budget)[0])
+
+    def footprint(self, budget: int, n_tokens: int, *, n_prompt: int = 0) -> int:
+        """Slots per KV head held after ``n_tokens`` tokens (a prompt of ``n_prompt`` compressed at once)."""
+        if n_tokens <= 0:
+            return 0
+        rule = self.rule(*self.window_threshold(budget))
+        return held_trajectory(rule, n_tokens, min(n_prompt, n_tokens))[-1]
+
+
+@register
+class BuzzLogN(Buzz):
+    """BUZZ with log n (Section 3.5, eq. 7-8): BUZZ eviction plus attention logits multiplied by log_512(n).
+
+    n is the number of tokens seen so far (the sequence length), not the number of cached slots: eq. 8
+    keeps the same log_512 n after compressing K. For n < 512 the multiplier is below 1 (softer attention),
+    as eq. 7 says; ``logn_clamp`` (not in the paper) floors it at 1.
+    """
+
+    name = "buzz_logn"
+    summary = "BUZZ + log_512(n) attention-logit scaling"
+    schema = Buzz.schema + (
+        Param("logn_base", 512.0, "float", 2.0, 1e9, doc="log base: the length at which attention is unchanged"),
+        Param("logn_clamp", False, "bool", doc="floor the multiplier at 1 (not in the paper)"),
+    )
+    logit_scale_fn = _logn_scale
