@@ -108,3 +108,21 @@ def paper_recurrence(s: int, T: int, n_passes: int, *, literal: bool = False) ->
         a = seq[-1]
         seq.append((c * a) // sh + (T - a) // s)
     return seq
+
+
+def steady_old_fraction(s: int, threshold_on_new: bool = False) -> float:
+    """lim a_n / T of the implementation's recurrence without rounding: the fixed point of
+    a = a/s_hat + (T - a)/s ("total" counting) or a = a/s_hat + T/s ("new" counting, Algorithm 1)."""
+    sh = small_stride(s)
+    if threshold_on_new:
+        return sh / (s * (sh - 1))
+    return 1.0 / (s - s / sh + 1.0)
+
+
+def predicted_ratio(s: int, threshold_on_new: bool = False) -> float:
+    """T/w at which the steady-state old count equals the window, the optimality criterion of Appendix D.1.
+
+    For "total" counting this is Theorem 3.1's eq. 6 for every s; for Algorithm 1's "new" counting it is
+    s(s_hat - 1)/s_hat (odd s: s(s-1)/(s+1); even s: s - 2).
+    """
+    return 1.0 / steady_old_fraction(s, threshold_on_new)

@@ -382,12 +382,6 @@ class Buzz(Policy):
         return p["n_sinks"] + w + int(middle_peak(T, p["stride"], p["threshold_on"] == "new",
                                                   p["inclusive_bounds"], p["hive_tail"] == "drop"))
 
-    def check_budget(self, budget: int) -> None:
-        super().check_budget(budget)
-        if self.peak(budget) > budget:
-            raise PolicyError(f"{self.label()}: window {self.params['window']} and threshold "
-                              f"{self.params['threshold']} need {self.peak(budget)} slots, over the budget {budget}")
-
     def guarantees(self, budget: int) -> Guarantees:
         return Guarantees(sinks=self.params["n_sinks"], recent=self.window_threshold(budget)[0])
 
