@@ -118,6 +118,17 @@ def best_ratios(rows: list[dict], metric: str) -> dict:
     return out
 
 
+def mean_table(rows: list[dict]) -> dict:
+    """policy -> budget -> metric means over traces (the numbers behind panel (a))."""
+    out: dict = {}
+    for pol in sorted({r["policy"] for r in rows}):
+        for b in sorted({r["budget"] for r in rows if r["policy"] == pol}):
+            sel = [r for r in rows if r["policy"] == pol and r["budget"] == b]
+            out.setdefault(pol, {})[b] = {m: float(np.mean([r[m] for r in sel])) for m in ("err", "kl", "mass",
+                                                                                           "slots_mean")}
+    return out
+
+
 def plot(cmp_rows: list[dict], sweep: list[dict], fp: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -139,7 +150,7 @@ def plot(cmp_rows: list[dict], sweep: list[dict], fp: dict, path: Path) -> None:
         a.legend(fontsize=8)
     a = ax[0, 2]
     for label, ys in fp.items():
-        a.plot(ys, label=label)
+        a.plot(ys, label=label, ls=":" if label == "budget_line" else "-", lw=2 if label.startswith("h2o") else 1.2)
     a.set_xlabel("token")
     a.set_ylabel("slots held per KV head")
     a.set_title("footprint over time (budget %d)" % fp["budget_line"][0])
@@ -202,6 +213,7 @@ def main() -> None:
                   "sweep_traces": {n: [tr.meta.n_tokens, tr.meta.n_prompt] for n, tr in sweep_traces.items()},
                   "budgets": budgets, "sweep_budget": sweep_budget, "stride": 5, "real_model_trace": real is not None,
                   "buzz_window_threshold": {b: get_policy("buzz").window_threshold(b) for b in budgets}},
+        "compare_mean": mean_table(cmp_rows),
         "compare": cmp_rows,
         "theorem_sweep": sweep,
         "best_ratio_err": best_ratios(sweep, "err"),

@@ -199,6 +199,8 @@ def test_budget_mapping_peak_fits(budget, k, s, on, incl, tail, ratio):
     for p in (0, k + w + T, 3 * budget):
         assert max(held_trajectory(rule, 3 * budget + 50, p)) <= pol.peak(budget)
     assert pol.footprint(budget, 3 * budget) <= budget
+    # streamed from the first token: k + w + T + (old tokens' supremum over passes), the issue's bound
+    assert max(held_trajectory(rule, 3 * budget + 50)) <= k + w + rule.limit + max(old_sequence(rule, 60))
 
 
 @settings(max_examples=200, deadline=None)
