@@ -74,6 +74,36 @@ def test_algorithm2_local_max_hives():
     assert _sample(idx, 3, 3, True, np.array([0.3, 0.1, 0.3]), False, False, keep) == 1 and idx[0] == 0
 
 
+def _reference_sample(scores, stride, by_score, drop, right):
+    """Algorithm 2 / interval sampling written plainly: hive boundaries, then one pick per hive."""
+    m = len(scores)
+    if right:
+        hives = [(max(0, e - stride), e) for e in range(m, 0, -stride)]
+    else:
+        hives = [(b, min(m, b + stride)) for b in range(0, m, stride)]
+    picks = []
+    for g0, g1 in hives:
+        if g1 - g0 < stride and drop:
+            continue
+        if by_score:
+            picks.append(g0 + int(np.argmax(scores[g0:g1])))   # first maximum: the older token on ties
+        else:
+            picks.append(g1 - 1 if right else g0)
+    return sorted(picks)
+
+
+@settings(max_examples=150, deadline=None)
+@given(scores=st.lists(st.integers(0, 4), min_size=0, max_size=40), stride=st.integers(1, 7), by_score=st.booleans(),
+       drop=st.booleans(), right=st.booleans())
+def test_sampling_matches_plain_reference(scores, stride, by_score, drop, right):
+    arr = np.array(scores, np.float64)
+    idx = np.arange(len(arr))
+    keep = np.ones(len(arr), np.uint8)
+    m = _sample(idx, len(arr), stride, by_score, arr, drop, right, keep)
+    want = _reference_sample(arr, stride, by_score, drop, right)
+    assert list(idx[:m]) == want and list(np.flatnonzero(keep)) == want
+
+
 def test_algorithm1_total_counting_keep_tail():
     # k=1, w=2, T=6, s=3 (s_hat=2), old+new counted, pass when the count exceeds T (7 tokens).
     pol = get_policy("buzz", n_sinks=1, stride=3, window=2, threshold=6)
