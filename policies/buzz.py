@@ -327,6 +327,14 @@ class Buzz(Policy):
         released code), or one score per layer shared by all heads (all heads keep the same positions).
       * the window holds the last w tokens including the newest; n_sinks=4 and s=5 follow the paper's
         experiments; t_over_w=0 means Theorem 3.1's value for s (eq. 6: 4.33 at s = 5).
+      * prefill (Remark 2): when the prompt's middle exceeds what a pass leaves, one local-max pass with s, then
+        interval passes with s_hat over the survivors (old tokens by then) until it fits; otherwise the middle
+        stays buffered as new tokens.
+
+    Theorem 3.1 against this implementation: with "total" counting, strict bounds and dropped tails the old
+    count after each pass is exactly eq. 10 with a/s_hat (the printed 2a/s_hat is a typo); its limit equals w
+    at T/w = (s^2+1)/(s+1) for odd s and s-1 for even s, i.e. the statement (eq. 6); the proof's eq. 13-14
+    swap the parity labels. With "new" counting the same criterion gives T/w = s(s_hat-1)/s_hat (3.33 at s=5).
     """
 
     name = "buzz"
@@ -352,7 +360,7 @@ class Buzz(Policy):
     prefill_fn = _prefill
 
     def validate(self) -> None:
-        w, T = self.params["window"], self.params["threshold"]
+        T = self.params["threshold"]
         if T and T < self.params["stride"]:
             raise PolicyError(f"{self.name}.threshold: {T} is below the stride {self.params['stride']} "
                               f"(a pass must cover at least one full hive)")
@@ -399,7 +407,8 @@ class BuzzLogN(Buzz):
 
     n is the number of tokens seen so far (the sequence length), not the number of cached slots: eq. 8
     keeps the same log_512 n after compressing K. For n < 512 the multiplier is below 1 (softer attention),
-    as eq. 7 says; ``logn_clamp`` (not in the paper) floors it at 1.
+    as eq. 7 says; ``logn_clamp`` (not in the paper) floors it at 1. The simulator measures against the
+    model's unscaled attention, so the scaling alone already costs accuracy there, even without eviction.
     """
 
     name = "buzz_logn"
