@@ -40,7 +40,7 @@ class LayerInputs:
 
     @staticmethod
     def from_arrays(la: LayerArrays, scale: float) -> "LayerInputs":
-        f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
+        f32 = lambda a: np.array(a, dtype=np.float32, order="C")   # an owned, writable copy (traces are read-only maps)
         q, k, v = f32(la.q), f32(la.k), f32(la.v)
         if la.lse is None or la.o is None:
             lse, o = full_attention_reference(q, k, v, scale)
