@@ -31,6 +31,7 @@ KINDS = ("mixed", "recall", "topic_shift", "zipf")
 BASELINES = ("h2o", "streaming_llm")
 RATIOS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 10 / 3, 3.5, 4.0, 13 / 3, 4.5, 5.0, 5.5, 6.5, 8.0)
 PAPER_OBSERVED = 4.5
+SWEEP_SEEDS = (1, 2, 3)
 
 
 def real_trace(tmp: Path, n_prompt: int, n_decode: int) -> Trace | None:
@@ -158,14 +159,16 @@ def plot(cmp_rows: list[dict], sweep: list[dict], fp: dict, path: Path) -> None:
     for j, on in enumerate(("total", "new")):
         a = ax[1, j]
         sub = [r for r in sweep if r["threshold_on"] == on]
-        for n in sorted({r["trace"] for r in sub}):
-            vals = np.array([r["err"] for r in sub if r["trace"] == n])
-            a.plot(RATIOS, vals / vals.min(), "o-", alpha=0.7, label=n)
+        for kind in sorted({r["trace"].split("/")[0] for r in sub}):
+            curves = [np.array([r["err"] for r in sub if r["trace"] == n])
+                      for n in sorted({r["trace"] for r in sub if r["trace"].split("/")[0] == kind})]
+            a.plot(RATIOS, np.mean([c / c.min() for c in curves], axis=0), "o-", alpha=0.7,
+                   label=f"{kind} (mean of {len(curves)})")
         a.axvline(predicted_ratio(5, on == "new"), color="k", ls="--", label="prediction (implementation)")
         a.axvline(13 / 3, color="r", ls=":", label="Theorem 3.1: 4.33")
         a.axvline(PAPER_OBSERVED, color="g", ls=":", label="paper observed: 4.5")
         a.set_xlabel("T / w")
-        a.set_ylabel("err / min err per trace")
+        a.set_ylabel("err / min err per trace (mean over seeds)")
         a.set_title(f"(b) T/w sweep, s=5, threshold_on={on}")
         a.legend(fontsize=7)
     a = ax[1, 2]
@@ -194,7 +197,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         real = real_trace(Path(tmp), 512, 512) if not args.quick else None
         cmp_traces = {k: synthetic(k, n_cmp, p) for k in KINDS}
-        sweep_traces = {k: synthetic(k, n_sweep, p, seed=1) for k in KINDS}
+        sweep_traces = {f"{k}/seed{sd}": synthetic(k, n_sweep, p, seed=sd) for k in KINDS for sd in SWEEP_SEEDS}
         if real is not None:
             cmp_traces["real"] = real
             sweep_traces["real"] = real
