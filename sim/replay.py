@@ -223,7 +223,7 @@ def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
         li = inputs[layer]
         metrics = np.zeros((nb, T - P, hq, N_METRICS), np.float64)
         slots = np.zeros((nb, T - P, hkv), np.int32)
-        oracle_layer(li.q, li.k, li.v, li.lse, li.o, li.vmax1, float(meta.softmax_scale), sorted_b, P,
+        oracle_layer(li.q, li.k, li.v, li.o, li.vmax1, float(meta.softmax_scale), sorted_b, P,
                      scope == "layer", metrics, slots)
         return metrics, slots
 
