@@ -70,16 +70,16 @@ def memory_tables(footprint: Callable[[int], int], model: ModelMemory, max_token
     return MemoryTables(held=held, read=slots * bps, peak=np.maximum(peak, held), slots=slots, bytes_per_slot=bps)
 
 
-def policy_footprint(name: str, budget: int | None, **params: Any) -> tuple[Callable[[int], int], str]:
-    """``footprint(n)`` of a registered policy at ``budget`` and a label; unbounded policies ignore the budget."""
+def policy_footprint(name: str, budget: int | None, **params: Any) -> tuple[Callable[[int], int], str, int | None]:
+    """``(footprint(n), label, budget)`` of a registered policy; unbounded policies ignore the budget (None)."""
     try:
         from policies.registry import get_policy
     except ImportError as e:
         raise ServingConfigError(f"policy registry unavailable ({e}); pass a footprint callable instead") from None
     policy = get_policy(name, **params)
     if policy.unbounded:
-        return (lambda n: policy.footprint(0, n)), policy.label()
+        return (lambda n: policy.footprint(0, n)), policy.label(), None
     if budget is None:
         raise ServingConfigError(f"policy {name!r} needs a budget")
     policy.check_budget(budget)
-    return (lambda n: policy.footprint(budget, n)), f"{policy.label()}@{budget}"
+    return (lambda n: policy.footprint(budget, n)), f"{policy.label()}@{budget}", budget

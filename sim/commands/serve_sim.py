@@ -1,0 +1,176 @@
+"""`kvsim serve-sim`: throughput and latency a policy's KV footprint buys on a GPU, joined with its quality loss."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from sim.serving.costs import CostModel
+from sim.serving.fit import fit_kernel_timings, load_kernel_timings
+from sim.serving.footprint import ACCOUNTING, PREFILL_PEAK, policy_footprint
+from sim.serving.grid import ServingCase, run_grid
+from sim.serving.hardware import GPUS, MODELS, ServingConfigError, get_gpu, get_model
+from sim.serving.plots import latency_cdf, throughput_vs_budget
+from sim.serving.quality import QUALITY_COLUMNS, join_quality, load_quality
+from sim.serving.scheduler import SchedulerConfig, kv_pool_bytes
+from sim.serving.workload import bursty_workload, load_csv_workload, poisson_workload
+
+DEFAULT_KERNEL_TIMINGS = Path("benchmarks/results/kernels.json")
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``serve-sim`` subcommand; its handler is ``args.func(args) -> int``."""
+    p = subparsers.add_parser("serve-sim", help="serving DES: throughput/latency per policy and budget",
+                              description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--policy", action="append", default=None, metavar="NAME[:k=v,...]",
+                   help="policy (repeatable), optional hyperparameters; default: full and streaming_llm")
+    p.add_argument("--budget", action="append", type=int, default=None,
+                   help="KV budget in slots per head (repeatable); default 256, 1024")
+    p.add_argument("--model", default="llama-2-7b", choices=sorted(MODELS))
+    p.add_argument("--gpu", default="h100-sxm", choices=sorted(GPUS))
+    p.add_argument("--arrivals", default="poisson", choices=("poisson", "bursty", "csv"))
+    p.add_argument("--trace-csv", type=Path, help="CSV with arrival_s,prompt_tokens,output_tokens (--arrivals csv)")
+    p.add_argument("--rate", type=float, default=10.0, help="mean arrivals per second")
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--burstiness", type=float, default=4.0, help="squared CV of inter-arrival times (bursty)")
+    p.add_argument("--prompt-mean", type=float, default=1024)
+    p.add_argument("--prompt-cv", type=float, default=0.5)
+    p.add_argument("--output-mean", type=float, default=256)
+    p.add_argument("--output-cv", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--accounting", default="varlen", choices=ACCOUNTING)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prefill-peak", default="full", choices=PREFILL_PEAK,
+                   help="full: prompt KV fully materialised before compression")
+    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--memory-utilization", type=float, default=0.9)
+    p.add_argument("--pool-gb", type=float, help="KV pool in GB (overrides memory-utilization)")
+    p.add_argument("--kernel-timings", type=Path, default=None,
+                   help=f"kernel timing JSON to fit attention costs (default: {DEFAULT_KERNEL_TIMINGS} if present)")
+    p.add_argument("--kernel-device", default=None, help="use only timings of this device")
+    p.add_argument("--aggregate-steps", type=int, default=1024,
+                   help="max decode iterations per event while the batch is unchanged (1 = one per iteration)")
+    p.add_argument("--quality", type=Path, help="sweep results Parquet to join on policy+budget")
+    p.add_argument("--out", type=Path, default=Path("kvsim-out/serve-sim"))
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=main)
+    return p
+
+
+def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
+    """``name:k=v,k=v`` -> (name, params)."""
+    name, _, rest = spec.partition(":")
+    params: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        k, eq, v = item.partition("=")
+        if not eq or not k:
+            raise ServingConfigError(f"policy spec {spec!r}: expected name:key=value,..., got {item!r}")
+        params[k.strip()] = v.strip()
+    if not name:
+        raise ServingConfigError(f"policy spec {spec!r} has no name")
+    return name, params
+
+
+def build_cases(policies: list[str], budgets: list[int]) -> list[ServingCase]:
+    """Cross policies with budgets; an unbounded policy appears once."""
+    cases = []
+    for spec in policies:
+        name, params = parse_policy(spec)
+        seen_unbounded = False
+        for b in budgets:
+            fp, label, used = policy_footprint(name, b, **params)
+            if used is None and seen_unbounded:
+                continue
+            seen_unbounded = seen_unbounded or used is None
+            cases.append(ServingCase(name, used, label, fp, params))
+    return cases
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the grid, print a table, write CSV/JSON and PNG plots under ``--out``."""
+    model, gpu = get_model(args.model), get_gpu(args.gpu)
+    if args.arrivals == "csv":
+        if args.trace_csv is None:
+            raise ServingConfigError("--arrivals csv needs --trace-csv FILE")
+        workload = load_csv_workload(args.trace_csv)
+    else:
+        make = poisson_workload if args.arrivals == "poisson" else bursty_workload
+        extra: dict[str, Any] = {"burstiness": args.burstiness} if args.arrivals == "bursty" else {}
+        workload = make(args.requests, args.rate, prompt_mean=args.prompt_mean, prompt_cv=args.prompt_cv,
+                        output_mean=args.output_mean, output_cv=args.output_cv, seed=args.seed, **extra)
+    cost = CostModel.from_profile(model, gpu)
+    timings = args.kernel_timings or (DEFAULT_KERNEL_TIMINGS if DEFAULT_KERNEL_TIMINGS.exists() else None)
+    fit_info = None
+    if timings is not None:
+        fit = fit_kernel_timings(load_kernel_timings(timings), device=args.kernel_device)
+        cost = cost.with_kernel_fit(fit, calls_per_step=model.n_layers)
+        fit_info = {"file": str(timings), "intercept_s": fit.intercept_s, "bandwidth_Bps": fit.bandwidth,
+                    "r2": fit.r2, "records": fit.n_records}
+    pool = int(args.pool_gb * 1e9) if args.pool_gb else kv_pool_bytes(model, gpu, args.memory_utilization)
+    config = SchedulerConfig(pool_bytes=pool, max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens,
+                             aggregate_steps=args.aggregate_steps)
+    cases = build_cases(args.policy or ["full", "streaming_llm"], args.budget or [256, 1024])
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(cases) * len(workload), unit="req", desc="serve-sim")
+    try:
+        df, curves = run_grid(cases, workload, model, cost, config, accounting=args.accounting,
+                              block_size=args.block_size, prefill_peak=args.prefill_peak,
+                              progress=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    quality_col = None
+    if args.quality is not None:
+        df = join_quality(df, load_quality(args.quality))
+        quality_col = next((c for c in QUALITY_COLUMNS if c in df.columns and df[c].notna().any()), None)
+    args.out.mkdir(parents=True, exist_ok=True)
+    _write_atomic(args.out / "serving.csv", df.to_csv(index=False))
+    meta = {"model": model.name, "gpu": gpu.name, "cost_model": cost.source, "kernel_fit": fit_info,
+            "pool_bytes": pool, "requests": len(workload), "arrivals": args.arrivals,
+            "rows": json.loads(df.to_json(orient="records"))}
+    _write_atomic(args.out / "serving.json", json.dumps(meta, indent=2))
+    latency_cdf(curves, args.out / "latency_cdf.png")
+    throughput_vs_budget(df, args.out / "throughput_vs_budget.png", quality_col=quality_col)
+    _print_table(df, quality_col)
+    print(f"wrote {args.out}/serving.csv, serving.json, latency_cdf.png, throughput_vs_budget.png")
+    return 0
+
+
+def _print_table(df: pd.DataFrame, quality_col: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    cols = [("label", "policy@budget", str), ("throughput_rps", "req/s", "{:.2f}".format),
+            ("output_tokens_per_s", "tok/s", "{:.0f}".format), ("mean_running", "concurrent", "{:.1f}".format),
+            ("ttft_p50_s", "TTFT p50 ms", lambda v: f"{v * 1e3:.0f}"),
+            ("tpot_p50_s", "TPOT p50 ms", lambda v: f"{v * 1e3:.1f}"),
+            ("e2e_p99_s", "E2E p99 s", "{:.2f}".format), ("memory_utilization", "mem util", "{:.0%}".format),
+            ("preemptions", "preempt", str), ("rejected", "rejected", str)]
+    if quality_col:
+        cols.append((quality_col, quality_col, lambda v: "n/a" if pd.isna(v) else f"{v:.4f}"))
+    table = Table(title="serve-sim")
+    for _, head, _ in cols:
+        table.add_column(head, justify="right")
+    for _, row in df.iterrows():
+        table.add_row(*[fmt(row[c]) if not (isinstance(row[c], float) and np.isnan(row[c]) and c != quality_col)
+                        else "n/a" for c, _, fmt in cols])
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=170)
+    console.print(table)
