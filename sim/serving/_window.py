@@ -18,7 +18,8 @@ def decode_window(n, rem, rid, count, held, read, clock, fixed_s, spb, pool, adm
     (``rem`` reaches 0), or after an iteration at whose end the queue head (present from ``head_time``,
     needing ``head_need`` bytes) could be admitted. With ``max_steps == 1`` this is exactly one iteration,
     so aggregated and per-step runs take the same decisions on the same float clock.
-    ``stats`` accumulates [byte-seconds held, request-seconds running, peak bytes, iterations, tokens].
+    ``stats`` accumulates [byte-seconds held, request-seconds running, peak bytes, iterations, tokens,
+    max batch size].
     """
     min_rem = rem[0]
     for i in range(1, count):
@@ -43,6 +44,8 @@ def decode_window(n, rem, rid, count, held, read, clock, fixed_s, spb, pool, adm
             stats[2] = mem
         stats[3] += 1
         stats[4] += count
+        if count > stats[5]:
+            stats[5] = count
         if k == min_rem:
             break
         if room_for_head and clock >= head_time and mem + head_need <= admit_limit:

@@ -36,6 +36,7 @@ def summarize(res: ServingResult) -> dict[str, Any]:
         "throughput_rps": n_done / span,
         "output_tokens_per_s": float(w.output[done].sum()) / span,
         "mean_running": res.running_seconds / span,
+        "max_running": res.max_running,
         "mean_in_system": float(np.sum(res.finish[done] - w.arrival[done])) / span,
         "preemptions": int(res.preemptions.sum()),
         "preempted_requests": int(np.count_nonzero(res.preemptions)),

@@ -78,10 +78,11 @@ class ServingResult:
     preemptions: np.ndarray
     rejected: np.ndarray      # bool: could never fit the pool
     pool_bytes: int | None
-    makespan: float
+    makespan: float           # first arrival to last finish
     byte_seconds: float       # integral of held KV bytes over time
     running_seconds: float    # integral of the running batch size over time
     peak_bytes: int
+    max_running: int
     decode_iterations: int
     prefill_iterations: int
     events: int               # simpy events the scheduler yielded
@@ -131,7 +132,7 @@ class _Server:
         self.preemptions = np.zeros(n, dtype=np.int64)
         self.done = 0
         self.finished = 0
-        self.stats = np.zeros(5)
+        self.stats = np.zeros(6)
         self.prefills = 0
         self.events = 0
         self.samples: list[tuple[float, int]] = []
@@ -195,6 +196,7 @@ class _Server:
                 self.stats[0] += (mem_now + extra) * dur
                 self.stats[1] += (count + len(admitted)) * dur
                 self.stats[2] = max(self.stats[2], mem_now + extra)
+                self.stats[5] = max(self.stats[5], count + len(admitted))
                 self.prefills += 1
                 start = clock
                 clock += dur
@@ -261,7 +263,9 @@ class _Server:
         return ServingResult(
             workload=self.w, admitted=self.admitted, first_token=self.first_token, finish=self.finish,
             preemptions=self.preemptions, rejected=~self.feasible,
-            pool_bytes=None if self.cfg.pool_bytes is None else self.pool, makespan=self.clock,
+            pool_bytes=None if self.cfg.pool_bytes is None else self.pool,
+            makespan=max(0.0, self.clock - float(self.w.arrival[0])),
             byte_seconds=float(self.stats[0]), running_seconds=float(self.stats[1]), peak_bytes=int(self.stats[2]),
+            max_running=int(self.stats[5]),
             decode_iterations=int(self.stats[3]), prefill_iterations=self.prefills, events=self.events,
             samples=np.array(self.samples, dtype=np.float64).reshape(-1, 2))
