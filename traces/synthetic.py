@@ -102,7 +102,7 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
     pos = np.arange(T)
     rho = float(np.exp(-1.0 / local_length))
     passkey_pos = n_prompt // 4 if passkey_pos is None else passkey_pos
-    if not 0 <= passkey_pos < T - n_needle_queries:
+    if kind == "passkey" and not 0 <= passkey_pos < T - n_needle_queries:
         raise ValueError(f"passkey_pos {passkey_pos} must lie before the last {n_needle_queries} queries")
     layers = []
     for layer in range(n_layers):
