@@ -23,17 +23,9 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import simpy  # noqa: E402
 
+from policies.registry import get_policy  # noqa: E402
 from sim.serving import (CostModel, SchedulerConfig, get_gpu, get_model, kv_pool_bytes, memory_tables,  # noqa: E402
-                         poisson_workload, simulate, summarize)
-
-
-def footprint(policy: str, budget: int):
-    """The registry policy's footprint when the core is importable, else min(n, budget) (the base default)."""
-    try:
-        from sim.serving.footprint import policy_footprint
-        return policy_footprint(policy, budget)[0], policy
-    except ImportError:
-        return (lambda n: min(n, budget)), "min(n,budget)"
+                         poisson_workload, policy_footprint, simulate, summarize)
 
 
 def timed(workload, tables, cost, cfg):
@@ -56,7 +48,7 @@ def main() -> None:
     pool = kv_pool_bytes(model, gpu)
     w = poisson_workload(args.requests, args.rate, prompt_mean=1024, prompt_cv=0.5, output_mean=256,
                          output_cv=0.5, seed=0)
-    fp, fp_name = footprint(args.policy, args.budget)
+    fp, fp_name, _ = policy_footprint(get_policy(args.policy), args.budget)
     tables = memory_tables(fp, model, w.max_context)
     agg_cfg = SchedulerConfig(pool_bytes=pool, aggregate_steps=args.aggregate_steps)
     ref_cfg = SchedulerConfig(pool_bytes=pool, aggregate_steps=1)

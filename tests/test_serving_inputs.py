@@ -132,25 +132,47 @@ def test_policy_registry_footprints():
     pytest.importorskip("policies.registry")
     from sim.serving.footprint import policy_footprint
 
-    fp, label, budget = policy_footprint("full", 128)
+    from policies.registry import get_policy
+
+    fp, label, budget = policy_footprint(get_policy("full"), 128)
     assert budget is None and fp(1000) == 1000
-    fp, label, budget = policy_footprint("streaming_llm", 128)
-    assert budget == 128 and fp(1000) == 128 and fp(10) == 10 and label.endswith("@128")
+    fp, label, budget = policy_footprint(get_policy("streaming_llm"), 128)
+    assert budget == 128 and fp(1000) == 128 and fp(10) == 10 and label == "streaming_llm@128"
 
 
-def test_quality_join(tmp_path):
-    q = pd.DataFrame({"policy": ["h2o", "h2o", "h2o", "full"], "budget": [128, 128, 512, np.nan],
-                      "err_mean": [0.2, 0.4, 0.1, 0.0], "mass_mean": [0.7, 0.9, 0.95, 1.0], "trace": list("abcd")})
+def test_quality_join_on_policy_and_budget(tmp_path):
+    q = pd.DataFrame({"policy": ["h2o", "h2o", "h2o", "full", "full"], "budget": [128, 128, 512, 128, 512],
+                      "err_mean": [0.2, 0.4, 0.1, 0.0, 0.0], "mass_mean": [0.7, 0.9, 0.95, 1.0, 1.0]})
     p = tmp_path / "q.parquet"
     q.to_parquet(p)
-    quality = load_quality(p)
-    s = pd.DataFrame({"policy": ["h2o", "h2o", "full", "tova"], "budget": [128, 512, np.nan, 128],
-                      "throughput_rps": [1.0, 2.0, 3.0, 4.0]})
-    j = join_quality(s, quality)
+    s = pd.DataFrame({"policy": ["h2o", "h2o", "full", "tova"], "policy_label": ["h2o", "h2o", "full", "tova"],
+                      "budget": [128, 512, np.nan, 128], "throughput_rps": [1.0, 2.0, 3.0, 4.0]})
+    j = join_quality(s, load_quality(p))
     assert j["err_mean"].tolist()[:3] == pytest.approx([0.3, 0.1, 0.0])
-    assert j["quality_rows"].tolist()[:3] == [2, 1, 1] and np.isnan(j["err_mean"].iloc[3])
+    assert j["quality_rows"].tolist()[:3] == [2, 1, 2] and np.isnan(j["err_mean"].iloc[3])
+    assert j["throughput_rps"].tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_quality_join_reads_a_sweep_store_by_label_with_oracle_gap(tmp_path):
+    from sim.store import ResultStore
+
+    rows = [dict(key=f"k{i}", trace_id="t", policy=p, label=lab, budget=64, err_mean=e, mass_mean=m)
+            for i, (p, lab, e, m) in enumerate([("h2o", "h2o", 0.3, 0.8), ("h2o", "h2o(recent_ratio=0.2)", 0.5, 0.7),
+                                                ("oracle", "oracle", 0.1, 0.95)])]
+    ResultStore(tmp_path / "store").add(rows)
+    quality = load_quality(tmp_path / "store")
+    s = pd.DataFrame({"policy": ["h2o", "h2o"], "policy_label": ["h2o", "h2o(recent_ratio=0.2)"],
+                      "budget": [64, 64]})
+    j = join_quality(s, quality)
+    assert j["err_mean"].tolist() == pytest.approx([0.3, 0.5])
+    assert j["err_gap"].tolist() == pytest.approx([0.2, 0.4]) and j["mass_gap"].tolist() == pytest.approx([0.15, 0.25])
+
+
+def test_quality_bad_inputs(tmp_path):
     pd.DataFrame({"policy": ["x"], "budget": [1]}).to_parquet(tmp_path / "bad.parquet")
     with pytest.raises(ServingConfigError, match="none of the quality columns"):
         load_quality(tmp_path / "bad.parquet")
     with pytest.raises(ServingConfigError, match="cannot read as Parquet"):
         load_quality(write(tmp_path, "not parquet", "x.parquet"))
+    with pytest.raises(ServingConfigError, match="no such quality results"):
+        load_quality(tmp_path / "missing.parquet")

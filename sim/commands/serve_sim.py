@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from sim.commands._common import int_list
 from sim.serving.costs import CostModel
 from sim.serving.fit import fit_kernel_timings, load_kernel_timings
 from sim.serving.footprint import ACCOUNTING, PREFILL_PEAK, policy_footprint
@@ -28,10 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``serve-sim`` subcommand; its handler is ``args.func(args) -> int``."""
     p = subparsers.add_parser("serve-sim", help="serving DES: throughput/latency per policy and budget",
                               description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--policy", action="append", default=None, metavar="NAME[:k=v,...]",
-                   help="policy (repeatable), optional hyperparameters; default: full and streaming_llm")
-    p.add_argument("--budget", action="append", type=int, default=None,
-                   help="KV budget in slots per head (repeatable); default 256, 1024")
+    p.add_argument("--policies", default="full;streaming_llm",
+                   help="';'-separated policy specs, e.g. 'full;h2o;streaming_llm:n_sinks=8'")
+    p.add_argument("--budgets", type=int_list, default=[256, 1024], help="comma-separated KV budgets (slots per head)")
     p.add_argument("--model", default="llama-2-7b", choices=sorted(MODELS))
     p.add_argument("--gpu", default="h100-sxm", choices=sorted(GPUS))
     p.add_argument("--arrivals", default="poisson", choices=("poisson", "bursty", "csv"))
@@ -57,39 +57,27 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--kernel-device", default=None, help="use only timings of this device")
     p.add_argument("--aggregate-steps", type=int, default=1024,
                    help="max decode iterations per event while the batch is unchanged (1 = one per iteration)")
-    p.add_argument("--quality", type=Path, help="sweep results Parquet to join on policy+budget")
+    p.add_argument("--quality", type=Path, help="sweep results store (directory) or Parquet to join on policy+budget")
     p.add_argument("--out", type=Path, default=Path("kvsim-out/serve-sim"))
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
     return p
 
 
-def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
-    """``name:k=v,k=v`` -> (name, params)."""
-    name, _, rest = spec.partition(":")
-    params: dict[str, str] = {}
-    for item in filter(None, rest.split(",")):
-        k, eq, v = item.partition("=")
-        if not eq or not k:
-            raise ServingConfigError(f"policy spec {spec!r}: expected name:key=value,..., got {item!r}")
-        params[k.strip()] = v.strip()
-    if not name:
-        raise ServingConfigError(f"policy spec {spec!r} has no name")
-    return name, params
+def build_cases(policies: str, budgets: list[int]) -> list[ServingCase]:
+    """Cross ';'-separated policy specs with budgets; an unbounded policy appears once."""
+    from sim.specs import parse_policy
 
-
-def build_cases(policies: list[str], budgets: list[int]) -> list[ServingCase]:
-    """Cross policies with budgets; an unbounded policy appears once."""
     cases = []
-    for spec in policies:
-        name, params = parse_policy(spec)
-        seen_unbounded = False
+    for spec in filter(None, (x.strip() for x in policies.split(";"))):
+        policy = parse_policy(spec)
         for b in budgets:
-            fp, label, used = policy_footprint(name, b, **params)
-            if used is None and seen_unbounded:
-                continue
-            seen_unbounded = seen_unbounded or used is None
-            cases.append(ServingCase(name, used, label, fp, params))
+            fp, label, used = policy_footprint(policy, b)
+            cases.append(ServingCase(policy.name, used, label, fp, policy.label(), dict(policy.params)))
+            if used is None:
+                break
+    if not cases:
+        raise ServingConfigError(f"no policies in {policies!r}")
     return cases
 
 
@@ -123,9 +111,9 @@ def main(args: argparse.Namespace) -> int:
     pool = int(args.pool_gb * 1e9) if args.pool_gb else kv_pool_bytes(model, gpu, args.memory_utilization)
     config = SchedulerConfig(pool_bytes=pool, max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens,
                              aggregate_steps=args.aggregate_steps)
-    cases = build_cases(args.policy or ["full", "streaming_llm"], args.budget or [256, 1024])
+    cases = build_cases(args.policies, args.budgets)
     bar = None
-    if not args.no_progress:
+    if not args.quiet:
         from tqdm import tqdm
         bar = tqdm(total=len(cases) * len(workload), unit="req", desc="serve-sim")
     try:

@@ -1,7 +1,7 @@
 """KV memory a request holds over its life, tabulated once per policy/budget from the policy's footprint.
 
 A footprint is any callable ``footprint(n_tokens) -> slots`` (slots per KV head per layer after ``n_tokens``
-tokens); ``policy_footprint`` builds one from the policy registry (``Policy.footprint(budget, n)``).
+tokens); ``policy_footprint`` builds one from a registered policy (``Policy.footprint(budget, n)``).
 Tables are indexed by cache length and hold int64 bytes so that memory checks are exact.
 """
 from __future__ import annotations
@@ -70,16 +70,14 @@ def memory_tables(footprint: Callable[[int], int], model: ModelMemory, max_token
     return MemoryTables(held=held, read=slots * bps, peak=np.maximum(peak, held), slots=slots, bytes_per_slot=bps)
 
 
-def policy_footprint(name: str, budget: int | None, **params: Any) -> tuple[Callable[[int], int], str, int | None]:
-    """``(footprint(n), label, budget)`` of a registered policy; unbounded policies ignore the budget (None)."""
-    try:
-        from policies.registry import get_policy
-    except ImportError as e:
-        raise ServingConfigError(f"policy registry unavailable ({e}); pass a footprint callable instead") from None
-    policy = get_policy(name, **params)
-    if policy.unbounded:
+def policy_footprint(policy: Any, budget: int | None) -> tuple[Callable[[int], int], str, int | None]:
+    """``(footprint(n), label, budget)`` of a ``policies.base.Policy`` at ``budget``.
+
+    Unbounded policies (the full cache) ignore the budget and report ``None``; others must accept it.
+    """
+    if getattr(policy, "unbounded", False):
         return (lambda n: policy.footprint(0, n)), policy.label(), None
     if budget is None:
-        raise ServingConfigError(f"policy {name!r} needs a budget")
+        raise ServingConfigError(f"policy {policy.label()!r} needs a budget")
     policy.check_budget(budget)
     return (lambda n: policy.footprint(budget, n)), f"{policy.label()}@{budget}", budget

@@ -17,12 +17,17 @@ from sim.serving.workload import Workload
 
 @dataclass(frozen=True)
 class ServingCase:
-    """One policy at one budget (``budget=None`` for unbounded policies) with its footprint callable."""
+    """One policy at one budget (``budget=None`` for unbounded policies) with its footprint callable.
+
+    ``policy_label`` is the policy's own label (name plus non-default hyperparameters, no budget), used to
+    join quality results; ``label`` names the case in tables and plots.
+    """
 
     policy: str
     budget: int | None
     label: str
     footprint: Callable[[int], int]
+    policy_label: str = ""
     params: dict[str, Any] = field(default_factory=dict)
 
 
@@ -37,7 +42,7 @@ def run_grid(cases: list[ServingCase], workload: Workload, model: ModelMemory, c
                                block_size=block_size, prefill_peak=prefill_peak)
         res = simulate(workload, tables, cost, config, progress=progress)
         row = {"policy": case.policy, "budget": np.nan if case.budget is None else case.budget,
-               "label": case.label, "params": ",".join(f"{k}={v}" for k, v in sorted(case.params.items())),
+               "label": case.label, "policy_label": case.policy_label or case.policy, "params": ",".join(f"{k}={v}" for k, v in sorted(case.params.items())),
                "mean_slots_at_max_context": float(tables.slots[-1]), **summarize(res)}
         rows.append(row)
         curves[case.label] = latencies(res)

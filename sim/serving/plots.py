@@ -34,6 +34,7 @@ def latency_cdf(curves: dict[str, dict[str, np.ndarray]], path: str | Path) -> P
     cmap = plt.get_cmap("tab10" if len(curves) <= 10 else "tab20")
     styles = ("-", "--", ":", "-.")
     policies = list(dict.fromkeys(label.split("@")[0] for label in curves))
+    drawn = False
     for i, (label, lat) in enumerate(curves.items()):
         ls = styles[policies.index(label.split("@")[0]) % len(styles)]
         for ax, key, scale in zip(axes, ("ttft", "tpot", "e2e"), (1.0, 1e3, 1.0)):
@@ -41,6 +42,7 @@ def latency_cdf(curves: dict[str, dict[str, np.ndarray]], path: str | Path) -> P
             if len(x):
                 ax.step(x * scale, np.arange(1, len(x) + 1) / len(x), where="post", color=cmap(i % cmap.N),
                         ls=ls, label=label, lw=1.6)
+                drawn = True
     for ax, title, unit in zip(axes, ("time to first token", "time per output token", "end-to-end latency"),
                                ("s", "ms", "s")):
         ax.set_xscale("log")
@@ -48,7 +50,10 @@ def latency_cdf(curves: dict[str, dict[str, np.ndarray]], path: str | Path) -> P
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("fraction of requests")
-    axes[-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=9, title="policy@budget")
+    if drawn:
+        axes[-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=9, title="policy@budget")
+    else:
+        axes[1].text(0.5, 0.5, "no completed requests", ha="center", va="center", transform=axes[1].transAxes)
     fig.suptitle("Latency CDF per policy and budget")
     return _save(fig, Path(path))
 
