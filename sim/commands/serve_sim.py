@@ -55,6 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--kernel-timings", type=Path, default=None,
                    help=f"kernel timing JSON to fit attention costs (default: {DEFAULT_KERNEL_TIMINGS} if present)")
     p.add_argument("--kernel-device", default=None, help="use only timings of this device")
+    p.add_argument("--kernel-calls-per-step", type=int, default=None,
+                   help="attention kernel launches per decode iteration (default: one per model layer)")
     p.add_argument("--aggregate-steps", type=int, default=1024,
                    help="max decode iterations per event while the batch is unchanged (1 = one per iteration)")
     p.add_argument("--quality", type=Path, help="sweep results store (directory) or Parquet to join on policy+budget")
@@ -100,12 +102,13 @@ def main(args: argparse.Namespace) -> int:
         extra: dict[str, Any] = {"burstiness": args.burstiness} if args.arrivals == "bursty" else {}
         workload = make(args.requests, args.rate, prompt_mean=args.prompt_mean, prompt_cv=args.prompt_cv,
                         output_mean=args.output_mean, output_cv=args.output_cv, seed=args.seed, **extra)
+    quality = load_quality(args.quality) if args.quality is not None else None
     cost = CostModel.from_profile(model, gpu)
     timings = args.kernel_timings or (DEFAULT_KERNEL_TIMINGS if DEFAULT_KERNEL_TIMINGS.exists() else None)
     fit_info = None
     if timings is not None:
         fit = fit_kernel_timings(load_kernel_timings(timings), device=args.kernel_device)
-        cost = cost.with_kernel_fit(fit, calls_per_step=model.n_layers)
+        cost = cost.with_kernel_fit(fit, calls_per_step=args.kernel_calls_per_step or model.n_layers)
         fit_info = {"file": str(timings), "intercept_s": fit.intercept_s, "bandwidth_Bps": fit.bandwidth,
                     "r2": fit.r2, "records": fit.n_records}
     pool = int(args.pool_gb * 1e9) if args.pool_gb else kv_pool_bytes(model, gpu, args.memory_utilization)
@@ -124,8 +127,8 @@ def main(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     quality_col = None
-    if args.quality is not None:
-        df = join_quality(df, load_quality(args.quality))
+    if quality is not None:
+        df = join_quality(df, quality)
         quality_col = next((c for c in QUALITY_COLUMNS if c in df.columns and df[c].notna().any()), None)
     args.out.mkdir(parents=True, exist_ok=True)
     _write_atomic(args.out / "serving.csv", df.to_csv(index=False))

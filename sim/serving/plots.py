@@ -78,9 +78,9 @@ def throughput_vs_budget(df: pd.DataFrame, path: str | Path, quality_col: str | 
         if quality_col and g[quality_col].notna().any():
             axes[2].plot(g["output_tokens_per_s"], g[quality_col], marker=mk, color=color, label=policy)
             for _, row in g.dropna(subset=[quality_col]).iterrows():
-                if pd.notna(row["budget"]):
-                    axes[2].annotate(f"{int(row['budget'])}", (row["output_tokens_per_s"], row[quality_col]),
-                                     textcoords="offset points", xytext=(4, 4), fontsize=8)
+                text = f"{int(row['budget'])}" if pd.notna(row["budget"]) else str(policy)
+                axes[2].annotate(text, (row["output_tokens_per_s"], row[quality_col]),
+                                 textcoords="offset points", xytext=(4, 4), fontsize=8)
     axes[0].set_ylabel("output tokens / s")
     axes[0].set_title("throughput vs budget")
     axes[1].set_ylabel("p99 end-to-end latency [s]")

@@ -15,6 +15,9 @@ more per decode iteration; its cache holds P + e - 1 tokens after emitting e tok
 Aggregation: ``aggregate_steps > 1`` lets one simpy event cover several decode iterations while the batch
 composition is unchanged (the numba kernel stops at the first finish, memory shortfall, or admissible queue
 head), so the decisions and clock are identical to ``aggregate_steps == 1`` (one event per iteration).
+Arrivals are exogenous: the scheduler process reads them from the sorted workload at each boundary (and sleeps
+until the next one when idle) instead of one simpy process per request, so a window can see the next arrival.
+An optional sampler process records the number of requests in the system every ``sample_interval`` seconds.
 """
 from __future__ import annotations
 
