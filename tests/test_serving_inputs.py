@@ -100,7 +100,8 @@ def test_kernel_fit_replaces_attention_terms():
     fit = fit_kernel_timings(synthetic_records(noise=0.0))
     fitted = base.with_kernel_fit(fit, calls_per_step=m.n_layers)
     b = 1e9
-    assert fitted.decode_time(b) - base.decode_time(b) == pytest.approx(m.n_layers * 2e-5 + b / 2.5e12 - b * base.kv_seconds_per_byte)
+    expected = m.n_layers * 2e-5 + b / 2.5e12 - b * base.kv_seconds_per_byte
+    assert fitted.decode_time(b) - base.decode_time(b) == pytest.approx(expected)
 
 
 def test_default_profile_numbers():

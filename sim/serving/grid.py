@@ -42,8 +42,9 @@ def run_grid(cases: list[ServingCase], workload: Workload, model: ModelMemory, c
                                block_size=block_size, prefill_peak=prefill_peak)
         res = simulate(workload, tables, cost, config, progress=progress)
         row = {"policy": case.policy, "budget": np.nan if case.budget is None else case.budget,
-               "label": case.label, "policy_label": case.policy_label or case.policy, "params": ",".join(f"{k}={v}" for k, v in sorted(case.params.items())),
-               "mean_slots_at_max_context": float(tables.slots[-1]), **summarize(res)}
+               "label": case.label, "policy_label": case.policy_label or case.policy,
+               "params": ",".join(f"{k}={v}" for k, v in sorted(case.params.items())),
+               "slots_at_max_context": int(tables.slots[-1]), **summarize(res)}
         rows.append(row)
         curves[case.label] = latencies(res)
     return pd.DataFrame(rows), curves

@@ -5,7 +5,7 @@ stated assumptions, meant to be replaced by a fit to measured kernel timings (``
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class ServingConfigError(ValueError):
@@ -59,7 +59,6 @@ class GPUProfile:
     step_overhead_s: float = 1.0e-3     # assumption: launch + scheduling cost per decode iteration
     prefill_overhead_s: float = 2.0e-3  # assumption: same for a prefill iteration
     source: str = ""
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         for f in ("memory_bytes", "hbm_bandwidth", "peak_flops"):

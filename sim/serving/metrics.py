@@ -45,6 +45,7 @@ def summarize(res: ServingResult) -> dict[str, Any]:
         "mean_kv_bytes": res.byte_seconds / span,
         "memory_utilization": (res.byte_seconds / span / res.pool_bytes) if res.pool_bytes else float("nan"),
         "decode_iterations": res.decode_iterations,
+        "mean_decode_batch": res.decode_tokens / res.decode_iterations if res.decode_iterations else float("nan"),
         "prefill_iterations": res.prefill_iterations,
         "events": res.events,
     }

@@ -87,6 +87,7 @@ class ServingResult:
     peak_bytes: int
     max_running: int
     decode_iterations: int
+    decode_tokens: int        # tokens emitted by decode iterations (sum of their batch sizes)
     prefill_iterations: int
     events: int               # simpy events the scheduler yielded
     samples: np.ndarray       # [m, 2] (time, requests in system) from the sampler, or empty
@@ -142,6 +143,7 @@ class _Server:
         self.clock = 0.0
 
     def schedule(self, env: simpy.Environment):
+        """The GPU's iteration loop (see the module docstring); yields one timeout per event."""
         w, t, cfg = self.w, self.t, self.cfg
         arrival, prompt, output = w.arrival.tolist(), w.prompt.tolist(), w.output.tolist()
         feasible, next_feasible = self.feasible.tolist(), self.next_feasible.tolist()
@@ -269,6 +271,6 @@ class _Server:
             pool_bytes=None if self.cfg.pool_bytes is None else self.pool,
             makespan=max(0.0, self.clock - float(self.w.arrival[0])),
             byte_seconds=float(self.stats[0]), running_seconds=float(self.stats[1]), peak_bytes=int(self.stats[2]),
-            max_running=int(self.stats[5]),
-            decode_iterations=int(self.stats[3]), prefill_iterations=self.prefills, events=self.events,
+            max_running=int(self.stats[5]), decode_iterations=int(self.stats[3]), decode_tokens=int(self.stats[4]),
+            prefill_iterations=self.prefills, events=self.events,
             samples=np.array(self.samples, dtype=np.float64).reshape(-1, 2))
