@@ -73,3 +73,10 @@ def test_serve_sim_is_discovered_by_the_kvsim_cli(tmp_path, monkeypatch, capsys)
     assert pd.read_csv(tmp_path / "o" / "serving.csv")["rejected"].tolist() == [5]
     assert main(["serve-sim", "--gpu", "a100-80gb", "--memory-utilization", "0.1", "--out", "o", "--quiet"]) == 2
     assert "leave no KV memory" in capsys.readouterr().err
+    # an unusable default kernel file is reported and the profile kept; an explicit one is an error
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "kernels.json").write_text("[]")
+    assert main(["serve-sim", "--policies", "full", "--requests", "5", "--out", "o", "--quiet"]) == 0
+    assert "not using benchmarks/results/kernels.json" in capsys.readouterr().err
+    assert main(["serve-sim", "--policies", "full", "--requests", "5", "--out", "o", "--quiet",
+                 "--kernel-timings", "benchmarks/results/kernels.json"]) == 2

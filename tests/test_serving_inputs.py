@@ -81,6 +81,23 @@ def test_fit_recovers_synthetic_parameters(tmp_path):
     assert exact.intercept_s == pytest.approx(2e-5, rel=1e-6) and exact.bandwidth == pytest.approx(2.5e12, rel=1e-9)
 
 
+def test_fit_reads_the_kernel_benchmark_format(tmp_path):
+    # benchmarks/kernels.py output: device at the top, attention rows with per-variant times and byte counts.
+    rows = [dict(budget=b, batch=bs, bytes_no_scores=b * bs * 1024, bytes_scores=b * bs * 1200,
+                 t_ours_scores_s=3e-6 + b * bs * 1024 / 2e12, t_ours_no_scores_s=2e-6 + b * bs * 1024 / 2.5e12,
+                 t_sdpa_s=5e-6 + b * bs * 1024 / 2.2e12) for b in (256, 2048, 16384) for bs in (1, 16)]
+    p = write(tmp_path, json.dumps({"benchmark": "kernels", "device": "NVIDIA H100 80GB HBM3", "attention": rows}),
+              "kernels.json")
+    fit = fit_kernel_timings(load_kernel_timings(p), device="NVIDIA H100 80GB HBM3")
+    assert fit.bandwidth == pytest.approx(2e12) and fit.intercept_s == pytest.approx(3e-6)
+    assert fit_kernel_timings(load_kernel_timings(p, "sdpa")).bandwidth == pytest.approx(2.2e12)
+    with pytest.raises(KernelTimingError, match="unknown kernel variant"):
+        load_kernel_timings(p, "cuda")
+    rows[2].pop("t_ours_scores_s")
+    with pytest.raises(KernelTimingError, match="attention row 2 has no field 't_ours_scores_s'"):
+        load_kernel_timings(write(tmp_path, json.dumps({"device": "x", "attention": rows}), "k3.json"))
+
+
 def test_fit_rejects_degenerate_and_bad_input(tmp_path):
     with pytest.raises(KernelTimingError, match="2 distinct"):
         fit_kernel_timings([{"bytes": 10, "time_s": 1.0}, {"bytes": 10, "time_s": 2.0}])

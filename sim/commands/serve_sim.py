@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pandas as pd
 
 from sim.commands._common import int_list
 from sim.serving.costs import CostModel
-from sim.serving.fit import fit_kernel_timings, load_kernel_timings
+from sim.serving.fit import KERNEL_VARIANTS, KernelTimingError, fit_kernel_timings, load_kernel_timings
 from sim.serving.footprint import ACCOUNTING, PREFILL_PEAK, policy_footprint
 from sim.serving.grid import ServingCase, run_grid
 from sim.serving.hardware import GPUS, MODELS, ServingConfigError, get_gpu, get_model
@@ -55,6 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--kernel-timings", type=Path, default=None,
                    help=f"kernel timing JSON to fit attention costs (default: {DEFAULT_KERNEL_TIMINGS} if present)")
     p.add_argument("--kernel-device", default=None, help="use only timings of this device")
+    p.add_argument("--kernel-variant", default="scores", choices=sorted(KERNEL_VARIANTS),
+                   help="which kernel of a benchmarks/kernels.py file to fit")
     p.add_argument("--kernel-calls-per-step", type=int, default=None,
                    help="attention kernel launches per decode iteration (default: one per model layer)")
     p.add_argument("--aggregate-steps", type=int, default=1024,
@@ -83,6 +86,25 @@ def build_cases(policies: str, budgets: list[int]) -> list[ServingCase]:
     return cases
 
 
+def _kernel_costs(args: argparse.Namespace, cost: CostModel, n_layers: int) -> tuple[CostModel, dict | None]:
+    """Fit attention costs to measured kernel timings: an explicit file must be usable; the default file, when
+    present but unusable (e.g. no timings for ``--kernel-device``), is reported and the profile is kept."""
+    explicit = args.kernel_timings is not None
+    timings = args.kernel_timings if explicit else DEFAULT_KERNEL_TIMINGS
+    if not explicit and not timings.exists():
+        return cost, None
+    try:
+        fit = fit_kernel_timings(load_kernel_timings(timings, args.kernel_variant), device=args.kernel_device)
+    except KernelTimingError as e:
+        if explicit:
+            raise
+        print(f"serve-sim: not using {timings} ({e}); default profile costs", file=sys.stderr)
+        return cost, None
+    cost = cost.with_kernel_fit(fit, calls_per_step=args.kernel_calls_per_step or n_layers)
+    return cost, {"file": str(timings), "variant": args.kernel_variant, "intercept_s": fit.intercept_s,
+                  "bandwidth_Bps": fit.bandwidth, "r2": fit.r2, "records": fit.n_records}
+
+
 def _write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
     with os.fdopen(fd, "w") as fh:
@@ -104,13 +126,7 @@ def main(args: argparse.Namespace) -> int:
                         output_mean=args.output_mean, output_cv=args.output_cv, seed=args.seed, **extra)
     quality = load_quality(args.quality) if args.quality is not None else None
     cost = CostModel.from_profile(model, gpu)
-    timings = args.kernel_timings or (DEFAULT_KERNEL_TIMINGS if DEFAULT_KERNEL_TIMINGS.exists() else None)
-    fit_info = None
-    if timings is not None:
-        fit = fit_kernel_timings(load_kernel_timings(timings), device=args.kernel_device)
-        cost = cost.with_kernel_fit(fit, calls_per_step=args.kernel_calls_per_step or model.n_layers)
-        fit_info = {"file": str(timings), "intercept_s": fit.intercept_s, "bandwidth_Bps": fit.bandwidth,
-                    "r2": fit.r2, "records": fit.n_records}
+    cost, fit_info = _kernel_costs(args, cost, model.n_layers)
     pool = int(args.pool_gb * 1e9) if args.pool_gb else kv_pool_bytes(model, gpu, args.memory_utilization)
     config = SchedulerConfig(pool_bytes=pool, max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens,
                              aggregate_steps=args.aggregate_steps)

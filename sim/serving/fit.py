@@ -1,7 +1,11 @@
 """Least-squares fit of measured attention-kernel timings to ``time_s = intercept + bytes * seconds_per_byte``.
 
-Input: the kernel benchmark's JSON, a list of records ``{"device", "budget" or "length", "batch", "time_s",
-"bytes"}`` where ``bytes`` is the KV bytes one kernel call reads and ``time_s`` its measured time.
+Input, either of:
+  - a list of records ``{"device", "budget" or "length", "batch", "time_s", "bytes"}`` (``bytes``: KV bytes one
+    kernel call reads, ``time_s``: its measured time), or an object with such a list under ``"records"``;
+  - the output of ``benchmarks/kernels.py`` (an object with ``"device"`` and ``"attention"`` rows): ``bytes`` is
+    the row's ``bytes_no_scores`` (retained K and V read once) and ``time_s`` the time of the chosen variant, so
+    the fitted slope charges any score-output traffic per KV byte, as the serving model counts bytes.
 """
 from __future__ import annotations
 
@@ -33,8 +37,35 @@ class KernelFit:
         return 1.0 / self.seconds_per_byte
 
 
-def load_kernel_timings(path: str | Path) -> list[dict[str, Any]]:
-    """Read and validate the kernel timing JSON; errors name the file, record index and field."""
+#: time column of ``benchmarks/kernels.py`` attention rows per kernel variant
+KERNEL_VARIANTS = {"scores": "t_ours_scores_s", "no_scores": "t_ours_no_scores_s", "sdpa": "t_sdpa_s"}
+
+
+def _from_kernel_benchmark(path: Path, data: dict[str, Any], variant: str) -> list[dict[str, Any]]:
+    """Records from the kernel benchmark's attention rows for one kernel variant."""
+    if variant not in KERNEL_VARIANTS:
+        raise KernelTimingError(f"unknown kernel variant {variant!r}; choose from {sorted(KERNEL_VARIANTS)}")
+    rows = data["attention"]
+    if not isinstance(rows, list):
+        raise KernelTimingError(f"{path}: 'attention' must be a list of rows")
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise KernelTimingError(f"{path}: attention row {i} is not an object")
+        for key in (KERNEL_VARIANTS[variant], "bytes_no_scores"):
+            if key not in row:
+                raise KernelTimingError(f"{path}: attention row {i} has no field {key!r}")
+        out.append({"device": data.get("device"), "budget": row.get("budget"), "batch": row.get("batch"),
+                    "time_s": row[KERNEL_VARIANTS[variant]], "bytes": row["bytes_no_scores"]})
+    return out
+
+
+def load_kernel_timings(path: str | Path, variant: str = "scores") -> list[dict[str, Any]]:
+    """Read and validate kernel timings (either format above); errors name the file, record index and field.
+
+    ``variant`` picks the kernel of a ``benchmarks/kernels.py`` file: "scores" (varlen attention that also
+    outputs scores, what eviction policies need; default), "no_scores", or "sdpa" (torch reference).
+    """
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -42,7 +73,9 @@ def load_kernel_timings(path: str | Path) -> list[dict[str, Any]]:
         raise KernelTimingError(f"{path}: no such kernel timing file") from None
     except json.JSONDecodeError as e:
         raise KernelTimingError(f"{path}: not valid JSON ({e})") from None
-    if isinstance(data, dict) and "records" in data:
+    if isinstance(data, dict) and "attention" in data:
+        data = _from_kernel_benchmark(path, data, variant)
+    elif isinstance(data, dict) and "records" in data:
         data = data["records"]
     if not isinstance(data, list):
         raise KernelTimingError(f"{path}: expected a list of records (or an object with 'records')")
