@@ -18,25 +18,54 @@ N_METRICS = len(METRICS)
 OK, OVER_BUDGET, BAD_MERGE, BAD_SCALE, OVER_CAPACITY = 0, 1, 2, 3, 4
 
 
+_VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the float32 dot products and sums
+
+
+@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
+def _dots(q, t, h, g_n, ck, n, dots):
+    """dots[g, i] = q[t, h*G + g] . ck[h, i] in float32 (SIMD), each cached key read once for the group."""
+    d = q.shape[2]
+    for i in range(n):
+        for g in range(g_n):
+            acc = np.float32(0.0)
+            for x in range(d):
+                acc += q[t, h * g_n + g, x] * ck[h, i, x]
+            dots[g, i] = acc
+
+
+@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
+def _weighted_sum(probs, h, g, cv, n, oacc):
+    """oacc = sum_i probs[h, g, i] * cv[h, i] (the cache's attention output of one query head)."""
+    d = cv.shape[2]
+    for x in range(d):
+        oacc[x] = 0.0
+    for i in range(n):
+        p = probs[h, g, i]
+        for x in range(d):
+            oacc[x] += p * cv[h, i, x]
+
+
 @njit(cache=True, nogil=True)
 def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs, metric_row, want, dots,
                         oacc):
     """Attention of the G query heads of KV head h over its n cached slots into ``probs[h]``; when ``want``,
     also the step's metrics against the full-attention reference into ``metric_row[hq, :4]``."""
     d = q.shape[2]
+    _dots(q, t, h, g_n, ck, n, dots)
+    any_dirty = False
+    for i in range(n):
+        if dirty[h, i] != 0:
+            any_dirty = True
     for g in range(g_n):
         hq = h * g_n + g
         mx = -np.inf
         for i in range(n):
-            acc = 0.0
-            for x in range(d):
-                acc += np.float64(q[t, hq, x]) * np.float64(ck[h, i, x])
-            dots[i] = acc
-            if acc * scale * mult > mx:
-                mx = acc * scale * mult
+            lg = np.float64(dots[g, i]) * scale * mult
+            if lg > mx:
+                mx = lg
         tot = 0.0
         for i in range(n):
-            e = np.exp(dots[i] * scale * mult - mx)
+            e = np.exp(np.float64(dots[g, i]) * scale * mult - mx)
             probs[h, g, i] = e
             tot += e
         inv = 1.0 / tot
@@ -44,23 +73,28 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
             probs[h, g, i] *= inv
         if not want:
             continue
-        mass = 0.0
-        kl = 0.0
-        oacc[:] = 0.0
-        for i in range(n):
-            p = probs[h, g, i]
-            dot = dots[i]
-            if dirty[h, i] != 0:   # merged slot: measure the token it stands for with its original key
-                dot = 0.0
-                src = cpos[h, i]
-                for x in range(d):
-                    dot += np.float64(q[t, hq, x]) * np.float64(k[src, h, x])
-            log_pfull = dot * scale - lse[t, hq]
-            mass += np.exp(log_pfull)
-            if p > 0.0:
-                kl += p * (np.log(p) - log_pfull)
-            for x in range(d):
-                oacc[x] += p * cv[h, i, x]
+        lse_cache = mx + np.log(tot)
+        if mult == 1.0 and not any_dirty:
+            # cached logits are the true logits: p_full(i) = p(i) * exp(lse_cache - lse_full) for every slot
+            mass = np.exp(lse_cache - lse[t, hq])
+            kl = lse[t, hq] - lse_cache
+        else:
+            mass = 0.0
+            kl = 0.0
+            for i in range(n):
+                dot = np.float64(dots[g, i])
+                if dirty[h, i] != 0:   # merged slot: measure the token it stands for with its original key
+                    acc = np.float32(0.0)
+                    src = cpos[h, i]
+                    for x in range(d):
+                        acc += q[t, hq, x] * k[src, h, x]
+                    dot = np.float64(acc)
+                log_pfull = dot * scale - lse[t, hq]
+                mass += np.exp(log_pfull)
+                p = probs[h, g, i]
+                if p > 0.0:
+                    kl += p * (np.log(p) - log_pfull)
+        _weighted_sum(probs, h, g, cv, n, oacc)
         num = 0.0
         den = 0.0
         l1 = 0.0
@@ -106,7 +140,7 @@ def replay_layer(step_k, prefill_k, scale_k, params, layer, q, k, v, lse, o, vma
     merge_to = np.full((hkv, cap), -1, np.int64)
     merge_w = np.ones((hkv, cap), np.float64)
     metric_row = np.zeros((hq_n, N_METRICS), np.float64)
-    dots = np.zeros(cap, np.float64)
+    dots = np.zeros((g_n, cap), np.float32)
     oacc = np.zeros(d, np.float64)
     total_budget = 0
     for h in range(hkv):
@@ -207,20 +241,28 @@ def replay_layer(step_k, prefill_k, scale_k, params, layer, q, k, v, lse, o, vma
                     for x in range(d):
                         ck[h, j, x] = np.float32(ck[h, j, x] + w * ck[h, i, x])
                         cv[h, j, x] = np.float32(cv[h, j, x] + w * cv[h, i, x])
-            # stable compaction of kept slots
+            # stable compaction of kept slots: move each run of kept slots with one block copy
             wpos = 0
+            i = 0
+            while i < n:
+                if keep[h, i] == 0:
+                    i += 1
+                    continue
+                j = i
+                while j < n and keep[h, j] != 0:
+                    j += 1
+                if wpos != i:
+                    ck[h, wpos:wpos + j - i] = ck[h, i:j]
+                    cv[h, wpos:wpos + j - i] = cv[h, i:j]
+                    cpos[h, wpos:wpos + j - i] = cpos[h, i:j]
+                    dirty[h, wpos:wpos + j - i] = dirty[h, i:j]
+                    cst[h, wpos:wpos + j - i] = cst[h, i:j]
+                wpos += j - i
+                i = j
+            for i in range(wpos):
+                if dirty[h, i] == 2:
+                    dirty[h, i] = 1
             for i in range(n):
-                if keep[h, i] != 0:
-                    if wpos != i:
-                        ck[h, wpos] = ck[h, i]
-                        cv[h, wpos] = cv[h, i]
-                        cpos[h, wpos] = cpos[h, i]
-                        dirty[h, wpos] = dirty[h, i]
-                        for f in range(n_slot_fields):
-                            cst[h, wpos, f] = cst[h, i, f]
-                    if dirty[h, wpos] == 2:
-                        dirty[h, wpos] = 1
-                    wpos += 1
                 keep[h, i] = 1
                 merge_to[h, i] = -1
                 merge_w[h, i] = 1.0
