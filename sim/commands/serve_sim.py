@@ -33,28 +33,31 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--policies", default="full;streaming_llm",
                    help="';'-separated policy specs, e.g. 'full;h2o;streaming_llm:n_sinks=8'")
     p.add_argument("--budgets", type=int_list, default=[256, 1024], help="comma-separated KV budgets (slots per head)")
-    p.add_argument("--model", default="llama-2-7b", choices=sorted(MODELS))
-    p.add_argument("--gpu", default="h100-sxm", choices=sorted(GPUS))
-    p.add_argument("--arrivals", default="poisson", choices=("poisson", "bursty", "csv"))
+    p.add_argument("--model", default="llama-2-7b", choices=sorted(MODELS), help="model memory preset")
+    p.add_argument("--gpu", default="h100-sxm", choices=sorted(GPUS), help="GPU profile preset")
+    p.add_argument("--arrivals", default="poisson", choices=("poisson", "bursty", "csv"),
+                   help="arrival process, or csv replay")
     p.add_argument("--trace-csv", type=Path, help="CSV with arrival_s,prompt_tokens,output_tokens (--arrivals csv)")
     p.add_argument("--rate", type=float, default=10.0, help="mean arrivals per second")
-    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--requests", type=int, default=2000, help="requests to generate")
     p.add_argument("--burstiness", type=float, default=4.0, help="squared CV of inter-arrival times (bursty)")
-    p.add_argument("--prompt-mean", type=float, default=1024)
-    p.add_argument("--prompt-cv", type=float, default=0.5)
-    p.add_argument("--output-mean", type=float, default=256)
-    p.add_argument("--output-cv", type=float, default=0.5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--accounting", default="varlen", choices=ACCOUNTING)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prompt-mean", type=float, default=1024, help="mean prompt tokens (lognormal)")
+    p.add_argument("--prompt-cv", type=float, default=0.5, help="coefficient of variation of prompt tokens")
+    p.add_argument("--output-mean", type=float, default=256, help="mean output tokens (lognormal)")
+    p.add_argument("--output-cv", type=float, default=0.5, help="coefficient of variation of output tokens")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--accounting", default="varlen", choices=ACCOUNTING,
+                   help="varlen: exact slots per head; block: paged blocks of --block-size slots")
+    p.add_argument("--block-size", type=int, default=16, help="slots per block (block accounting)")
     p.add_argument("--prefill-peak", default="full", choices=PREFILL_PEAK,
                    help="full: prompt KV fully materialised before compression")
-    p.add_argument("--max-batch", type=int, default=256)
-    p.add_argument("--max-batched-tokens", type=int, default=8192)
-    p.add_argument("--memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-batch", type=int, default=256, help="max requests running at once")
+    p.add_argument("--max-batched-tokens", type=int, default=8192, help="max prompt tokens per prefill iteration")
+    p.add_argument("--memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory for weights + KV pool (vLLM convention)")
     p.add_argument("--pool-gb", type=float, help="KV pool in GB (overrides memory-utilization)")
     p.add_argument("--kernel-timings", type=Path, default=None,
-                   help=f"kernel timing JSON to fit attention costs (default: {DEFAULT_KERNEL_TIMINGS} if present)")
+                   help=f"kernel timing JSON to fit attention costs ({DEFAULT_KERNEL_TIMINGS} if present)")
     p.add_argument("--kernel-device", default=None, help="use only timings of this device")
     p.add_argument("--kernel-variant", default="scores", choices=sorted(KERNEL_VARIANTS),
                    help="which kernel of a benchmarks/kernels.py file to fit")
@@ -63,7 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--aggregate-steps", type=int, default=1024,
                    help="max decode iterations per event while the batch is unchanged (1 = one per iteration)")
     p.add_argument("--quality", type=Path, help="sweep results store (directory) or Parquet to join on policy+budget")
-    p.add_argument("--out", type=Path, default=Path("kvsim-out/serve-sim"))
+    p.add_argument("--out", type=Path, default=Path("kvsim-out/serve-sim"), help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
     return p
