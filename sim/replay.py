@@ -91,6 +91,8 @@ class ReplayResult:
         per_step_bytes = self.slots.sum(axis=(0, 2)) * 2 * self.head_dim * KV_ELEMENT_BYTES
         out["kv_bytes_mean"] = float(per_step_bytes.mean()) if n else float("nan")
         out["n_steps"] = int(n)
+        out["err_by_layer"] = [float(x) for x in self.metric("err").mean(axis=(1, 2))] if n else []
+        out["mass_by_layer"] = [float(x) for x in self.metric("mass").mean(axis=(1, 2))] if n else []
         return out
 
     def per_head(self) -> pd.DataFrame:
