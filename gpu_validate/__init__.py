@@ -1,0 +1,1 @@
+"""On-GPU validation: Triton kernels, the varlen KV cache and the closed-loop model runner."""
