@@ -137,20 +137,18 @@ def ref_compact(
             mw = merge_w[s0 : s0 + n].detach().cpu().float()
             kf, vf = k[s0 : s0 + n].float(), v[s0 : s0 + n].float()
             k_out, v_out = kf.clone(), vf.clone()
-            for j in range(n):
-                if not kp[j]:
-                    continue
-                srcs = [e for e in range(n) if not kp[e] and int(mt[e]) == j]
-                if not srcs:
-                    continue
+            sources: dict[int, list[int]] = {}
+            for e in torch.nonzero(~kp & (mt >= 0)).flatten().tolist():
+                j = int(mt[e])
+                if j >= n or not kp[j]:
+                    raise KernelInputError(f"head {i}: evicted slot {e} merges into evicted/out-of-range slot {j}")
+                sources.setdefault(j, []).append(e)
+            for j, srcs in sources.items():
                 kj, vj = mw[j] * kf[j], mw[j] * vf[j]
                 for e in srcs:
                     kj = kj + mw[e] * kf[e]
                     vj = vj + mw[e] * vf[e]
                 k_out[j], v_out[j] = kj, vj
-            bad = [e for e in range(n) if not kp[e] and mt[e] >= 0 and (mt[e] >= n or not kp[int(mt[e])])]
-            if bad:
-                raise KernelInputError(f"head {i}: evicted slots {bad[:5]} merge into evicted/out-of-range slots")
             k[s0 : s0 + n], v[s0 : s0 + n] = k_out.to(k.dtype), v_out.to(v.dtype)
         idx = torch.nonzero(kp).flatten() + s0
         kept = idx.numel()

@@ -111,7 +111,7 @@ def _attn_reduce_kernel(
     m_max = tl.max(m, 0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_tot = tl.sum(tl.exp2(m - m_safe[None, :]) * l, 0)
-    lse2 = m_safe + tl.log2(l_tot)
+    lse2 = tl.where(l_tot > 0, m_safe + tl.log2(tl.where(l_tot > 0, l_tot, 1.0)), float("-inf"))
     if pid_s == 0:
         o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for s in range(0, N_SPLITS):
