@@ -83,7 +83,7 @@ def _compact_kernel(
     mask_d = offs_d < HEAD_DIM
     w = n_len
     if not KEEP_ALL:
-        w = 0
+        w = tl.full([], 0, tl.int32)
         for n0 in range(0, n_len, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < n_len
