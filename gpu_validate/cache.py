@@ -98,12 +98,13 @@ class VarlenKVCache:
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor | None = None, *,
                check: bool = True) -> None:
-        """Append n_new tokens to every head: k_new/v_new [B, Hkv, n_new, d], positions [B, n_new] or [B, Hkv, n_new]."""
+        """Append n_new tokens per head: k_new/v_new [B, Hkv, n_new, d], positions [B, n_new] or [B, Hkv, n_new]."""
         self.compact(None, k_new=k_new, v_new=v_new, new_positions=positions, check=check)
 
-    def attend(self, q: torch.Tensor, *, logit_scale: float = 1.0, update_acc: bool | None = None,
-               update_ema: bool | None = None, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode attention of q [B, Hq, d] -> (o [B, Hq, d], probs [total_capacity, G]); updates acc/ema in place.
+    def attend(self, q: torch.Tensor, *, logit_scale: float = 1.0, want_probs: bool = True,
+               update_acc: bool | None = None, update_ema: bool | None = None,
+               num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode attention of q [B, Hq, d] -> (o [B, Hq, d], probs [total_capacity, G] or None); updates acc/ema.
 
         `probs` rows outside retained slots are stale; it is valid until the next compact/append.
         update_acc / update_ema default to whether the statistic is tracked.
@@ -114,7 +115,7 @@ class VarlenKVCache:
             raise KernelInputError("cannot update a statistic the cache does not track (track_acc/track_ema)")
         out = varlen_decode_attention(
             q, self.k, self.v, self.start, self.length, max_len=self.max_capacity,
-            softmax_scale=self.softmax_scale, logit_scale=logit_scale, probs=self.probs, want_probs=True,
+            softmax_scale=self.softmax_scale, logit_scale=logit_scale, probs=self.probs, want_probs=want_probs,
             acc=self.acc if upd_acc else None, ema=self.ema if upd_ema else None, ema_gamma=self.ema_gamma,
             num_splits=num_splits,
         )

@@ -88,6 +88,11 @@ def test_long_head_4096_split_k():
     check_against_reference(*case, num_splits=7, block_n=128)
 
 
+def test_many_splits_exceed_one_reduce_block():
+    case = make_case([600], 600, n_batch=1, n_kv=1, group=4, d=64, dtype=torch.float32, seed=9)
+    check_against_reference(*case, num_splits=38, block_n=16)
+
+
 def test_empty_head_gives_zero_output_and_minus_inf_lse():
     case = make_case([0, 5], 16, n_batch=1, n_kv=2, group=2, d=64, dtype=torch.float32)
     out, _ = check_against_reference(*case)
@@ -112,8 +117,11 @@ def test_scores_off_and_statistics_only():
     plain = varlen_decode_attention(qd, kd, vd, sd, ld, max_len=max_len, want_probs=False)
     assert plain.probs is None
     torch.testing.assert_close(plain.o.float().cpu(), ref.o.float(), atol=2e-3, rtol=2e-3)
-    stats = varlen_decode_attention(qd, kd, vd, sd, ld, want_probs=False, acc=ad)
+    scratch = torch.full((k.shape[0], 2), -7.0, device=DEVICE)
+    stats = varlen_decode_attention(qd, kd, vd, sd, ld, want_probs=False, acc=ad, probs=scratch)
     assert stats.probs is None
+    assert not bool((scratch.cpu()[retained] == -7.0).any()), "logits should be in the scratch buffer"
+    assert not torch.allclose(scratch.cpu()[retained].sum(0), torch.ones(2)), "probs were written back"
     torch.testing.assert_close(ad.cpu()[retained], ref.acc[retained], atol=1e-6, rtol=1e-5)
 
 
@@ -146,5 +154,9 @@ def test_bad_inputs_raise_clear_errors():
         varlen_decode_attention(q[:, :3], k, v, start, length)
     with pytest.raises(KernelInputError, match="ema_gamma"):
         varlen_decode_attention(q, k, v, start, length, ema=torch.zeros(16), ema_gamma=1.5)
+    with pytest.raises(KernelInputError, match="block_n"):
+        varlen_decode_attention(q, k, v, start, length, block_n=24)
+    with pytest.raises(KernelInputError, match="num_splits"):
+        varlen_decode_attention(q, k, v, start, length, num_splits=0)
     with pytest.raises(KernelInputError, match="probs"):
         varlen_decode_attention(q, k, v, start, length, probs=torch.zeros(16, 3))

@@ -14,7 +14,8 @@ Two launches per call (flash-decoding split-K):
 Choice and cost: probabilities need the final lse, which only exists after all splits, so the first pass
 writes raw logits and the second normalises them. The extra traffic is 4G bytes written in pass 1 plus 8G
 bytes read+written in pass 2 and 8 bytes per statistic per slot, i.e. (12G+16)/(4d) of the fp16 K+V bytes
-(G=4, d=128: 12.5%), plus one launch. Without scores pass 2 only combines the partials (grid B*Hkv).
+(G=4, d=128: 12.5%), plus one launch; statistics without probs skip the 4G-byte write-back. Without
+scores pass 2 only combines the partials (grid B*Hkv).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def _attn_split_kernel(
     part = pid_h * N_SPLITS + pid_s
     tl.store(M_PART + part * BLOCK_G + offs_g, m_i)
     tl.store(L_PART + part * BLOCK_G + offs_g, l_i)
-    tl.store(O_PART + (part * BLOCK_G + offs_g)[:, None] * BLOCK_D + offs_d[None, :], acc)
+    o_ptrs = O_PART + (part * G + offs_g)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, acc, mask=mask_g[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -96,7 +98,7 @@ def _attn_reduce_kernel(
     ema_gamma, stride_ob, stride_oh, N_KV_HEADS, CHUNK, N_SPLITS,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    SCORES: tl.constexpr, UPDATE_ACC: tl.constexpr, UPDATE_EMA: tl.constexpr,
+    SCORES: tl.constexpr, WRITE_PROBS: tl.constexpr, UPDATE_ACC: tl.constexpr, UPDATE_EMA: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -104,26 +106,43 @@ def _attn_reduce_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, BLOCK_S)
     mask_g = offs_g < G
-    parts = pid_h * N_SPLITS + offs_s
-    part_ptrs = parts[:, None] * BLOCK_G + offs_g[None, :]
-    m = tl.load(M_PART + part_ptrs, mask=(offs_s < N_SPLITS)[:, None], other=float("-inf"))
-    l = tl.load(L_PART + part_ptrs, mask=(offs_s < N_SPLITS)[:, None], other=0.0)
-    m_max = tl.max(m, 0)
+    mask_d = offs_d < HEAD_DIM
+    first = pid_h * N_SPLITS
+    # global max, then rescaled sum, over the split partials (chunks of BLOCK_S splits)
+    m_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for s0 in range(0, N_SPLITS, BLOCK_S):
+        ms = (s0 + offs_s) < N_SPLITS
+        m = tl.load(M_PART + (first + s0 + offs_s)[:, None] * BLOCK_G + offs_g[None, :], mask=ms[:, None],
+                    other=float("-inf"))
+        m_max = tl.maximum(m_max, tl.max(m, 0))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_tot = tl.sum(tl.exp2(m - m_safe[None, :]) * l, 0)
+    l_tot = tl.zeros([BLOCK_G], tl.float32)
+    for s0 in range(0, N_SPLITS, BLOCK_S):
+        ms = (s0 + offs_s) < N_SPLITS
+        ptrs = (first + s0 + offs_s)[:, None] * BLOCK_G + offs_g[None, :]
+        m = tl.load(M_PART + ptrs, mask=ms[:, None], other=float("-inf"))
+        l_tot += tl.sum(tl.exp2(m - m_safe[None, :]) * tl.load(L_PART + ptrs, mask=ms[:, None], other=0.0), 0)
     lse2 = tl.where(l_tot > 0, m_safe + tl.log2(tl.where(l_tot > 0, l_tot, 1.0)), float("-inf"))
     if pid_s == 0:
-        o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for s in range(0, N_SPLITS):
-            part = pid_h * N_SPLITS + s
-            w = tl.exp2(tl.load(M_PART + part * BLOCK_G + offs_g) - m_safe)
-            o += w[:, None] * tl.load(O_PART + (part * BLOCK_G + offs_g)[:, None] * BLOCK_D + offs_d[None, :])
-        o = o / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
         b = pid_h // N_KV_HEADS
-        hq = (pid_h % N_KV_HEADS) * G + offs_g
-        o_ptrs = O + b.to(tl.int64) * stride_ob + hq[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=mask_g[:, None] & (offs_d < HEAD_DIM)[None, :])
-        tl.store(LSE + b.to(tl.int64) * N_KV_HEADS * G + hq, lse2 * 0.6931471805599453, mask=mask_g)
+        hq0 = (pid_h % N_KV_HEADS) * G
+        tl.store(LSE + b.to(tl.int64) * N_KV_HEADS * G + hq0 + offs_g, lse2 * 0.6931471805599453, mask=mask_g)
+        for gi in tl.static_range(G):
+            sel = offs_g == gi
+            m_g = tl.sum(tl.where(sel, m_safe, 0.0), 0)
+            l_g = tl.sum(tl.where(sel, l_tot, 0.0), 0)
+            o = tl.zeros([BLOCK_D], tl.float32)
+            for s0 in range(0, N_SPLITS, BLOCK_S):
+                ms = (s0 + offs_s) < N_SPLITS
+                m_s = tl.load(M_PART + (first + s0 + offs_s) * BLOCK_G + gi, mask=ms, other=float("-inf"))
+                w = tl.exp2(m_s - m_g)
+                rows = ((first + s0 + offs_s) * G + gi).to(tl.int64)
+                part_o = tl.load(O_PART + rows[:, None] * HEAD_DIM + offs_d[None, :],
+                                 mask=ms[:, None] & mask_d[None, :], other=0.0)
+                o += tl.sum(w[:, None] * part_o, 0)
+            o = o / tl.where(l_g > 0, l_g, 1.0)
+            tl.store(O + b.to(tl.int64) * stride_ob + (hq0 + gi) * stride_oh + offs_d, o.to(O.dtype.element_ty),
+                     mask=mask_d)
     if SCORES:
         base = tl.load(START + pid_h).to(tl.int64)
         n_len = tl.load(LENGTH + pid_h)
@@ -136,7 +155,8 @@ def _attn_reduce_kernel(
             ptrs = LOGITS + rows[:, None] * G + offs_g[None, :]
             mask = mask_n[:, None] & mask_g[None, :]
             p = tl.exp2(tl.load(ptrs, mask=mask, other=float("-inf")) - lse2[None, :])
-            tl.store(ptrs, p, mask=mask)
+            if WRITE_PROBS:
+                tl.store(ptrs, p, mask=mask)
             p_sum = tl.sum(p, 1)
             if UPDATE_ACC:
                 a = tl.load(ACC + rows, mask=mask_n, other=0.0)
@@ -207,7 +227,8 @@ def varlen_decode_attention(
     `max_len` is a host-side upper bound on `length` (e.g. the largest capacity; avoids a device sync).
     Logits are `q.k * softmax_scale * logit_scale` (softmax_scale defaults to d**-0.5; logit_scale is the
     BUZZ log-n variant's multiplier). `probs` (fp32 [total_capacity, G], written in place, also used as logit
-    scratch) is allocated when None and scores are needed; it is returned only when `want_probs`.
+    scratch) is allocated when None and scores are needed; it is returned only when `want_probs`, and without
+    it pass 2 reads the logits but does not write probabilities back (statistics only).
     """
     if q.ndim != 3:
         raise KernelInputError(f"q must be [B, Hq, d], got shape {tuple(q.shape)}")
@@ -245,6 +266,10 @@ def varlen_decode_attention(
             raise KernelInputError(f"probs must be a contiguous [{total}, {g}] float32 tensor")
     if not 0.0 <= ema_gamma <= 1.0:
         raise KernelInputError(f"ema_gamma must be in [0, 1], got {ema_gamma}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise KernelInputError(f"block_n must be a power of two >= 16, got {block_n}")
+    if num_splits is not None and num_splits < 1:
+        raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
     if max_len is None:
         max_len = int(length.max().item()) if n_heads else 0
     max_len = max(int(max_len), 1)
@@ -259,7 +284,7 @@ def varlen_decode_attention(
     lse = torch.empty(bsz, n_q, dtype=torch.float32, device=dev)
     m_part = torch.empty(n_heads * num_splits * block_g, dtype=torch.float32, device=dev)
     l_part = torch.empty_like(m_part)
-    o_part = torch.empty(n_heads * num_splits * block_g * block_d, dtype=torch.float32, device=dev)
+    o_part = torch.empty(n_heads * num_splits * g * d, dtype=torch.float32, device=dev)
     logits = probs if scores else m_part  # dummy pointer when unused
     if n_heads == 0:
         return AttentionOut(o, lse, probs if want_probs else None)
@@ -274,20 +299,22 @@ def varlen_decode_attention(
     _attn_reduce_kernel[(n_heads, num_splits if scores else 1)](
         logits, dummy if acc is None else acc, dummy if ema is None else ema, m_part, l_part, o_part, o, lse,
         start, length, float(ema_gamma), o.stride(0), o.stride(1), n_kv, chunk, num_splits,
-        G=g, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        BLOCK_N=block_n, SCORES=scores, UPDATE_ACC=acc is not None, UPDATE_EMA=ema is not None,
+        G=g, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_S=min(32, max(2, triton.next_power_of_2(num_splits))),
+        BLOCK_N=block_n, SCORES=scores, WRITE_PROBS=want_probs, UPDATE_ACC=acc is not None,
+        UPDATE_EMA=ema is not None,
         num_warps=num_warps,
     )
     return AttentionOut(o, lse, probs if want_probs else None)
 
 
 def attention_bytes(lengths_total: int, head_dim: int, elem_bytes: int, g: int, *, scores: bool,
-                    n_stats: int = 0) -> int:
-    """Bytes a call must move at minimum: retained K+V once, plus the score traffic when scores are on."""
+                    write_probs: bool = True, n_stats: int = 0) -> int:
+    """Bytes a call moves: retained K+V once, plus logits written+read (8G/slot), probs written (4G/slot)
+    and each statistic read+written (8/slot) when scores are on."""
     kv = 2 * lengths_total * head_dim * elem_bytes
     if not scores:
         return kv
-    return kv + lengths_total * (12 * g + 8 * n_stats)
+    return kv + lengths_total * ((12 if write_probs else 8) * g + 8 * n_stats)
 
 
 __all__ = ["AttentionOut", "attention_bytes", "choose_splits", "varlen_decode_attention"]

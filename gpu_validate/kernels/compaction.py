@@ -194,6 +194,8 @@ def varlen_compact(
     with new_positions [n_heads, n_new] int64. `slot_owner` ([total] int64 from `slot_heads`) is required
     with merges. check=True syncs once and raises on bad merges or capacity overflow.
     """
+    if block_n < 16 or block_n & (block_n - 1):
+        raise KernelInputError(f"block_n must be a power of two >= 16, got {block_n}")
     dev = k_cache.device
     total, d = k_cache.shape if k_cache.ndim == 2 else (None, None)
     if total is None or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
