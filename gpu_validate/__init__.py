@@ -1,1 +1,1 @@
-"""On-GPU validation: Triton kernels, the varlen KV cache and the closed-loop model runner."""
+"""GPU validation: Triton kernels over per-head variable-length caches, a closed-loop model runner, fidelity."""

@@ -1,0 +1,204 @@
+"""The policy interface: a parameter schema with paper defaults plus numba kernels with fixed signatures.
+
+A policy decides, once per decode step and per layer, which cached slots of each KV head to keep.
+Its jitted ``step`` sees only what a GPU kernel can give it: the attention probabilities of the
+step's query heads over the *currently cached* slots (never over tokens it already evicted), the
+cached keys/values and their original positions, and its own state arrays. It writes a keep mask
+and, for merging policies, a merge target and weight per slot. Every kernel is compiled with an
+explicit signature so the replay engine is compiled once and cached for all policies.
+
+Step contract (per layer, called after the new token ``t`` was appended at slot ``lengths[h] - 1``):
+  - ``keep[h, i]`` is 1 on entry for ``i < lengths[h]``; set it to 0 to evict slot ``i``;
+  - ``merge_to[h, i] = j`` (with ``keep[h, i] == 0`` and ``keep[h, j] == 1``) folds slot ``i`` into
+    slot ``j``: ``x_j <- merge_w[h, j] * x_j + sum_i merge_w[h, i] * x_i`` for keys and values;
+  - after the step each head holds at most ``budget[h]`` slots, or, for ``head_adaptive`` policies,
+    the layer holds at most ``sum(budget)`` slots;
+  - ``slot_state[h, i, :]`` moves with its slot on compaction (zeroed for a new slot);
+    ``head_state[h, :]`` persists across steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
+
+import numpy as np
+from numba import njit, types
+
+_f8v = types.float64[::1]
+_i8v = types.int64[::1]
+_f8m = types.float64[:, ::1]
+_i8m = types.int64[:, ::1]
+_u1m = types.uint8[:, ::1]
+_f8t = types.float64[:, :, ::1]
+_f4t = types.float32[:, :, ::1]
+
+#: step(params, layer, t, budget[Hkv], lengths[Hkv], probs[Hkv,G,cap], keys[Hkv,cap,d], values[Hkv,cap,d],
+#:      positions[Hkv,cap], slot_state[Hkv,cap,S], head_state[Hkv,Hs], keep[Hkv,cap], merge_to[Hkv,cap],
+#:      merge_w[Hkv,cap]) -> None
+STEP_SIG = types.void(_f8v, types.int64, types.int64, _i8v, _i8v, _f8t, _f4t, _f4t, _i8m, _f8t, _f8m, _u1m, _i8m,
+                      _f8m)
+#: prefill(params, layer, budget[Hkv], q[P,Hq,d], k[P,Hkv,d], v[P,Hkv,d], scale, keep[Hkv,P],
+#:         slot_state[Hkv,P,S], head_state[Hkv,Hs]) -> None ; keep is 1 on entry, set 0 to drop a prompt token.
+PREFILL_SIG = types.void(_f8v, types.int64, _i8v, _f4t, _f4t, _f4t, types.float64, _u1m, _f8t, _f8m)
+#: logit_scale(params, n) -> multiplier applied to the scaled attention logits when n tokens have been seen.
+LOGIT_SCALE_SIG = types.float64(_f8v, types.int64)
+
+
+@njit(LOGIT_SCALE_SIG, cache=True)
+def unit_logit_scale(params, n):
+    """Default attention-logit multiplier: attention is left unchanged."""
+    return 1.0
+
+
+@njit(PREFILL_SIG, cache=True)
+def stream_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
+    """Placeholder prefill for streaming policies; the engine streams the prompt through ``step`` instead."""
+    return
+
+
+class PolicyError(ValueError):
+    """Unknown policy or parameter, a value out of range, or a broken policy contract."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One hyperparameter: its type, range and the paper's default."""
+
+    name: str
+    default: Any
+    kind: str = "float"          # "int" | "float" | "bool" | "choice"
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[str, ...] = ()
+    log: bool = False            # sample on a log scale in searches
+    doc: str = ""
+    searchable: bool = True      # part of the hyperparameter search space
+
+    def coerce(self, value: Any, policy: str) -> Any:
+        """Validate and convert a user-supplied value, naming policy and parameter in errors."""
+        where = f"{policy}.{self.name}"
+        try:
+            if self.kind == "choice":
+                value = str(value)
+                if value not in self.choices:
+                    raise PolicyError(f"{where}: {value!r} is not one of {self.choices}")
+                return value
+            if self.kind == "bool":
+                if isinstance(value, str):
+                    if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                        raise PolicyError(f"{where}: {value!r} is not a boolean")
+                    return value.lower() in ("1", "true", "yes")
+                return bool(value)
+            if self.kind == "int":
+                f = float(value)
+                if not f.is_integer():
+                    raise PolicyError(f"{where}: {value!r} is not an integer")
+                value = int(f)
+            else:
+                value = float(value)
+                if not np.isfinite(value):
+                    raise PolicyError(f"{where}: {value!r} is not finite")
+        except (TypeError, ValueError) as e:
+            if isinstance(e, PolicyError):
+                raise
+            raise PolicyError(f"{where}: cannot read {value!r} as {self.kind}") from None
+        if self.low is not None and value < self.low:
+            raise PolicyError(f"{where}: {value} is below the minimum {self.low}")
+        if self.high is not None and value > self.high:
+            raise PolicyError(f"{where}: {value} is above the maximum {self.high}")
+        return value
+
+    def encode(self, value: Any) -> float:
+        """The float a jitted kernel reads for this parameter (choices by index)."""
+        return float(self.choices.index(value)) if self.kind == "choice" else float(value)
+
+
+class Guarantees(NamedTuple):
+    """Positions a policy promises to hold after every step: the first ``sinks`` and the last ``recent``."""
+
+    sinks: int = 0
+    recent: int = 0
+
+
+class Policy:
+    """Base class of every policy: subclass, set the class attributes, decorate with ``@register``.
+
+    Subclasses provide ``step_fn`` (compiled with ``STEP_SIG``) and optionally ``prefill_fn``
+    (``PREFILL_SIG``; without one the prompt is streamed through ``step``), ``logit_scale_fn``
+    (``LOGIT_SCALE_SIG``) and an ``allocate`` override for layer- or head-level budgets.
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    schema: ClassVar[tuple[Param, ...]] = ()
+    slot_fields: ClassVar[int] = 0
+    head_fields: ClassVar[int] = 0
+    head_adaptive: ClassVar[bool] = False   # budget is shared by the heads of a layer
+    unbounded: ClassVar[bool] = False       # keeps everything (the full cache)
+    is_oracle: ClassVar[bool] = False       # replayed by the oracle path, not by step
+    step_fn: ClassVar[Any] = None
+    prefill_fn: ClassVar[Any] = None
+    logit_scale_fn: ClassVar[Any] = None
+
+    def __init__(self, **params: Any) -> None:
+        known = {p.name: p for p in self.schema}
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise PolicyError(f"{self.name}: unknown parameter(s) {unknown}; known: {sorted(known)}")
+        self.params: dict[str, Any] = {
+            p.name: p.coerce(params.get(p.name, p.default), self.name) for p in self.schema
+        }
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-parameter checks; override to reject inconsistent combinations."""
+
+    def param_vector(self) -> np.ndarray:
+        """Parameters in schema order as the float64 vector the kernels read."""
+        return np.array([p.encode(self.params[p.name]) for p in self.schema], dtype=np.float64)
+
+    def guarantees(self, budget: int) -> Guarantees:
+        """What the policy promises to keep at this budget (checked by the property tests)."""
+        return Guarantees()
+
+    def footprint(self, budget: int, n_tokens: int) -> int:
+        """Slots per KV head and layer held after ``n_tokens`` tokens (for memory and serving models)."""
+        return n_tokens if self.unbounded else min(n_tokens, budget)
+
+    def min_budget(self) -> int:
+        """Smallest per-head budget the policy can honour (e.g. its sinks plus one recent slot)."""
+        return 1
+
+    def check_budget(self, budget: int) -> None:
+        """Reject a budget this policy cannot honour, saying why."""
+        if not isinstance(budget, (int, np.integer)) or budget < self.min_budget():
+            raise PolicyError(f"{self.label()}: budget {budget!r} is below its minimum {self.min_budget()} "
+                              f"(it must hold its protected tokens plus the newest one)")
+
+    def allocate(self, budget: int, n_kv_heads: int, prompt_layers: Sequence[tuple[np.ndarray, np.ndarray]],
+                 scale: float) -> np.ndarray:
+        """Per-layer, per-KV-head slot budgets [L, Hkv]; default: ``budget`` everywhere.
+
+        ``prompt_layers[l]`` is (q[:P], k[:P]) of layer l as float32; allocators (PyramidKV, D2O,
+        Ada-KV) may read them. The total should stay ``budget * L * Hkv``.
+        """
+        return np.full((len(prompt_layers), n_kv_heads), budget, dtype=np.int64)
+
+    def kernels(self) -> tuple[Callable, Callable, Callable]:
+        """The (step, prefill, logit_scale) kernels handed to the replay engine."""
+        cls = type(self)   # via the class: a numba dispatcher read off an instance becomes a bound method
+        if cls.step_fn is None:
+            raise PolicyError(f"{self.name}: no step kernel")
+        return (cls.step_fn, cls.prefill_fn or stream_prefill, cls.logit_scale_fn or unit_logit_scale)
+
+    @property
+    def has_prefill(self) -> bool:
+        return self.prefill_fn is not None
+
+    def label(self) -> str:
+        """Short human label: name plus non-default parameters."""
+        diff = [f"{p.name}={self.params[p.name]}" for p in self.schema if self.params[p.name] != p.default]
+        return f"{self.name}({', '.join(diff)})" if diff else self.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"

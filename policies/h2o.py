@@ -1,0 +1,46 @@
+"""H2O (Zhang et al., 2023): heavy hitters by accumulated attention plus a recent window."""
+from numba import njit
+
+from policies.base import STEP_SIG, Guarantees, Param, Policy
+from policies.kernels import GROUP_REDUCE, evict_lowest, group_score
+from policies.registry import register
+
+
+def recent_slots(budget: int, recent_ratio: float) -> int:
+    """Recent-window size for a budget: at least the newest token, at most the whole budget."""
+    return min(budget, max(1, int(round(budget * recent_ratio))))
+
+
+@njit(STEP_SIG, cache=True)
+def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
+          merge_w):
+    ratio = params[0]
+    mode = int(params[1])
+    for h in range(lengths.shape[0]):
+        n = lengths[h]
+        for i in range(n):
+            slot_state[h, i, 0] += group_score(probs, h, i, mode)
+        if n > budget[h]:
+            recent = min(budget[h], max(1, int(round(budget[h] * ratio))))
+            evict_lowest(slot_state[h, :, 0], positions[h], n, n - budget[h], 0, t - recent + 1, keep[h])
+
+
+@register
+class H2O(Policy):
+    """Keep the ``recent_ratio`` share of the budget as a recent window and fill the rest with the tokens of
+    highest accumulated attention (sum over all past queries). The paper uses an even split of heavy hitters
+    and recent tokens. GQA: the query heads sharing a KV head are reduced by ``group_reduce`` (the paper
+    predates GQA; mean keeps scores on the MHA scale). Ties evict the older token.
+    """
+
+    name = "h2o"
+    summary = "accumulated attention + recent window"
+    schema = (
+        Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as recent window"),
+        Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query heads"),
+    )
+    slot_fields = 1
+    step_fn = _step
+
+    def guarantees(self, budget: int) -> Guarantees:
+        return Guarantees(recent=recent_slots(budget, self.params["recent_ratio"]))

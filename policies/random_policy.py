@@ -1,0 +1,49 @@
+"""Random eviction: a floor any useful policy must beat."""
+from numba import njit
+
+from policies.base import STEP_SIG, Guarantees, Param, Policy
+from policies.kernels import hash_uniform
+from policies.registry import register
+
+
+@njit(STEP_SIG, cache=True)
+def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
+          merge_w):
+    seed = int(params[0])
+    protect = int(params[1])
+    for h in range(lengths.shape[0]):
+        n = lengths[h]
+        for r in range(max(0, n - budget[h])):
+            cand = 0
+            for i in range(n):
+                if keep[h, i] != 0 and positions[h, i] <= t - protect:
+                    cand += 1
+            if cand == 0:
+                break
+            pick = int(hash_uniform(seed, layer * 65536 + h, t, r) * cand)
+            for i in range(n):
+                if keep[h, i] != 0 and positions[h, i] <= t - protect:
+                    if pick == 0:
+                        keep[h, i] = 0
+                        break
+                    pick -= 1
+
+
+@register
+class RandomEviction(Policy):
+    """Evict uniformly at random among all but the ``protect_recent`` newest tokens; the choice is a pure function
+    of (seed, layer, head, step), so replays are deterministic under a seed."""
+
+    name = "random"
+    summary = "uniform random eviction"
+    schema = (
+        Param("seed", 0, "int", 0, 2**31 - 1, doc="random seed", searchable=False),
+        Param("protect_recent", 1, "int", 1, 1024, doc="newest tokens never evicted"),
+    )
+    step_fn = _step
+
+    def min_budget(self) -> int:
+        return self.params["protect_recent"]
+
+    def guarantees(self, budget: int) -> Guarantees:
+        return Guarantees(recent=self.params["protect_recent"])

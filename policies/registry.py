@@ -1,0 +1,55 @@
+"""Registry of policies: every module in this package registers its classes; users register their own."""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+from policies.base import Policy, PolicyError
+
+_REGISTRY: dict[str, type[Policy]] = {}
+_NOT_POLICY_MODULES = {"base", "registry", "kernels"}
+_discovered = False
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a policy available by its ``name`` to the CLI, sweeps and tests."""
+    if not (isinstance(cls, type) and issubclass(cls, Policy)) or not cls.name:
+        raise PolicyError(f"{cls!r} must be a Policy subclass with a non-empty name")
+    other = _REGISTRY.get(cls.name)
+    if other is not None and other is not cls and other.__qualname__ != cls.__qualname__:
+        raise PolicyError(f"policy name {cls.name!r} is already registered by {other.__module__}.{other.__qualname__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _discover() -> None:
+    global _discovered
+    if _discovered:
+        return
+    import policies
+
+    for mod in pkgutil.iter_modules(policies.__path__):
+        if mod.name not in _NOT_POLICY_MODULES and not mod.name.startswith("_"):
+            importlib.import_module(f"policies.{mod.name}")
+    _discovered = True
+
+
+def list_policies() -> list[str]:
+    """Names of all registered policies, sorted."""
+    _discover()
+    return sorted(_REGISTRY)
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The class registered under ``name``."""
+    _discover()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise PolicyError(f"unknown policy {name!r}; available: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def get_policy(name: str, **params: Any) -> Policy:
+    """Instantiate a registered policy with validated parameters (paper defaults for the rest)."""
+    return policy_class(name)(**params)

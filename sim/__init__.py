@@ -1,0 +1,1 @@
+"""Replay engine, metrics, sweeps, serving simulation and the kvsim CLI."""

@@ -1,0 +1,289 @@
+"""Numba replay engine: walks one layer of a trace step by step over per-head variable-length caches.
+
+For every step t the new token's k/v is appended to each KV head's cache, the step's queries attend over
+the cached slots only (O(budget * d) per head), metrics are taken against the trace's full-attention
+reference, then the policy's jitted ``step`` decides evictions/merges and the caches are compacted.
+The engine is compiled once (the policy kernels are first-class functions with fixed signatures) and
+cached on disk; it releases the GIL so layers replay in parallel threads.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+#: metric columns of the per-(step, query head) output, in order
+METRICS = ("mass", "err", "kl", "l1", "l1_bound")
+N_METRICS = len(METRICS)
+
+OK, OVER_BUDGET, BAD_MERGE, BAD_SCALE, OVER_CAPACITY = 0, 1, 2, 3, 4
+
+
+_VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the float32 dot products and sums
+
+
+@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
+def _dots(q, t, h, g_n, ck, n, dots):
+    """dots[g, i] = q[t, h*G + g] . ck[h, i] in float32 (SIMD), each cached key read once for the group."""
+    d = q.shape[2]
+    for i in range(n):
+        for g in range(g_n):
+            acc = np.float32(0.0)
+            for x in range(d):
+                acc += q[t, h * g_n + g, x] * ck[h, i, x]
+            dots[g, i] = acc
+
+
+@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
+def _weighted_sum(probs, h, g, cv, n, oacc):
+    """oacc = sum_i probs[h, g, i] * cv[h, i] (the cache's attention output of one query head)."""
+    d = cv.shape[2]
+    for x in range(d):
+        oacc[x] = 0.0
+    for i in range(n):
+        p = probs[h, g, i]
+        for x in range(d):
+            oacc[x] += p * cv[h, i, x]
+
+
+@njit(cache=True, nogil=True)
+def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs, metric_row, want, dots,
+                        oacc):
+    """Attention of the G query heads of KV head h over its n cached slots into ``probs[h]``; when ``want``,
+    also the step's metrics against the full-attention reference into ``metric_row[hq, :4]``."""
+    d = q.shape[2]
+    _dots(q, t, h, g_n, ck, n, dots)
+    any_dirty = False
+    for i in range(n):
+        if dirty[h, i] != 0:
+            any_dirty = True
+    for g in range(g_n):
+        hq = h * g_n + g
+        mx = -np.inf
+        for i in range(n):
+            lg = np.float64(dots[g, i]) * scale * mult
+            if lg > mx:
+                mx = lg
+        tot = 0.0
+        for i in range(n):
+            e = np.exp(np.float64(dots[g, i]) * scale * mult - mx)
+            probs[h, g, i] = e
+            tot += e
+        inv = 1.0 / tot
+        for i in range(n):
+            probs[h, g, i] *= inv
+        if not want:
+            continue
+        lse_cache = mx + np.log(tot)
+        if mult == 1.0 and not any_dirty:
+            # cached logits are the true logits: p_full(i) = p(i) * exp(lse_cache - lse_full) for every slot
+            mass = np.exp(lse_cache - lse[t, hq])
+            kl = lse[t, hq] - lse_cache
+        else:
+            mass = 0.0
+            kl = 0.0
+            for i in range(n):
+                dot = np.float64(dots[g, i])
+                if dirty[h, i] != 0:   # merged slot: measure the token it stands for with its original key
+                    acc = np.float32(0.0)
+                    src = cpos[h, i]
+                    for x in range(d):
+                        acc += q[t, hq, x] * k[src, h, x]
+                    dot = np.float64(acc)
+                log_pfull = dot * scale - lse[t, hq]
+                mass += np.exp(log_pfull)
+                p = probs[h, g, i]
+                if p > 0.0:
+                    kl += p * (np.log(p) - log_pfull)
+        _weighted_sum(probs, h, g, cv, n, oacc)
+        num = 0.0
+        den = 0.0
+        l1 = 0.0
+        for x in range(d):
+            ref = np.float64(o[t, hq, x])
+            diff = ref - oacc[x]
+            num += diff * diff
+            den += ref * ref
+            l1 += abs(diff)
+        metric_row[hq, 0] = mass
+        metric_row[hq, 1] = np.sqrt(num / den) if den > 0.0 else np.sqrt(num)
+        metric_row[hq, 2] = max(kl, 0.0)
+        metric_row[hq, 3] = l1
+
+
+@njit(cache=True, nogil=True)
+def replay_layer(step_k, prefill_k, scale_k, params, layer, q, k, v, lse, o, vmax1, scale, has_prefill, metric_start, budget,
+                 head_adaptive, check_budget, cap, n_slot_fields, n_head_fields, rec_start, kept_out, metrics_out,
+                 slots_out, err_info):
+    """Replay one layer. Returns a status code (OK or an error kind with details in ``err_info``).
+
+    q [T,Hq,d], k/v [T,Hkv,d] float32; lse [T,Hq], o [T,Hq,d] full-attention reference; vmax1 [T,Hkv] running
+    max of ||v||_1 (for the Ada-KV bound). Metrics are written for steps t >= metric_start into
+    metrics_out[t - metric_start, hq, :]; slots held after eviction into slots_out; kept positions of steps
+    rec_start .. rec_start + len(kept_out) into kept_out[r, h, :] (-1 padded).
+    """
+    # each kernel arrives in a 1-tuple so numba types it as a first-class function (one engine for all)
+    step = step_k[0]
+    prefill = prefill_k[0]
+    logit_scale = scale_k[0]
+    T, hq_n, d = q.shape
+    hkv = k.shape[1]
+    g_n = hq_n // hkv
+    ck = np.zeros((hkv, cap, d), np.float32)
+    cv = np.zeros((hkv, cap, d), np.float32)
+    cpos = np.full((hkv, cap), -1, np.int64)
+    cst = np.zeros((hkv, cap, n_slot_fields), np.float64)
+    hst = np.zeros((hkv, n_head_fields), np.float64)
+    clen = np.zeros(hkv, np.int64)
+    dirty = np.zeros((hkv, cap), np.uint8)
+    probs = np.zeros((hkv, g_n, cap), np.float64)
+    keep = np.ones((hkv, cap), np.uint8)
+    merge_to = np.full((hkv, cap), -1, np.int64)
+    merge_w = np.ones((hkv, cap), np.float64)
+    metric_row = np.zeros((hq_n, N_METRICS), np.float64)
+    dots = np.zeros((g_n, cap), np.float32)
+    oacc = np.zeros(d, np.float64)
+    total_budget = 0
+    for h in range(hkv):
+        total_budget += budget[h]
+
+    t0 = 0
+    if has_prefill:
+        P = metric_start
+        if P > 0:
+            pkeep = np.ones((hkv, P), np.uint8)
+            pst = np.zeros((hkv, P, n_slot_fields), np.float64)
+            prefill(params, layer, budget, q[:P], k[:P], v[:P], scale, pkeep, pst, hst)
+            held = 0
+            for h in range(hkv):
+                n = 0
+                for i in range(P):
+                    if pkeep[h, i] != 0:
+                        if n >= cap - 1:
+                            err_info[0] = -1
+                            err_info[1] = h
+                            err_info[2] = n + 1
+                            return OVER_CAPACITY
+                        ck[h, n] = k[i, h]
+                        cv[h, n] = v[i, h]
+                        cpos[h, n] = i
+                        for f in range(n_slot_fields):
+                            cst[h, n, f] = pst[h, i, f]
+                        n += 1
+                clen[h] = n
+                held += n
+                if check_budget and not head_adaptive and n > budget[h]:
+                    err_info[0] = -1
+                    err_info[1] = h
+                    err_info[2] = n
+                    return OVER_BUDGET
+            if check_budget and head_adaptive and held > total_budget:
+                err_info[0] = -1
+                err_info[1] = -1
+                err_info[2] = held
+                return OVER_BUDGET
+        t0 = P
+
+    n_rec = kept_out.shape[0]
+    for t in range(t0, T):
+        mult = logit_scale(params, t + 1)
+        if not np.isfinite(mult) or mult <= 0.0:
+            err_info[0] = t
+            return BAD_SCALE
+        want = t >= metric_start
+        for h in range(hkv):
+            s = clen[h]
+            if s >= cap:
+                err_info[0] = t
+                err_info[1] = h
+                err_info[2] = s + 1
+                return OVER_CAPACITY
+            ck[h, s] = k[t, h]
+            cv[h, s] = v[t, h]
+            cpos[h, s] = t
+            dirty[h, s] = 0
+            for f in range(n_slot_fields):
+                cst[h, s, f] = 0.0
+            clen[h] = s + 1
+            _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs,
+                                metric_row, want, dots, oacc)
+            if want:
+                r = t - metric_start
+                for g in range(g_n):
+                    hq = h * g_n + g
+                    for m in range(4):
+                        metrics_out[r, hq, m] = metric_row[hq, m]
+                    metrics_out[r, hq, 4] = 2.0 * max(0.0, 1.0 - metric_row[hq, 0]) * vmax1[t, h]
+
+        step(params, layer, t, budget, clen, probs, ck, cv, cpos, cst, hst, keep, merge_to, merge_w)
+
+        held = 0
+        for h in range(hkv):
+            n = clen[h]
+            # merges: scale each receiving slot by its self weight once, then add weighted sources
+            for i in range(n):
+                j = merge_to[h, i]
+                if j >= 0:
+                    if keep[h, i] != 0 or j >= n or keep[h, j] == 0 or j == i:
+                        err_info[0] = t
+                        err_info[1] = h
+                        err_info[2] = i
+                        return BAD_MERGE
+                    if dirty[h, j] != 2:
+                        w = merge_w[h, j]
+                        for x in range(d):
+                            ck[h, j, x] = np.float32(w * ck[h, j, x])
+                            cv[h, j, x] = np.float32(w * cv[h, j, x])
+                        dirty[h, j] = 2
+            for i in range(n):
+                j = merge_to[h, i]
+                if j >= 0:
+                    w = merge_w[h, i]
+                    for x in range(d):
+                        ck[h, j, x] = np.float32(ck[h, j, x] + w * ck[h, i, x])
+                        cv[h, j, x] = np.float32(cv[h, j, x] + w * cv[h, i, x])
+            # stable compaction of kept slots: move each run of kept slots with one block copy
+            wpos = 0
+            i = 0
+            while i < n:
+                if keep[h, i] == 0:
+                    i += 1
+                    continue
+                j = i
+                while j < n and keep[h, j] != 0:
+                    j += 1
+                if wpos != i:
+                    ck[h, wpos:wpos + j - i] = ck[h, i:j]
+                    cv[h, wpos:wpos + j - i] = cv[h, i:j]
+                    cpos[h, wpos:wpos + j - i] = cpos[h, i:j]
+                    dirty[h, wpos:wpos + j - i] = dirty[h, i:j]
+                    cst[h, wpos:wpos + j - i] = cst[h, i:j]
+                wpos += j - i
+                i = j
+            for i in range(wpos):
+                if dirty[h, i] == 2:
+                    dirty[h, i] = 1
+            for i in range(n):
+                keep[h, i] = 1
+                merge_to[h, i] = -1
+                merge_w[h, i] = 1.0
+            clen[h] = wpos
+            held += wpos
+            if check_budget and not head_adaptive and wpos > budget[h]:
+                err_info[0] = t
+                err_info[1] = h
+                err_info[2] = wpos
+                return OVER_BUDGET
+        if check_budget and head_adaptive and held > total_budget:
+            err_info[0] = t
+            err_info[1] = -1
+            err_info[2] = held
+            return OVER_BUDGET
+        if want:
+            for h in range(hkv):
+                slots_out[t - metric_start, h] = clen[h]
+        r = t - rec_start
+        if 0 <= r < n_rec:
+            for h in range(hkv):
+                for i in range(clen[h]):
+                    kept_out[r, h, i] = cpos[h, i]
+    return OK

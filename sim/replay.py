@@ -1,0 +1,239 @@
+"""Replay a policy over a trace at a budget and collect its metrics (the Python face of the engine)."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from policies.base import Policy, PolicyError
+from sim.engine import BAD_MERGE, BAD_SCALE, METRICS, N_METRICS, OK, OVER_BUDGET, OVER_CAPACITY, replay_layer
+from sim.oracle import oracle_layer
+from traces.format import LayerArrays, Trace
+from traces.reference import full_attention_reference
+
+#: bytes per cached element on the GPU the memory figures model (fp16/bf16 caches)
+KV_ELEMENT_BYTES = 2
+
+
+class BudgetError(ValueError):
+    """A budget that is not a positive integer, or larger than the trace it is replayed on."""
+
+
+class PolicyContractError(PolicyError):
+    """A policy broke the step contract (over budget, bad merge target, bad logit scale)."""
+
+
+@dataclass
+class LayerInputs:
+    """One layer's arrays as the engine wants them: C-contiguous float32 plus the reference and v-norm maxima."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    lse: np.ndarray
+    o: np.ndarray
+    vmax1: np.ndarray
+
+    @staticmethod
+    def from_arrays(la: LayerArrays, scale: float) -> "LayerInputs":
+        f32 = lambda a: np.array(a, dtype=np.float32, order="C")   # an owned, writable copy (traces are read-only maps)
+        q, k, v = f32(la.q), f32(la.k), f32(la.v)
+        if la.lse is None or la.o is None:
+            lse, o = full_attention_reference(q, k, v, scale)
+        else:
+            lse, o = f32(la.lse), f32(la.o)
+        vmax1 = np.maximum.accumulate(np.abs(v).sum(axis=2, dtype=np.float64), axis=0)
+        return LayerInputs(q, k, v, lse, o, np.ascontiguousarray(vmax1))
+
+
+@dataclass
+class ReplayResult:
+    """Metrics of one (trace, policy, budget) replay.
+
+    ``metrics[l, s, hq, m]`` for layer l, measured step s (absolute position ``steps[s]``), query head hq and
+    metric m in ``METRICS``; ``slots[l, s, h]`` slots held per KV head after the step's eviction;
+    ``kept[l, r, h, :]`` cached positions (-1 padded) for the recorded steps, when asked for.
+    """
+
+    trace: str
+    policy: str
+    label: str
+    params: dict[str, Any]
+    budget: int
+    budgets: np.ndarray
+    steps: np.ndarray
+    metrics: np.ndarray
+    slots: np.ndarray
+    head_dim: int
+    kept: np.ndarray | None = None
+    kept_steps: np.ndarray | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def metric(self, name: str) -> np.ndarray:
+        """One metric as [L, S, Hq]."""
+        return self.metrics[..., METRICS.index(name)]
+
+    def summary(self) -> dict[str, Any]:
+        """Scalar aggregates users read: means over layers, heads and measured steps."""
+        out: dict[str, Any] = {"trace": self.trace, "policy": self.policy, "label": self.label,
+                               "budget": self.budget}
+        n = self.metrics.shape[1]
+        for i, name in enumerate(METRICS):
+            vals = self.metrics[..., i]
+            out[f"{name}_mean"] = float(vals.mean()) if n else float("nan")
+        out["err_p95"] = float(np.percentile(self.metric("err"), 95)) if n else float("nan")
+        out["slots_mean"] = float(self.slots.mean()) if n else float("nan")
+        out["slots_peak"] = int(self.slots.sum(axis=2).max()) if n else 0
+        per_step_bytes = self.slots.sum(axis=(0, 2)) * 2 * self.head_dim * KV_ELEMENT_BYTES
+        out["kv_bytes_mean"] = float(per_step_bytes.mean()) if n else float("nan")
+        out["n_steps"] = int(n)
+        return out
+
+    def per_head(self) -> pd.DataFrame:
+        """Metric means per (layer, query head)."""
+        L, _, hq, _ = self.metrics.shape
+        means = self.metrics.mean(axis=1)
+        rows = {"layer": np.repeat(np.arange(L), hq), "head": np.tile(np.arange(hq), L)}
+        rows.update({name: means[:, :, i].reshape(-1) for i, name in enumerate(METRICS)})
+        return pd.DataFrame(rows)
+
+    def per_step(self) -> pd.DataFrame:
+        """Metric means over layers and heads per measured step."""
+        means = self.metrics.mean(axis=(0, 2))
+        df = pd.DataFrame({name: means[:, i] for i, name in enumerate(METRICS)})
+        df.insert(0, "position", self.steps)
+        df["slots"] = self.slots.mean(axis=(0, 2))
+        return df
+
+
+def _check_budget(trace: Trace, policy: Policy, budget: int) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+        raise BudgetError(f"budget must be an integer, got {budget!r}")
+    if budget > trace.meta.n_tokens:
+        raise BudgetError(f"budget {budget} is larger than the trace's {trace.meta.n_tokens} tokens "
+                          f"({trace.path}); use budget <= {trace.meta.n_tokens} (equal means the full cache)")
+    policy.check_budget(int(budget))
+
+
+def _contract_error(policy: Policy, status: int, info: np.ndarray, layer: int) -> PolicyContractError:
+    t, h, n = (int(x) for x in info)
+    at = "prefill" if t < 0 else f"step {t}"
+    what = {
+        OVER_BUDGET: f"holds {n} slots in {'the layer' if h < 0 else f'KV head {h}'}, over its budget",
+        OVER_CAPACITY: f"KV head {h} would hold {n} slots, more than its buffer (budget + 1)",
+        BAD_MERGE: f"KV head {h} slot {n} has a merge target that is not a kept slot, or is itself kept",
+        BAD_SCALE: "returned a non-finite or non-positive attention-logit scale",
+    }[status]
+    return PolicyContractError(f"policy {policy.label()} broke its contract at layer {layer}, {at}: {what}")
+
+
+def _threads(threads: int | None, n_layers: int) -> int:
+    return max(1, min(n_layers, threads or int(os.environ.get("KVSIM_THREADS", os.cpu_count() or 1))))
+
+
+def load_layers(trace: Trace, layers: Sequence[int] | None = None) -> list[LayerInputs]:
+    """Prepare the engine inputs of the chosen layers (all by default) once, for several replays."""
+    idx = range(trace.n_layers) if layers is None else layers
+    return [LayerInputs.from_arrays(trace.layer(i), trace.meta.softmax_scale) for i in idx]
+
+
+def replay(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInputs] | None = None,
+           record_kept: tuple[int, int] | None = None, threads: int | None = None) -> ReplayResult:
+    """Replay ``policy`` over every layer of ``trace`` with ``budget`` slots per KV head.
+
+    Steps from the trace's prompt length on are measured; policies with a prefill selector compress the
+    prompt first, the others stream it through ``step``. ``record_kept=(start, n)`` records the cached
+    positions of steps start..start+n-1 (for occupancy maps and fidelity checks).
+    """
+    if policy.is_oracle:
+        return replay_oracle(trace, [budget], scope=policy.params["scope"], inputs=inputs, threads=threads,
+                             label=policy.label())[0]
+    _check_budget(trace, policy, budget)
+    meta = trace.meta
+    inputs = inputs if inputs is not None else load_layers(trace)
+    T, P = meta.n_tokens, meta.n_prompt
+    hkv = meta.model.n_kv_heads
+    budgets = policy.allocate(int(budget), hkv, [(li.q[:P], li.k[:P]) for li in inputs], meta.softmax_scale)
+    budgets = np.ascontiguousarray(budgets, dtype=np.int64)
+    if budgets.shape != (len(inputs), hkv) or (budgets < 1).any():
+        raise PolicyContractError(f"policy {policy.label()}: allocate() returned {budgets.shape} budgets "
+                                  f"(need ({len(inputs)}, {hkv}), all >= 1)")
+    params = policy.param_vector()
+    kernels = tuple((fn,) for fn in policy.kernels())
+    n_steps = T - P
+    rec_start, n_rec = record_kept if record_kept else (0, 0)
+    n_rec = max(0, min(n_rec, T - rec_start))
+
+    def run(layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        li = inputs[layer]
+        b = budgets[layer]
+        if policy.unbounded:
+            cap = T + 1
+        else:
+            cap = int(min(T, b.sum() if policy.head_adaptive else b.max())) + 1
+        metrics = np.zeros((n_steps, meta.model.n_q_heads, N_METRICS), np.float64)
+        slots = np.zeros((n_steps, hkv), np.int32)
+        kept = np.full((n_rec, hkv, cap), -1, np.int32)
+        info = np.zeros(3, np.int64)
+        status = replay_layer(*kernels, params, layer, li.q, li.k, li.v, li.lse, li.o, li.vmax1,
+                              float(meta.softmax_scale), policy.has_prefill, P, b, policy.head_adaptive,
+                              not policy.unbounded, cap, policy.slot_fields, policy.head_fields, rec_start, kept,
+                              metrics, slots, info)
+        if status != OK:
+            raise _contract_error(policy, status, info, layer)
+        return metrics, slots, kept
+
+    with ThreadPoolExecutor(_threads(threads, len(inputs))) as pool:
+        outs = list(pool.map(run, range(len(inputs))))
+    kept = None
+    if n_rec:
+        width = max(o[2].shape[2] for o in outs)
+        kept = np.full((len(outs), n_rec, hkv, width), -1, np.int32)
+        for l, o in enumerate(outs):
+            kept[l, :, :, : o[2].shape[2]] = o[2]
+    return ReplayResult(
+        trace=str(trace.path), policy=policy.name, label=policy.label(), params=dict(policy.params),
+        budget=int(budget), budgets=budgets, steps=np.arange(P, T), metrics=np.stack([o[0] for o in outs]),
+        slots=np.stack([o[1] for o in outs]), head_dim=meta.model.head_dim, kept=kept,
+        kept_steps=np.arange(rec_start, rec_start + n_rec) if n_rec else None,
+    )
+
+
+def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
+                  inputs: list[LayerInputs] | None = None, threads: int | None = None,
+                  label: str = "oracle") -> list[ReplayResult]:
+    """The oracle at several budgets from one pass over the full attention rows (a budget curve)."""
+    from policies.registry import get_policy
+
+    oracle = get_policy("oracle", scope=scope)
+    for b in budgets:
+        _check_budget(trace, oracle, b)
+    meta = trace.meta
+    inputs = inputs if inputs is not None else load_layers(trace)
+    T, P = meta.n_tokens, meta.n_prompt
+    order = np.argsort(np.asarray(budgets, np.int64), kind="stable")
+    sorted_b = np.ascontiguousarray(np.asarray(budgets, np.int64)[order])
+    nb, hq, hkv = len(sorted_b), meta.model.n_q_heads, meta.model.n_kv_heads
+
+    def run(layer: int) -> tuple[np.ndarray, np.ndarray]:
+        li = inputs[layer]
+        metrics = np.zeros((nb, T - P, hq, N_METRICS), np.float64)
+        slots = np.zeros((nb, T - P, hkv), np.int32)
+        oracle_layer(li.q, li.k, li.v, li.lse, li.o, li.vmax1, float(meta.softmax_scale), sorted_b, P,
+                     scope == "layer", metrics, slots)
+        return metrics, slots
+
+    with ThreadPoolExecutor(_threads(threads, len(inputs))) as pool:
+        outs = list(pool.map(run, range(len(inputs))))
+    results: list[ReplayResult] = [None] * nb  # type: ignore[list-item]
+    for j, b in enumerate(sorted_b):
+        results[int(order[j])] = ReplayResult(
+            trace=str(trace.path), policy="oracle", label=label, params={"scope": scope}, budget=int(b),
+            budgets=np.full((len(inputs), hkv), int(b), np.int64), steps=np.arange(P, T),
+            metrics=np.stack([o[0][j] for o in outs]), slots=np.stack([o[1][j] for o in outs]),
+            head_dim=meta.model.head_dim)
+    return results

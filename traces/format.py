@@ -1,0 +1,449 @@
+"""On-disk trace format: a directory of memory-mappable .npy arrays plus a checksummed manifest.
+
+Layout (format version 1)::
+
+    manifest.json               format, version, model config, dtype, token counts, checksums
+    layers/<i:03d>/q.npy        [T, Hq, d]   post-RoPE queries
+    layers/<i:03d>/k.npy        [T, Hkv, d]  post-RoPE keys
+    layers/<i:03d>/v.npy        [T, Hkv, d]  values
+    layers/<i:03d>/lse.npy      [T, Hq]      float32 full causal attention log-sum-exp (optional)
+    layers/<i:03d>/o.npy        [T, Hq, d]   float32 full causal attention output (optional)
+    tokens.parquet              position, token_id, text, is_prompt, top1_id, nll (optional)
+
+Writes are atomic: everything goes into a sibling temp directory that is renamed into place only
+after the manifest (written last) is complete, so a killed writer never leaves a half-valid trace.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, NamedTuple
+
+import numpy as np
+
+FORMAT_NAME = "kvsim-trace"
+FORMAT_VERSION = 1
+STORAGE_DTYPES = ("float16", "float32")
+ARRAY_NAMES = ("q", "k", "v", "lse", "o")
+_ARRAY_PATH = re.compile(r"^layers/\d{3}/(q|k|v|lse|o)\.npy$")
+_CHUNK_BYTES = 1 << 24
+
+
+class TraceError(ValueError):
+    """A trace directory is missing, malformed, tampered with, or inconsistent; the message names the file and field."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The attention geometry of the model a trace comes from (q/k are stored post-RoPE)."""
+
+    model_id: str
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope: str = "rope"
+    layer_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "n_q_heads", "n_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise TraceError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_q_heads % self.n_kv_heads:
+            raise TraceError(
+                f"model.n_q_heads ({self.n_q_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads}) (GQA)"
+            )
+        ids = tuple(int(i) for i in (self.layer_ids or range(self.n_layers)))
+        if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+            raise TraceError(f"model.layer_ids must be distinct non-negative integers, got {ids}")
+        object.__setattr__(self, "layer_ids", ids)
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 for MHA)."""
+        return self.n_q_heads // self.n_kv_heads
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    """Everything about a trace except its arrays."""
+
+    model: ModelInfo
+    n_tokens: int
+    n_prompt: int
+    dtype: str = "float32"
+    softmax_scale: float = 0.0
+    kind: str = "qkv"
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in STORAGE_DTYPES:
+            raise TraceError(f"dtype must be one of {STORAGE_DTYPES}, got {self.dtype!r}")
+        if not (1 <= self.n_tokens):
+            raise TraceError(f"n_tokens must be >= 1, got {self.n_tokens}")
+        if not (0 <= self.n_prompt <= self.n_tokens):
+            raise TraceError(f"n_prompt must be in [0, n_tokens={self.n_tokens}], got {self.n_prompt}")
+        if self.softmax_scale == 0.0:
+            object.__setattr__(self, "softmax_scale", float(self.model.head_dim) ** -0.5)
+        if not np.isfinite(self.softmax_scale) or self.softmax_scale <= 0:
+            raise TraceError(f"softmax_scale must be a positive finite number, got {self.softmax_scale}")
+
+    def expected_shape(self, name: str) -> tuple[int, ...]:
+        """Shape an array of this trace must have."""
+        m, t = self.model, self.n_tokens
+        return {
+            "q": (t, m.n_q_heads, m.head_dim),
+            "k": (t, m.n_kv_heads, m.head_dim),
+            "v": (t, m.n_kv_heads, m.head_dim),
+            "lse": (t, m.n_q_heads),
+            "o": (t, m.n_q_heads, m.head_dim),
+        }[name]
+
+    def expected_dtype(self, name: str) -> np.dtype:
+        return np.dtype("float32") if name in ("lse", "o") else np.dtype(self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["model"]["layer_ids"] = list(self.model.layer_ids)
+        return d
+
+    @staticmethod
+    def from_json(d: dict[str, Any], where: str = "manifest.json") -> "TraceMeta":
+        try:
+            model = ModelInfo(**{**d["model"], "layer_ids": tuple(d["model"].get("layer_ids", ()))})
+            return TraceMeta(
+                model=model,
+                n_tokens=int(d["n_tokens"]),
+                n_prompt=int(d["n_prompt"]),
+                dtype=str(d["dtype"]),
+                softmax_scale=float(d["softmax_scale"]),
+                kind=str(d.get("kind", "qkv")),
+                source=dict(d.get("source", {})),
+            )
+        except KeyError as e:
+            raise TraceError(f"{where}: missing field {e.args[0]!r}") from None
+        except TypeError as e:
+            raise TraceError(f"{where}: malformed field: {e}") from None
+
+
+class LayerArrays(NamedTuple):
+    """One layer's arrays; lse/o are the full-cache reference and may be absent."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    lse: np.ndarray | None = None
+    o: np.ndarray | None = None
+
+
+def array_path(layer_index: int, name: str) -> str:
+    """Relative path of an array inside a trace directory."""
+    return f"layers/{layer_index:03d}/{name}.npy"
+
+
+def _sha256_and_finite(path: Path, arr: np.ndarray) -> tuple[str, bool]:
+    """One streaming pass: SHA-256 of the file bytes and whether the array holds only finite values."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK_BYTES), b""):
+            h.update(chunk)
+    flat = arr.reshape(-1)
+    step = max(1, _CHUNK_BYTES // max(1, flat.itemsize))
+    finite = all(bool(np.isfinite(flat[i : i + step]).all()) for i in range(0, flat.size, step))
+    return h.hexdigest(), finite
+
+
+def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_suffix(".npy.tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a text file via temp file + rename so readers never see a partial file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class TraceWriter:
+    """Writes a trace layer by layer into a temp directory and renames it into place on success.
+
+    Use as a context manager; an exception (or a kill) leaves no directory at ``out_dir``.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, meta: TraceMeta, *, compute_reference: bool = True,
+                 overwrite: bool = False) -> None:
+        self.out_dir = Path(out_dir)
+        self.meta = meta
+        self.compute_reference = compute_reference
+        if self.out_dir.exists() and not overwrite:
+            raise FileExistsError(f"{self.out_dir} already exists (pass overwrite=True to replace it)")
+        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp: Path | None = None
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._n_layers_written = 0
+        self._has_reference: bool | None = None
+        self._tokens_written = False
+
+    def __enter__(self) -> "TraceWriter":
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent))
+        return self
+
+    def add_layer(self, arrays: LayerArrays) -> None:
+        """Validate and write the next layer (in ``meta.model.layer_ids`` order)."""
+        from traces.reference import full_attention_reference
+
+        assert self._tmp is not None, "TraceWriter must be used as a context manager"
+        i = self._n_layers_written
+        if i >= len(self.meta.model.layer_ids):
+            raise TraceError(f"too many layers: manifest declares {len(self.meta.model.layer_ids)}")
+        lse, o = arrays.lse, arrays.o
+        if (lse is None) != (o is None):
+            raise TraceError(f"layer {i}: give both lse and o, or neither")
+        if lse is None and self.compute_reference:
+            lse, o = full_attention_reference(arrays.q, arrays.k, arrays.v, self.meta.softmax_scale)
+        has_ref = lse is not None
+        if self._has_reference is None:
+            self._has_reference = has_ref
+        elif self._has_reference != has_ref:
+            raise TraceError(f"layer {i}: reference lse/o must be present for all layers or none")
+        (self._tmp / f"layers/{i:03d}").mkdir(parents=True, exist_ok=True)
+        named = {"q": arrays.q, "k": arrays.k, "v": arrays.v}
+        if has_ref:
+            named.update(lse=lse, o=o)
+        for name, arr in named.items():
+            arr = np.asarray(arr)
+            where = f"layer {i} array {name!r}"
+            want = self.meta.expected_shape(name)
+            if arr.shape != want:
+                raise TraceError(f"{where}: shape {arr.shape}, expected {want}")
+            if not np.issubdtype(arr.dtype, np.floating):
+                raise TraceError(f"{where}: dtype {arr.dtype} is not floating point")
+            arr = arr.astype(self.meta.expected_dtype(name), copy=False)
+            rel = array_path(i, name)
+            path = self._tmp / rel
+            _atomic_save_npy(path, arr)
+            digest, finite = _sha256_and_finite(path, arr)
+            if not finite:
+                raise TraceError(f"{where}: contains NaN or inf")
+            self._entries[rel] = {"sha256": digest, "shape": list(arr.shape), "dtype": arr.dtype.str}
+        self._n_layers_written += 1
+
+    def set_tokens(self, tokens: "Any") -> None:
+        """Write tokens.parquet (a pandas DataFrame with one row per position)."""
+        import pandas as pd
+
+        assert self._tmp is not None, "TraceWriter must be used as a context manager"
+        if not isinstance(tokens, pd.DataFrame):
+            raise TraceError("tokens must be a pandas DataFrame")
+        if len(tokens) != self.meta.n_tokens:
+            raise TraceError(f"tokens.parquet: {len(tokens)} rows, expected n_tokens={self.meta.n_tokens}")
+        path = self._tmp / "tokens.parquet"
+        tmp = path.with_suffix(".parquet.tmp")
+        tokens.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+        self._entries["tokens.parquet"] = {"sha256": _sha256_and_finite(path, np.zeros(0))[0]}
+        self._tokens_written = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        assert self._tmp is not None
+        try:
+            if exc_type is not None:
+                return
+            n = len(self.meta.model.layer_ids)
+            if self._n_layers_written != n:
+                raise TraceError(f"wrote {self._n_layers_written} layers, manifest declares {n}")
+            manifest = {
+                "format": FORMAT_NAME,
+                "version": FORMAT_VERSION,
+                **self.meta.to_json(),
+                "has_reference": bool(self._has_reference),
+                "arrays": self._entries,
+            }
+            atomic_write_text(self._tmp / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
+            if self.out_dir.exists():
+                old = self.out_dir.with_name(f".{self.out_dir.name}.old-{os.getpid()}")
+                os.replace(self.out_dir, old)
+                os.replace(self._tmp, self.out_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(self._tmp, self.out_dir)
+            self._tmp = None
+        finally:
+            if self._tmp is not None:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def write_trace(out_dir: str | os.PathLike, meta: TraceMeta, layers: Iterable[LayerArrays], tokens: Any = None, *,
+                compute_reference: bool = True, overwrite: bool = False) -> Path:
+    """Write a whole trace atomically and return its directory."""
+    with TraceWriter(out_dir, meta, compute_reference=compute_reference, overwrite=overwrite) as w:
+        for arrays in layers:
+            w.add_layer(arrays)
+        if tokens is not None:
+            w.set_tokens(tokens)
+    return Path(out_dir)
+
+
+class Trace:
+    """A loaded trace: metadata plus lazily memory-mapped layer arrays."""
+
+    def __init__(self, path: Path, meta: TraceMeta, has_reference: bool, entries: dict[str, dict[str, Any]]):
+        self.path = path
+        self.meta = meta
+        self.has_reference = has_reference
+        self._entries = entries
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.meta.model.layer_ids)
+
+    def layer(self, i: int) -> LayerArrays:
+        """Memory-mapped arrays of the i-th stored layer (file order, not model layer id)."""
+        if not 0 <= i < self.n_layers:
+            raise IndexError(f"layer {i} out of range: trace has {self.n_layers} layers")
+        load = lambda name: np.load(self.path / array_path(i, name), mmap_mode="r", allow_pickle=False)
+        ref = (load("lse"), load("o")) if self.has_reference else (None, None)
+        return LayerArrays(load("q"), load("k"), load("v"), *ref)
+
+    @property
+    def tokens(self) -> Any:
+        """tokens.parquet as a DataFrame, or None when the trace has none."""
+        if "tokens.parquet" not in self._entries:
+            return None
+        import pandas as pd
+
+        return pd.read_parquet(self.path / "tokens.parquet")
+
+    def __repr__(self) -> str:
+        m = self.meta.model
+        return (f"Trace({str(self.path)!r}, kind={self.meta.kind}, layers={self.n_layers}, T={self.meta.n_tokens}, "
+                f"P={self.meta.n_prompt}, Hq={m.n_q_heads}, Hkv={m.n_kv_heads}, d={m.head_dim})")
+
+
+def _check_npy_header(path: Path, rel: str, entry: dict[str, Any], meta: TraceMeta, name: str) -> np.ndarray:
+    """Open one array without pickle and check it against the manifest and the model geometry."""
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        if "pickle" in str(e).lower() or "object" in str(e).lower():
+            raise TraceError(f"{rel}: holds Python objects (pickle), which kvsim never loads") from None
+        raise TraceError(f"{rel}: not a valid .npy file ({e})") from None
+    except OSError as e:
+        raise TraceError(f"{rel}: unreadable or truncated .npy file ({e})") from None
+    want_shape = meta.expected_shape(name)
+    if tuple(arr.shape) != want_shape or list(arr.shape) != list(entry.get("shape", [])):
+        raise TraceError(f"{rel}: shape {tuple(arr.shape)}, expected {want_shape} (manifest says {entry.get('shape')})")
+    want_dtype = meta.expected_dtype(name)
+    if arr.dtype != want_dtype:
+        raise TraceError(f"{rel}: dtype {arr.dtype}, expected {want_dtype}")
+    return arr
+
+
+def load_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
+    """Open and validate a trace directory.
+
+    Always checks the manifest, every array's presence, header, shape and dtype. With ``verify`` (the
+    default) also checks every SHA-256 checksum and that q/k/v/lse/o are finite (one streaming pass).
+    """
+    root = Path(path)
+    mpath = root / "manifest.json"
+    if not root.is_dir():
+        raise TraceError(f"{root}: not a trace directory")
+    if not mpath.is_file():
+        raise TraceError(f"{mpath}: missing (incomplete or not a kvsim trace)")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TraceError(f"{mpath}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise TraceError(f"{mpath}: top level must be an object")
+    for key in ("format", "version", "model", "n_tokens", "n_prompt", "dtype", "softmax_scale", "arrays"):
+        if key not in manifest:
+            raise TraceError(f"{mpath}: missing field {key!r}")
+    if manifest["format"] != FORMAT_NAME:
+        raise TraceError(f"{mpath}: field 'format' is {manifest['format']!r}, expected {FORMAT_NAME!r}")
+    if manifest["version"] != FORMAT_VERSION:
+        raise TraceError(f"{mpath}: field 'version' is {manifest['version']!r}; this kvsim reads version {FORMAT_VERSION}")
+    meta = TraceMeta.from_json(manifest, where=str(mpath))
+    entries = manifest["arrays"]
+    if not isinstance(entries, dict):
+        raise TraceError(f"{mpath}: field 'arrays' must be an object")
+    for rel in entries:
+        if rel != "tokens.parquet" and not _ARRAY_PATH.match(rel):
+            raise TraceError(f"{mpath}: field 'arrays' names {rel!r}, which is not a trace array path")
+    has_ref = bool(manifest.get("has_reference", False))
+    names = ARRAY_NAMES if has_ref else ARRAY_NAMES[:3]
+    for i in range(len(meta.model.layer_ids)):
+        for name in names:
+            rel = array_path(i, name)
+            entry = entries.get(rel)
+            if entry is None:
+                raise TraceError(f"{mpath}: field 'arrays' lacks {rel!r}")
+            fpath = root / rel
+            if not fpath.is_file():
+                raise TraceError(f"{rel}: file missing")
+            arr = _check_npy_header(fpath, rel, entry, meta, name)
+            if verify:
+                digest, finite = _sha256_and_finite(fpath, arr)
+                if digest != entry.get("sha256"):
+                    raise TraceError(f"{rel}: checksum mismatch (sha256 {digest[:12]}… vs manifest "
+                                     f"{str(entry.get('sha256'))[:12]}…): the file was modified or corrupted")
+                if not finite:
+                    raise TraceError(f"{rel}: contains NaN or inf")
+    if "tokens.parquet" in entries:
+        tpath = root / "tokens.parquet"
+        if not tpath.is_file():
+            raise TraceError("tokens.parquet: file missing")
+        if verify and _sha256_and_finite(tpath, np.zeros(0))[0] != entries["tokens.parquet"].get("sha256"):
+            raise TraceError("tokens.parquet: checksum mismatch: the file was modified or corrupted")
+    return Trace(root, meta, has_ref, entries)
+
+
+class InMemoryTrace(Trace):
+    """A trace held in memory (synthetic generators, tests); same reading interface as a loaded trace."""
+
+    def __init__(self, meta: TraceMeta, layers: list[LayerArrays], tokens: Any = None):
+        has_ref = all(la.lse is not None for la in layers)
+        super().__init__(Path("<memory>"), meta, has_ref, {})
+        if len(layers) != len(meta.model.layer_ids):
+            raise TraceError(f"{len(layers)} layers given, model.layer_ids declares {len(meta.model.layer_ids)}")
+        for i, la in enumerate(layers):
+            for name, arr in la._asdict().items():
+                if arr is not None and tuple(arr.shape) != meta.expected_shape(name):
+                    raise TraceError(f"layer {i} array {name!r}: shape {tuple(arr.shape)}, "
+                                     f"expected {meta.expected_shape(name)}")
+        self._layers = layers
+        self._tokens = tokens
+
+    def layer(self, i: int) -> LayerArrays:
+        if not 0 <= i < self.n_layers:
+            raise IndexError(f"layer {i} out of range: trace has {self.n_layers} layers")
+        return self._layers[i]
+
+    @property
+    def tokens(self) -> Any:
+        return self._tokens
+
+    def save(self, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write this trace to disk in the standard format."""
+        return write_trace(out_dir, self.meta, self._layers, self._tokens, overwrite=overwrite)
