@@ -5,6 +5,8 @@ score statistics `acc` / `ema` (float32), the scores buffer `probs` [total_capac
 (index `b * Hkv + h`) `start`, `capacity` and device-side `length`. Capacities are fixed at construction
 (a per-head budget, e.g. from an Ada-KV allocator); only `length` changes. Slot `start[i] + j` for
 `j < length[i]` is retained slot j of head i, so keep masks, merge targets and probs all use flat indices.
+Allocation is the sum of the per-head capacities (the budgets, as in Ada-KV's flattened cache); the kernels
+read only retained slots and `memory_bytes()` reports the retained ones.
 """
 
 from __future__ import annotations

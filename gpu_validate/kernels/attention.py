@@ -183,7 +183,7 @@ def _sm_count(device: torch.device) -> int:
     return 4
 
 
-def choose_splits(n_heads: int, max_len: int, block_n: int, device: torch.device, min_chunk: int = 256) -> int:
+def choose_splits(n_heads: int, max_len: int, block_n: int, device: torch.device, min_chunk: int = 128) -> int:
     """Number of split-K chunks: enough programs to fill ~4 waves of SMs, chunks of at least `min_chunk` slots."""
     target = 4 * _sm_count(device)
     by_fill = max(1, -(-target // max(n_heads, 1)))
