@@ -64,8 +64,15 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[str]:
     for name, sig, consts, opts in variants(quick):
         fn = kernels[name]
         full = {a: ("constexpr" if a in consts else sig[a]) for a in fn.arg_names}
-        compiled = triton.compile(ASTSource(fn, full, consts), target=GPUTarget("cuda", arch, 32), options=opts)
-        done.append(f"{name} {consts} {opts}: ok, shared memory {compiled.metadata.shared} B")
+        # as the JIT does at launch: 16-aligned pointers (torch allocations) and strides divisible by 16
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                 if a not in consts and (sig[a].startswith("*") or a.startswith("stride"))}
+        compiled = triton.compile(ASTSource(fn, full, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                                  options=opts)
+        ptx = compiled.asm["ptx"]
+        vectorized = "cp.async" in ptx or "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx
+        done.append(f"{name} {consts} {opts}: ok, shared memory {compiled.metadata.shared} B, "
+                    f"vectorized loads {'yes' if vectorized else 'no'}")
     return done
 
 
