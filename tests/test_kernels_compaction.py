@@ -159,4 +159,6 @@ def test_random_compactions_match_reference(n_heads, dtype, p_keep, p_merge, blo
     ops = random_ops(cache, p_keep, p_merge, n_new, seed=data.draw(st.integers(0, 10**6)))
     if data.draw(st.booleans()):
         ops.pop("merge_to"), ops.pop("merge_w")
+    if data.draw(st.booleans()):
+        ops["keep"] = ops["keep"].to(torch.uint8)
     run_both(cache, ops, block_n=block_n)
