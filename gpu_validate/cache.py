@@ -92,6 +92,21 @@ class VarlenKVCache:
         s0 = int(self.start[i])
         return slice(s0, s0 + int(self.length[i]))
 
+    def padded(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Per-slot array x [total_capacity, ...] as [B*Hkv, max_capacity, ...], `fill` past each head's length.
+
+        Device ops only (no sync); e.g. `padded(cache.probs).transpose(1, 2)` is the `probs[h, g, i]` layout the
+        numba policies read, and `padded(cache.positions, -1)` their positions.
+        """
+        if x.shape[0] != self.total_capacity:
+            raise KernelInputError(f"x must have {self.total_capacity} rows (one per slot), got {tuple(x.shape)}")
+        ar = torch.arange(self.max_capacity, device=self.device)
+        idx = (self.start.long()[:, None] + ar[None, :]).clamp(max=max(self.total_capacity - 1, 0))
+        valid = ar[None, :] < self.length.long()[:, None]
+        out = x[idx]
+        out[~valid] = fill
+        return out
+
     def _per_head(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if x.ndim != 4 or tuple(x.shape[:2]) != (self.batch, self.n_kv_heads) or x.shape[3] != self.head_dim:
             raise KernelInputError(f"{name} must be [B={self.batch}, Hkv={self.n_kv_heads}, n_new, "

@@ -87,6 +87,13 @@ def test_closed_loop_decode_with_eviction_and_merges():
         assert cache.lengths.flatten().tolist() == [len(r) for r in model.heads]
         assert probs is cache.probs
     assert n_evicted >= 8
+    o, probs = cache.attend(torch.randn(bsz, n_kv * group, d, device=DEVICE))
+    per_head = cache.padded(probs).transpose(1, 2).cpu()  # [B*Hkv, G, max_capacity], the policies' layout
+    pos = cache.padded(cache.positions, -1).cpu()
+    for i, rows in enumerate(model.heads):
+        assert pos[i, : len(rows)].tolist() == [r[0] for r in rows] and bool((pos[i, len(rows):] == -1).all())
+        torch.testing.assert_close(per_head[i, :, : len(rows)].sum(1), torch.ones(group), atol=1e-5, rtol=0)
+        assert bool((per_head[i, :, len(rows):] == 0).all())
     n_slots = sum(len(r) for r in model.heads)
     assert cache.memory_bytes() == n_slots * 2 * d * 4
     assert cache.memory_bytes(include_side=True) == n_slots * (2 * d * 4 + 8 + 8)
