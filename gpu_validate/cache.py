@@ -21,7 +21,11 @@ from gpu_validate.kernels.errors import CacheCapacityError, KernelInputError
 
 
 class VarlenKVCache:
-    """Per-head varlen KV cache of one layer; `attend` emits per-slot probabilities, `compact` evicts/merges."""
+    """Per-head varlen KV cache of one layer; `attend` emits per-slot probabilities, `compact` evicts/merges.
+
+    `ema_gamma` is the decay of the EMA statistic; the policy supplies its own (Cascading KV, for instance,
+    uses exp(-N ln(100) / |C|)).
+    """
 
     def __init__(
         self,
@@ -43,6 +47,8 @@ class VarlenKVCache:
                 f"need batch, n_kv_heads, head_dim >= 1 and n_q_heads a multiple of n_kv_heads; got B={batch}, "
                 f"Hkv={n_kv_heads}, Hq={n_q_heads}, d={head_dim}"
             )
+        if not 0.0 <= ema_gamma <= 1.0:
+            raise KernelInputError(f"ema_gamma must be in [0, 1] (the policy's decay), got {ema_gamma}")
         n_heads = batch * n_kv_heads
         cap = torch.as_tensor(capacity, dtype=torch.int64).flatten()
         if cap.numel() == 1:
@@ -205,4 +211,4 @@ class VarlenKVCache:
         self.length.copy_(n_keep)
 
 
-__all__ = ["CacheCapacityError", "VarlenKVCache"]
+__all__ = ["CacheCapacityError", "KernelInputError", "VarlenKVCache"]
