@@ -76,8 +76,8 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
         lse_cache = mx + np.log(tot)
         if mult == 1.0 and not any_dirty:
             # cached logits are the true logits: p_full(i) = p(i) * exp(lse_cache - lse_full) for every slot
-            mass = np.exp(lse_cache - lse[t, hq])
-            kl = lse[t, hq] - lse_cache
+            mass = np.exp(min(0.0, lse_cache - lse[t, hq]))
+            kl = max(0.0, lse[t, hq] - lse_cache)
         else:
             mass = 0.0
             kl = 0.0
@@ -104,7 +104,8 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
             num += diff * diff
             den += ref * ref
             l1 += abs(diff)
-        metric_row[hq, 0] = mass
+        # the stored float32 lse limits precision to ~6e-8 * |lse|: keep mass in [0, 1] where it cannot resolve
+        metric_row[hq, 0] = min(1.0, mass)
         metric_row[hq, 1] = np.sqrt(num / den) if den > 0.0 else np.sqrt(num)
         metric_row[hq, 2] = max(kl, 0.0)
         metric_row[hq, 3] = l1

@@ -34,7 +34,7 @@ def test_engine_matches_numpy_reference(name, seed, T, geometry, frac, prompt_fr
         # float32 dot products in both; the L1 bound 2(1 - mass) max||v||_1 magnifies mass rounding by max||v||_1
         np.testing.assert_allclose(res.metrics[layer][..., :4], metrics[..., :4], rtol=1e-4, atol=5e-5)
         np.testing.assert_allclose(res.metrics[layer][..., 4], metrics[..., 4], rtol=1e-4,
-                                   atol=1e-5 * li.vmax1.max())
+                                   atol=1e-4 * li.vmax1.max())
         np.testing.assert_array_equal(res.slots[layer], slots)
         offset = len(kept) - (T - P)
         for r in range(T - P):
