@@ -62,6 +62,12 @@ class CountRule:
         return old, 0
 
 
+def held_after_prefill(rule: CountRule, n_prompt: int) -> int:
+    """Slots held once a prompt of ``n_prompt`` tokens has been compressed (Remark 2)."""
+    old, new = rule.prefill(n_prompt)
+    return min(n_prompt, rule.k) + min(max(n_prompt - rule.k, 0), rule.w) + old + new
+
+
 def held_trajectory(rule: CountRule, n_tokens: int, n_prompt: int = 0) -> list[int]:
     """Slots held after each token 0..n_tokens-1 is processed (prompt tokens all report the post-prefill count)."""
     k, w = rule.k, rule.w
@@ -70,8 +76,7 @@ def held_trajectory(rule: CountRule, n_tokens: int, n_prompt: int = 0) -> list[i
     start = 0
     if n_prompt > 0:
         old, new = rule.prefill(n_prompt)
-        head = min(n_prompt, k) + min(max(n_prompt - k, 0), w)
-        out = [head + old + new] * n_prompt
+        out = [held_after_prefill(rule, n_prompt)] * n_prompt
         start = n_prompt
     for t in range(start, n_tokens):
         n = t + 1

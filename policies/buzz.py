@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from policies._buzz_model import CountRule, held_trajectory
+from policies._buzz_model import CountRule, held_after_prefill, held_trajectory
 from policies.base import LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError
 from policies.kernels import GROUP_REDUCE
 from policies.registry import register
@@ -394,11 +394,21 @@ class Buzz(Policy):
         return Guarantees(sinks=self.params["n_sinks"], recent=self.window_threshold(budget)[0])
 
     def footprint(self, budget: int, n_tokens: int, *, n_prompt: int = 0) -> int:
-        """Slots per KV head held after ``n_tokens`` tokens (a prompt of ``n_prompt`` compressed at once)."""
+        """Slots per KV head held after ``n_tokens`` tokens (a prompt of ``n_prompt`` compressed at once).
+
+        Trajectories are memoised per (budget, n_prompt), so tabulating n = 1..N costs O(N), not O(N^2).
+        """
         if n_tokens <= 0:
             return 0
         rule = self.rule(*self.window_threshold(budget))
-        return held_trajectory(rule, n_tokens, min(n_prompt, n_tokens))[-1]
+        if n_tokens <= n_prompt:
+            return held_after_prefill(rule, n_tokens)
+        cache = self.__dict__.setdefault("_held_cache", {})
+        traj = cache.get((budget, n_prompt), [])
+        if len(traj) < n_tokens:
+            traj = held_trajectory(rule, max(n_tokens, 2 * len(traj), 1024), n_prompt)
+            cache[(budget, n_prompt)] = traj
+        return traj[n_tokens - 1]
 
 
 @register

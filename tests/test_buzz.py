@@ -341,3 +341,15 @@ def test_deterministic_and_bad_parameters():
         get_policy("buzz", stride=2)
     with pytest.raises(ValueError, match="below its minimum 104"):
         get_policy("buzz", window=50, threshold=50).check_budget(80)
+
+
+def test_footprint_matches_trajectory_and_tabulates_fast():
+    # footprint(n) is the count model's trajectory at n, for every n (memoised: a serving table of 20k lengths
+    # costs one trajectory), with a prompt shorter or longer than n.
+    pol = get_policy("buzz")
+    rule = pol.rule(*pol.window_threshold(96))
+    traj = held_trajectory(rule, 3000, 500)
+    assert [pol.footprint(96, n, n_prompt=500) for n in range(501, 3001)] == traj[500:]
+    assert pol.footprint(96, 300, n_prompt=500) == held_trajectory(rule, 300, 300)[-1]
+    table = [pol.footprint(96, n) for n in range(1, 20001)]
+    assert max(table) == 96 and table[:10] == list(range(1, 11))
