@@ -13,7 +13,7 @@ from numba import njit
 
 from policies._buzz_model import CountRule, held_after_prefill, held_trajectory
 from policies.base import LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError
-from policies.kernels import GROUP_REDUCE
+from policies.kernels import GROUP_REDUCE, causal_attention_rows
 from policies.registry import register
 
 # parameter vector indices (schema order)
@@ -21,6 +21,7 @@ _K, _S, _RATIO, _W, _T, _ON, _INCL, _TAIL, _ALIGN, _SCOPE, _REDUCE, _LOG_BASE, _
 # slot_state fields: accumulated attention, old flag; head_state fields: window, threshold, initialised
 _SCORE, _OLD = 0, 1
 _HW, _HT, _HINIT = 0, 1, 2
+_PROMPT_ROWS = 64
 
 
 @njit(cache=True)
@@ -224,33 +225,20 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
 @njit(cache=True)
 def _prompt_scores(q, k, scale, mode):
     """Accumulated causal prompt attention per KV head and key: [Hkv, P] (query heads reduced by ``mode``)."""
-    P, hq, d = q.shape
+    P, hq, _ = q.shape
     hkv = k.shape[1]
     g_n = hq // hkv
     out = np.zeros((hkv, P), np.float64)
-    rows = np.empty((g_n, P), np.float64)
-    vals = np.empty(g_n, np.float64)
     for h in range(hkv):
-        for r in range(P):
-            for g in range(g_n):
-                hq_i = h * g_n + g
-                mx = -np.inf
-                for i in range(r + 1):
-                    acc = 0.0
-                    for x in range(d):
-                        acc += np.float64(q[r, hq_i, x]) * np.float64(k[i, h, x])
-                    rows[g, i] = acc * scale
-                    mx = max(mx, rows[g, i])
-                tot = 0.0
-                for i in range(r + 1):
-                    rows[g, i] = np.exp(rows[g, i] - mx)
-                    tot += rows[g, i]
-                for i in range(r + 1):
-                    rows[g, i] /= tot
-            for i in range(r + 1):
-                for g in range(g_n):
-                    vals[g] = rows[g, i]
-                out[h, i] += _reduce(vals, g_n, mode)
+        for r0 in range(0, P, _PROMPT_ROWS):   # row blocks bound the memory to _PROMPT_ROWS x P per head
+            r1 = min(P, r0 + _PROMPT_ROWS)
+            red = causal_attention_rows(q, k, scale, h * g_n, h, r0, r1)
+            for g in range(1, g_n):
+                rows = causal_attention_rows(q, k, scale, h * g_n + g, h, r0, r1)
+                red = np.maximum(red, rows) if mode == 2 else red + rows
+            if mode == 0:
+                red /= g_n
+            out[h, :r1] += red.sum(axis=0)
     return out
 
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from policies._buzz_model import (CountRule, held_trajectory, old_sequence, paper_recurrence, predicted_ratio,
                                   steady_old_fraction, theorem_ratio)
-from policies.buzz import _logn_scale, _prefill, _sample
+from policies.buzz import _logn_scale, _prefill, _prompt_scores, _sample
 from policies.registry import get_policy
 from sim.replay import replay
 from traces.synthetic import make_synthetic_trace
@@ -176,6 +176,20 @@ def test_prefill_remark2_samples_until_it_fits():
     _prefill(pol.param_vector(), 0, np.array([7], np.int64), q[:7], k[:7], k[:7].copy(), 1.0, keep,
              np.zeros((1, 7, 2)), np.zeros((1, 3)))
     assert keep.all()
+
+
+def test_prompt_scores_match_numpy():
+    # Accumulated prompt attention (the prefill's hive scores): column sums of causal softmax rows, with the
+    # query heads of a KV head reduced by mean / sum / max row by row. 70 rows span two row blocks.
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((70, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((70, 2, 8)).astype(np.float32)
+    logits = np.einsum("rhgd,thd->hgrt", q.reshape(70, 2, 2, 8).astype(np.float64), k.astype(np.float64)) * 0.3
+    logits = np.where(np.tri(70, dtype=bool), logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)                                          # [Hkv, G, r, t]
+    for mode, red in enumerate((p.mean(1), p.sum(1), p.max(1))):
+        np.testing.assert_allclose(_prompt_scores(q, k, 0.3, mode), red.sum(1), rtol=1e-9, atol=1e-12)
 
 
 CONFIGS = st.fixed_dictionaries({
