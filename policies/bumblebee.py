@@ -76,7 +76,8 @@ def concave(x, kind, alpha, beta):
 
 @njit(cache=True, inline="always")
 def kernel_sim(cos, mode):
-    """Similarity from cosine: 0 ReLU(cos) (paper), 1 1 + cos, 2 |cos|."""
+    """Similarity from cosine (clamped to [-1, 1] against rounding): 0 ReLU(cos) (paper), 1 1 + cos, 2 |cos|."""
+    cos = min(1.0, max(-1.0, cos))
     if mode == 0:
         return cos if cos > 0.0 else 0.0
     if mode == 1:
