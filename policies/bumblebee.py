@@ -43,6 +43,19 @@ def recent_slots(budget: int, recent_ratio: float) -> int:
     return min(budget, max(0, int(round(budget * recent_ratio))))
 
 
+@njit(cache=True, inline="always")
+def _ipow(y, n):
+    """y**n for a small non-negative integer n by repeated squaring."""
+    r = 1.0
+    b = y
+    while n > 0:
+        if n & 1:
+            r *= b
+        b *= b
+        n >>= 1
+    return r
+
+
 @njit(cache=True)
 def concave_from(x, kind, alpha, beta, y_hi):
     """phi(x); for the power form, Newton from ``y_hi`` (any point with g(y_hi) >= x, or -1 for a safe start)."""
@@ -51,6 +64,9 @@ def concave_from(x, kind, alpha, beta, y_hi):
     if kind == 1:
         return np.log1p(x)
     p = 1.0 / alpha
+    e = p - 1.0
+    n_int = int(round(e))
+    exact = abs(e - n_int) < 1e-9 and n_int < 64    # alpha = 0.04: y**24 by squaring, not pow (10x faster)
     y = y_hi
     if y < 0.0:
         y = (x / alpha) ** alpha
@@ -58,13 +74,14 @@ def concave_from(x, kind, alpha, beta, y_hi):
             y = x / beta
     # g is increasing and convex on y >= 0: Newton from the right decreases monotonically onto the root
     for _ in range(200):
-        f = alpha * y ** p + beta * y - x
+        yp1 = _ipow(y, n_int) if exact else y ** e
+        f = alpha * yp1 * y + beta * y - x
         if f <= 0.0:
             break
-        step = f / (y ** (p - 1.0) + beta)
-        if step <= 1e-15 * y:
-            break
+        step = f / (yp1 + beta)
         y -= step
+        if step <= 1e-14 * y:
+            break
     return y
 
 
@@ -90,14 +107,25 @@ def self_sim(mode):
     return 2.0 if mode == 1 else 1.0
 
 
+_VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the float32 dot products (as the engine does)
+
+
+@njit(cache=True, fastmath=_VECTOR_MATH)
+def _dots_to(keys, h, j, n, out):
+    """out[i] = keys[h, i] . keys[h, j] for i < n, float32 SIMD: the O(n d) part of a step."""
+    d = keys.shape[2]
+    for i in range(n):
+        acc = np.float32(0.0)
+        for x in range(d):
+            acc += keys[h, i, x] * keys[h, j, x]
+        out[i] = acc
+
+
 @njit(cache=True, inline="always")
-def _cos(keys, h, i, j, ni, nj):
+def _cos_from(dot, ni, nj):
     if ni == 0.0 or nj == 0.0:
         return 0.0
-    acc = 0.0
-    for x in range(keys.shape[2]):
-        acc += np.float64(keys[h, i, x]) * np.float64(keys[h, j, x])
-    return acc / (ni * nj)
+    return np.float64(dot) / (ni * nj)
 
 
 @njit(cache=True)
@@ -290,10 +318,12 @@ def _nearest(keys, slot_state, positions, keep, h, i, n, mode):
     """Nearest neighbour (similarity, position) of slot i among the kept slots j != i (0, -1 when alone)."""
     best, best_pos = 0.0, -1
     ni = slot_state[h, i, F_NORM]
+    dots = np.empty(n, np.float32)
+    _dots_to(keys, h, i, n, dots)
     for j in range(n):
         if j == i or keep[h, j] == 0:
             continue
-        s = kernel_sim(_cos(keys, h, i, j, ni, slot_state[h, j, F_NORM]), mode)
+        s = kernel_sim(_cos_from(dots[j], ni, slot_state[h, j, F_NORM]), mode)
         if best_pos < 0 or s > best:
             best, best_pos = s, positions[h, j]
     return best, best_pos
@@ -310,6 +340,7 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
     g_n = probs.shape[1]
     ss = self_sim(mode)
     gone = np.zeros(g_n, np.float64)
+    dots = np.empty(keys.shape[1], np.float32)
     for h in range(lengths.shape[0]):
         n = lengths[h]
         new = n - 1
@@ -322,8 +353,9 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
         slot_state[h, new, F_NORM] = np.sqrt(nrm)
         # nearest neighbours: the new key against every cached key, O(n d)
         nn, nn_pos = 0.0, -1
+        _dots_to(keys, h, new, new, dots)
         for i in range(new):
-            s = kernel_sim(_cos(keys, h, i, new, slot_state[h, i, F_NORM], slot_state[h, new, F_NORM]), mode)
+            s = kernel_sim(_cos_from(dots[i], slot_state[h, i, F_NORM], slot_state[h, new, F_NORM]), mode)
             if slot_state[h, i, F_NNPOS] < 0 or s > slot_state[h, i, F_NN]:
                 slot_state[h, i, F_NN] = s
                 slot_state[h, i, F_NNPOS] = t
