@@ -45,9 +45,40 @@ def _weighted_sum(probs, h, g, cv, n, oacc):
             oacc[x] += p * cv[h, i, x]
 
 
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
+def _exp_nonpositive(xs, n, ibuf, out):
+    """out[i] = exp(xs[i]) for xs[i] <= 0 in float32, vectorised (no libm call per element).
+
+    Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial for e^r (relative error
+    < 2e-7) and 2^k built from its IEEE-754 bits. Inputs below -87 are clamped (result ~1e-38, not 0):
+    an absolute error below 2e-38 on values normalised by a sum >= 1.
+    """
+    for i in range(n):
+        x = max(xs[i], np.float32(-87.0))
+        k = np.floor(x * _LOG2E + np.float32(0.5))
+        r = x - k * _LN2_HI - k * _LN2_LO
+        p = np.float32(1.0 / 720.0)
+        p = p * r + np.float32(1.0 / 120.0)
+        p = p * r + np.float32(1.0 / 24.0)
+        p = p * r + np.float32(1.0 / 6.0)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        p = p * r + np.float32(1.0)
+        out[i] = p
+        ibuf[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    pow2 = ibuf[:n].view(np.float32)
+    for i in range(n):
+        out[i] *= pow2[i]
+
+
 @njit(cache=True, nogil=True)
 def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs, metric_row, want, dots,
-                        oacc):
+                        oacc, xs, ibuf, ebuf):
     """Attention of the G query heads of KV head h over its n cached slots into ``probs[h]``; when ``want``,
     also the step's metrics against the full-attention reference into ``metric_row[hq, :4]``."""
     d = q.shape[2]
@@ -56,21 +87,23 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
     for i in range(n):
         if dirty[h, i] != 0:
             any_dirty = True
+    f = np.float32(scale * mult)
     for g in range(g_n):
         hq = h * g_n + g
-        mx = -np.inf
+        mx32 = np.float32(-np.inf)
         for i in range(n):
-            lg = np.float64(dots[g, i]) * scale * mult
-            if lg > mx:
-                mx = lg
+            xs[i] = dots[g, i] * f
+            mx32 = max(mx32, xs[i])
+        for i in range(n):
+            xs[i] -= mx32
+        _exp_nonpositive(xs, n, ibuf, ebuf)
         tot = 0.0
         for i in range(n):
-            e = np.exp(np.float64(dots[g, i]) * scale * mult - mx)
-            probs[h, g, i] = e
-            tot += e
+            tot += ebuf[i]
         inv = 1.0 / tot
         for i in range(n):
-            probs[h, g, i] *= inv
+            probs[h, g, i] = ebuf[i] * inv
+        mx = np.float64(mx32)
         if not want:
             continue
         lse_cache = mx + np.log(tot)
@@ -112,6 +145,20 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
 
 
 @njit(cache=True, nogil=True)
+def _move_left(ck, cv, cpos, dirty, cst, i, j, dst):
+    """Move slots [i, j) to [dst, dst + j - i) with dst < i: a forward copy, no temporary (regions overlap)."""
+    d = ck.shape[1]
+    for s in range(j - i):
+        for x in range(d):
+            ck[dst + s, x] = ck[i + s, x]
+            cv[dst + s, x] = cv[i + s, x]
+        cpos[dst + s] = cpos[i + s]
+        dirty[dst + s] = dirty[i + s]
+        for f in range(cst.shape[1]):
+            cst[dst + s, f] = cst[i + s, f]
+
+
+@njit(cache=True, nogil=True)
 def replay_layer(step_k, prefill_k, scale_k, params, layer, q, k, v, lse, o, vmax1, scale, has_prefill, metric_start, budget,
                  head_adaptive, check_budget, cap, n_slot_fields, n_head_fields, rec_start, kept_out, metrics_out,
                  slots_out, err_info):
@@ -142,6 +189,9 @@ def replay_layer(step_k, prefill_k, scale_k, params, layer, q, k, v, lse, o, vma
     merge_w = np.ones((hkv, cap), np.float64)
     metric_row = np.zeros((hq_n, N_METRICS), np.float64)
     dots = np.zeros((g_n, cap), np.float32)
+    xs = np.zeros(cap, np.float32)
+    ebuf = np.zeros(cap, np.float32)
+    ibuf = np.zeros(cap, np.int32)
     oacc = np.zeros(d, np.float64)
     total_budget = 0
     for h in range(hkv):
@@ -206,7 +256,7 @@ def replay_layer(step_k, prefill_k, scale_k, params, layer, q, k, v, lse, o, vma
                 cst[h, s, f] = 0.0
             clen[h] = s + 1
             _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs,
-                                metric_row, want, dots, oacc)
+                                metric_row, want, dots, oacc, xs, ibuf, ebuf)
             if want:
                 r = t - metric_start
                 for g in range(g_n):
@@ -253,11 +303,7 @@ def replay_layer(step_k, prefill_k, scale_k, params, layer, q, k, v, lse, o, vma
                 while j < n and keep[h, j] != 0:
                     j += 1
                 if wpos != i:
-                    ck[h, wpos:wpos + j - i] = ck[h, i:j]
-                    cv[h, wpos:wpos + j - i] = cv[h, i:j]
-                    cpos[h, wpos:wpos + j - i] = cpos[h, i:j]
-                    dirty[h, wpos:wpos + j - i] = dirty[h, i:j]
-                    cst[h, wpos:wpos + j - i] = cst[h, i:j]
+                    _move_left(ck[h], cv[h], cpos[h], dirty[h], cst[h], i, j, wpos)
                 wpos += j - i
                 i = j
             for i in range(wpos):

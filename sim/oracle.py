@@ -74,14 +74,8 @@ def oracle_layer(q, k, v, o, vmax1, scale, budgets, metric_start, layer_scope, m
                 target = min(budgets[b] * hkv, m)
                 while taken < target:
                     e = orders[taken]
-                    h = head_of[e]
-                    i = pos_of[e]
-                    for g in range(g_n):
-                        hq = h * g_n + g
-                        mass[hq] += p[hq, i]
-                        for x in range(d):
-                            oacc[hq, x] += p[hq, i] * v[i, h, x]
-                    count[h] += 1
+                    _take(head_of[e], pos_of[e], g_n, d, p, v, mass, oacc)
+                    count[head_of[e]] += 1
                     taken += 1
                 _write_oracle_metrics(b, r, t, hkv, g_n, d, mass, oacc, o, vmax1, count, metrics_out)
                 # held after the step: the kept past tokens plus the new ones, within budget * Hkv in total
@@ -93,17 +87,21 @@ def oracle_layer(q, k, v, o, vmax1, scale, budgets, metric_start, layer_scope, m
                 target = min(budgets[b], t)
                 for h in range(hkv):
                     while count[h] < target:
-                        e = orders[h * t + count[h]]
-                        i = pos_of[e]
-                        for g in range(g_n):
-                            hq = h * g_n + g
-                            mass[hq] += p[hq, i]
-                            for x in range(d):
-                                oacc[hq, x] += p[hq, i] * v[i, h, x]
+                        _take(h, pos_of[orders[h * t + count[h]]], g_n, d, p, v, mass, oacc)
                         count[h] += 1
                 _write_oracle_metrics(b, r, t, hkv, g_n, d, mass, oacc, o, vmax1, count, metrics_out)
                 for h in range(hkv):
                     slots_out[b, r, h] = min(count[h] + 1, budgets[b])   # held after the step
+
+
+@njit(cache=True, nogil=True)
+def _take(h, i, g_n, d, p, v, mass, oacc):
+    """Add token i of KV head h to the kept set of each of its query heads."""
+    for g in range(g_n):
+        hq = h * g_n + g
+        mass[hq] += p[hq, i]
+        for x in range(d):
+            oacc[hq, x] += p[hq, i] * v[i, h, x]
 
 
 @njit(cache=True, nogil=True)

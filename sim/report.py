@@ -14,6 +14,17 @@ _LEGEND = ("rank: mean rank over budgets by err · err: relative L2 error of the
            "the oracle · slots: mean slots held per KV head")
 
 
+def _save(fig, path: str | Path, dpi: int = 130) -> Path:
+    """Write a matplotlib figure (format from the suffix) and free it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def ranked_table(df: pd.DataFrame, metric: str = "err_mean") -> pd.DataFrame:
     """Per trace and policy label: mean rank over budgets (1 = lowest loss) and mean metrics, best first."""
     if df.empty:
@@ -80,11 +91,7 @@ def plot_budget_curves(df: pd.DataFrame, path: str | Path, metrics: tuple[str, .
     handles, names = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, names, loc="center right", fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0, 0.84, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=130)
 
 
 def write_html(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") -> Path:
@@ -122,11 +129,7 @@ def plot_search(trials: pd.DataFrame, pareto: pd.DataFrame, path: str | Path, ob
     ax.grid(True, alpha=0.3)
     ax.legend(frameon=False)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=130)
 
 
 def plot_pareto(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") -> Path:
@@ -159,11 +162,7 @@ def plot_pareto(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") ->
     handles, names = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, names, loc="center right", fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 0.84, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=130)
 
 
 def pareto_front(df: pd.DataFrame, metric: str = "err_mean") -> pd.DataFrame:
@@ -210,8 +209,4 @@ def plot_occupancy(kept: np.ndarray, steps: np.ndarray, n_tokens: int, title: st
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=120)
