@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy
-from policies.kernels import GROUP_REDUCE, group_score
+from policies.kernels import GROUP_REDUCE, _causal_row, group_score
 from policies.registry import register
 
 CONCAVE = ("power", "log")
@@ -243,27 +243,13 @@ def prompt_importance(q, k, scale, h, mode):
 
     Per query row the G query heads' causal probabilities are reduced like ``group_score`` (mean/sum/max).
     """
-    P, hq_n, d = q.shape
+    P, hq_n, _ = q.shape
     g_n = hq_n // k.shape[1]
     acc = np.zeros(P, np.float64)
     row = np.zeros((g_n, P), np.float64)
     for r in range(P):
         for g in range(g_n):
-            hq = h * g_n + g
-            mx = -np.inf
-            for i in range(r + 1):
-                s = 0.0
-                for x in range(d):
-                    s += np.float64(q[r, hq, x]) * np.float64(k[i, h, x])
-                row[g, i] = s * scale
-                if row[g, i] > mx:
-                    mx = row[g, i]
-            tot = 0.0
-            for i in range(r + 1):
-                row[g, i] = np.exp(row[g, i] - mx)
-                tot += row[g, i]
-            for i in range(r + 1):
-                row[g, i] /= tot
+            _causal_row(q, k, scale, h * g_n + g, h, r, row[g])
         for i in range(r + 1):
             if mode == 2:
                 a = row[0, i]
