@@ -14,8 +14,8 @@ from numba import njit
 
 from benchmarks._util import machine, write_result
 from policies import get_policy
-from policies.bumblebee import (F_ACC, F_NN, F_NNPOS, F_NORM, P_SIM, _cos_from, _dots_to, _step, greedy_select, kernel_sim,
-                                prompt_importance, similarity_matrix)
+from policies.bumblebee import (F_ACC, F_NN, F_NNPOS, F_NORM, P_SIM, _cos_from, _dots_to, _step, greedy_select,
+                                kernel_sim, prompt_importance, similarity_matrix)
 
 
 @njit(cache=True)
@@ -172,7 +172,8 @@ def bench_greedy(prompts, ratios, d) -> list[dict]:
             naive, ev_n = greedy_select(*args, False)
             t_n = time.perf_counter() - t0
             rows.append({"prompt": P, "budget": b, "lazy_s": t_l, "naive_s": t_n, "speedup": t_n / t_l,
-                         "lazy_evals": int(ev_l), "naive_evals": int(ev_n), "same_selection": bool(np.array_equal(lazy, naive)),
+                         "lazy_evals": int(ev_l), "naive_evals": int(ev_n),
+                         "same_selection": bool(np.array_equal(lazy, naive)),
                          "importance_s": t_imp, "similarity_matrix_s": t_sim})
             print(rows[-1])
     return rows

@@ -1,6 +1,5 @@
 """BumbleBee vs H2O (and SnapKV when registered) and the oracle on synthetic traces, each also in a variant
-with near-duplicate keys (runs of jittered copies of one token's key and value), plus the project's
-real-model trace when traces/model provides one.
+with near-duplicate keys (runs of jittered copies of one token's key and value).
 
 Run: PYTHONPATH=. python benchmarks/eval_bumblebee.py -> benchmarks/results/eval_bumblebee.{json,png}
 """
@@ -41,16 +40,6 @@ def with_near_duplicates(trace: Trace, run: int = 4, jitter: float = 0.05, seed:
         layers.append(LayerArrays(q, k, v, lse, o))
     source = dict(trace.meta.source, near_duplicates={"run": run, "jitter": jitter, "seed": seed})
     return InMemoryTrace(dataclasses.replace(trace.meta, source=source), layers)
-
-
-def _real_trace() -> tuple[str, Trace] | None:
-    """The project's real-model trace, when the traces.model package ships one."""
-    try:
-        import traces.model as tm   # noqa: F401  (absent until the model branch lands)
-    except ImportError:
-        return None
-    make = getattr(tm, "project_trace", None)
-    return ("real-model", make()) if callable(make) else None
 
 
 def evaluate(traces: dict[str, Trace]) -> list[dict]:
@@ -115,13 +104,10 @@ def main() -> None:
                                     n_prompt=a.prompt, seed=0)
         traces[kind] = base
         traces[f"{kind}+near-dup"] = with_near_duplicates(base)
-    real = _real_trace()
-    if real is not None:
-        traces[real[0]] = real[1]
     rows = evaluate(traces)
     plot(rows, RESULTS / "eval_bumblebee.png")
     write_result("eval_bumblebee", {"machine": machine(), "tokens": a.tokens, "prompt": a.prompt,
-                                    "real_model_trace": real is not None, "rows": rows})
+                                    "rows": rows})
 
 
 if __name__ == "__main__":

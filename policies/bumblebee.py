@@ -370,11 +370,14 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
                     continue
                 imp = 0.0
                 if phi_tot > 0.0:
-                    imp = (phi_tot - concave_from(m_tot - slot_state[h, i, F_ACC], kind, alpha, beta, phi_tot)) / phi_tot
+                    rest = concave_from(m_tot - slot_state[h, i, F_ACC], kind, alpha, beta, phi_tot)
+                    imp = (phi_tot - rest) / phi_tot
                 fl = (ss - slot_state[h, i, F_NN]) / (live * ss) if slot_state[h, i, F_NNPOS] >= 0 else 1.0 / live
                 gain = lam * fl + (1.0 - lam) * imp
                 if worst < 0 or gain < worst_g:
                     worst, worst_g = i, gain
+            if worst < 0:    # only protected slots left (cannot happen while recent <= budget)
+                break
             keep[h, worst] = 0
             live -= 1
             excess -= 1
