@@ -7,12 +7,15 @@ where sim is ReLU-truncated cosine similarity of keys (Appx. D; 1 + cos and |cos
 attention a key accumulated and phi is log(1 + x) or the inverse of g(y) = alpha * y**(1/alpha) + beta * y.
 
 Prompt (Alg. 1, ``prefill_fn``): V = the prompt keys, m = causal attention accumulated over all prompt queries,
-greedy maximisation of g under |S| <= budget (lazy/Minoux greedy by default: the same picks as the naive greedy).
+greedy maximisation of g under |S| <= budget (lazy/Minoux greedy by default: the same picks as the naive greedy;
+the paper's stochastic greedy with eps = 1e-5 samples nearly all of V per pick, so it is not offered). It builds
+the P x P similarity matrix: O(P^2 d) time and 8 P^2 bytes per head at a time.
 Decode (Alg. 2, ``step``): V = S' = cache plus the new key; when over budget, drop argmin_k g(k | S' \\ k).
 With V = S' the facility-location gain of k is (sim(k, k) - max_{j != k} sim(k, j)) / |V| sim(k, k), so each slot
 carries its nearest-neighbour similarity (and that neighbour's position) in slot_state: a step costs O(budget * d)
-plus O(budget * d) for each slot whose nearest neighbour was the one evicted (about one on average; O(budget^2 d)
-in the worst case) instead of the O(budget^2) similarity matrix of the paper's Appx. E.
+plus O(budget * d) for each slot whose nearest neighbour was the one evicted (0.01-0.2 per step measured in
+benchmarks/bumblebee_step.py; O(budget^2 d) in the worst case) instead of the O(budget^2) similarity matrix of
+the paper's Appx. E.
 
 Choices the paper leaves open: GQA (the paper's LLaMA has none) reduces a group's probabilities with
 ``group_reduce``; the importance of the incoming key at the eviction decision is its attention over S' and,
