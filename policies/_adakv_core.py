@@ -176,17 +176,56 @@ def target_size(budget, head_state, h):
 
 
 @njit(cache=True)
-def window_step(window, kernel, pooling, mode, t, budget, lengths, probs, positions, slot_state, head_state, keep):
+def evict_flat(scores, positions, lengths, hi_pos, floors, head_state, keep):
+    """Ada-KV re-allocation at decode: the layer drops ``sum(lengths) - sum(targets)`` slots, each time the
+    lowest-scored candidate (position < hi_pos[h]) of any head still above its floor (ties: lower head, older
+    token); the heads' new sizes become their targets."""
+    hkv = lengths.shape[0]
+    excess = 0
+    left = np.empty(hkv, np.int64)
+    for h in range(hkv):
+        left[h] = lengths[h]
+        excess += lengths[h] - np.int64(head_state[h, 1])
+    for _ in range(excess):
+        bh = -1
+        bi = -1
+        for h in range(hkv):
+            if left[h] <= floors[h]:
+                continue
+            for i in range(lengths[h]):
+                if keep[h, i] == 0 or positions[h, i] >= hi_pos[h]:
+                    continue
+                if bh < 0 or scores[h, i] < scores[bh, bi]:
+                    bh = h
+                    bi = i
+        if bh < 0:
+            break
+        keep[bh, bi] = 0
+        left[bh] -= 1
+    for h in range(hkv):
+        head_state[h, 0] = 1.0
+        head_state[h, 1] = left[h]
+
+
+@njit(cache=True)
+def window_step(window, kernel, pooling, mode, flat_alpha, t, budget, lengths, probs, positions, slot_state,
+                head_state, keep):
     """SnapKV at decode: the observation window is the last ``window`` queries (a ring of their reduced
-    probabilities in ``slot_state[:, :, 1:]``, running sum in ``slot_state[:, :, 0]``); when a head exceeds its
-    target size, evict the candidate (outside the protected window) with the lowest pooled window score.
-    Pooling runs over cached candidates whose positions lie within kernel // 2 of each other (uncached
-    positions have no observed score, like padding)."""
+    probabilities in ``slot_state[:, :, 1:]``, running sum in ``slot_state[:, :, 0]``); a head over its target
+    size evicts its candidate (outside the protected window) with the lowest pooled window score. Pooling runs
+    over cached candidates whose positions lie within kernel // 2 of each other (uncached positions have no
+    observed score, like padding). With ``flat_alpha >= 0`` the layer re-allocates instead (``evict_flat``),
+    each head keeping its window plus ``floor(flat_alpha * (budget - window))`` slots."""
     col = 1 + t % window
     r = kernel // 2
-    for h in range(lengths.shape[0]):
+    hkv = lengths.shape[0]
+    g_n = probs.shape[1]
+    pooled = np.zeros((hkv, probs.shape[2]), np.float64)
+    hi = np.empty(hkv, np.int64)
+    floors = np.empty(hkv, np.int64)
+    over = False
+    for h in range(hkv):
         n = lengths[h]
-        g_n = probs.shape[1]
         for i in range(n):
             s = probs[h, 0, i]
             if mode == 2:
@@ -200,14 +239,16 @@ def window_step(window, kernel, pooling, mode, t, budget, lengths, probs, positi
                     s /= g_n
             slot_state[h, i, 0] += s - slot_state[h, i, col]
             slot_state[h, i, col] = s
+        w_e = protected_window(window, budget[h])
+        hi[h] = t - w_e + 1
+        floors[h] = w_e + int(flat_alpha * (budget[h] - w_e))
         target = target_size(budget, head_state, h)
-        if n <= target:
+        if n <= target and flat_alpha < 0.0:
             continue
-        hi_pos = t - protected_window(window, budget[h]) + 1
-        pooled = np.empty(n, np.float64)
+        if n > target:
+            over = True
         for i in range(n):
-            if positions[h, i] >= hi_pos:
-                pooled[i] = 0.0
+            if positions[h, i] >= hi[h]:
                 continue
             acc = slot_state[h, i, 0]
             j = i - 1
@@ -218,14 +259,21 @@ def window_step(window, kernel, pooling, mode, t, budget, lengths, probs, positi
                     acc += slot_state[h, j, 0]
                 j -= 1
             j = i + 1
-            while j < n and positions[h, j] < hi_pos and positions[h, j] - positions[h, i] <= r:
+            while j < n and positions[h, j] < hi[h] and positions[h, j] - positions[h, i] <= r:
                 if pooling == 0:
                     acc = max(acc, slot_state[h, j, 0])
                 else:
                     acc += slot_state[h, j, 0]
                 j += 1
-            pooled[i] = acc if pooling == 0 else acc / kernel
-        evict_lowest(pooled, positions[h], n, n - target, 0, hi_pos, keep[h])
+            pooled[h, i] = acc if pooling == 0 else acc / kernel
+        if flat_alpha < 0.0:
+            evict_lowest(pooled[h], positions[h], n, n - target, 0, hi[h], keep[h])
+    if flat_alpha >= 0.0 and over:
+        for h in range(hkv):
+            if head_state[h, 0] == 0.0:
+                head_state[h, 0] = 1.0
+                head_state[h, 1] = budget[h]
+        evict_flat(pooled, positions, lengths, hi, floors, head_state, keep)
 
 
 @njit(cache=True)

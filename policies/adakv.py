@@ -18,16 +18,20 @@ heads of a layer, which maximises ``sum_i F_i`` for the layer's total budget, he
 the uniform allocation's (Theorem 4) -- with the safeguard too, see ``ada_allocate``.
 
 Decode: the authors allocate once, after prefill, and then append every new token to every head (each head
-keeps its allocated size plus what was generated). Here the budget must hold after each step, so each head
-keeps its prefill-allocated size by evicting one token per step with the scorer's own decode rule
-(SnapKV: lowest pooled score over a sliding observation window; H2O: lowest accumulated attention).
+keeps its allocated size plus what was generated). Here the budget must hold after each step, so by default
+(``decode_alloc='fixed'``) each head keeps its prefill-allocated size by evicting one token per step with the
+scorer's own decode rule (SnapKV: lowest pooled score over a sliding observation window; H2O: lowest
+accumulated attention). ``decode_alloc='flat'`` carries Algorithm 2 into decode: each step the layer evicts
+its Hkv lowest-scored candidates over the flattened scores of all heads, every head keeping its window plus
+``floor(floor_alpha * (budget - window))`` slots, so head sizes keep adapting.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from policies._adakv_core import group_rows_scores, select_prompt, snap_prefill, target_size
+from policies._adakv_core import (evict_flat, group_rows_scores, select_prompt, snap_prefill, target_size,
+                                  window_step)
 from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy
 from policies.h2o import recent_slots
 from policies.kernels import GROUP_REDUCE, evict_lowest, group_score
@@ -36,12 +40,22 @@ from policies.snapkv import BETA, WINDOW_SCHEMA, PyramidKV, WindowPolicy
 
 FLOOR_ALPHA = Param("floor_alpha", 0.5, "float", 0.0, 1.0,
                     doc="safeguard: head budget = (1-a) * adaptive + a * uniform (0: pure Algorithm 2, 1: uniform)")
+DECODE_ALLOC = Param("decode_alloc", "fixed", "choice", choices=("fixed", "flat"),
+                     doc="decode: heads keep their prefill allocation (authors) or re-allocate over flattened scores")
 
 
 @njit(PREFILL_SIG, cache=True)
 def _ada_window_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
     snap_prefill(int(params[0]), int(params[1]), int(params[2]), int(params[3]), params[4], budget, q, k, scale,
                  keep, slot_state, head_state)
+
+
+@njit(STEP_SIG, cache=True)
+def _ada_window_step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep,
+                     merge_to, merge_w):
+    flat_alpha = params[4] if params[5] == 1.0 else -1.0
+    window_step(int(params[0]), int(params[1]), int(params[2]), int(params[3]), flat_alpha, t, budget, lengths,
+                probs, positions, slot_state, head_state, keep)
 
 
 @register
@@ -53,8 +67,9 @@ class AdaSnapKV(WindowPolicy):
 
     name = "ada_snapkv"
     summary = "SnapKV with Ada-KV head-wise budget allocation"
-    schema = WINDOW_SCHEMA + (FLOOR_ALPHA,)
+    schema = WINDOW_SCHEMA + (FLOOR_ALPHA, DECODE_ALLOC)
     head_adaptive = True
+    step_fn = _ada_window_step
     prefill_fn = _ada_window_prefill
 
 
@@ -64,7 +79,7 @@ class AdaPyramidKV(AdaSnapKV):
 
     name = "ada_pyramidkv"
     summary = "PyramidKV with Ada-KV head-wise budget allocation"
-    schema = WINDOW_SCHEMA + (FLOOR_ALPHA, BETA)
+    schema = WINDOW_SCHEMA + (FLOOR_ALPHA, DECODE_ALLOC, BETA)
     allocate = PyramidKV.allocate
 
 
@@ -97,14 +112,29 @@ def _ada_h2o_step(params, layer, t, budget, lengths, probs, keys, values, positi
                   merge_to, merge_w):
     ratio = params[0]
     mode = int(params[1])
-    for h in range(lengths.shape[0]):
+    flat = params[3] == 1.0
+    hkv = lengths.shape[0]
+    hi = np.empty(hkv, np.int64)
+    floors = np.empty(hkv, np.int64)
+    over = False
+    for h in range(hkv):
         n = lengths[h]
         for i in range(n):
             slot_state[h, i, 0] += group_score(probs, h, i, mode)
+        recent = _h2o_recent(budget[h], ratio)
+        hi[h] = t - recent + 1
+        floors[h] = recent + int(params[2] * (budget[h] - recent))
         target = target_size(budget, head_state, h)
         if n > target:
-            recent = _h2o_recent(budget[h], ratio)
-            evict_lowest(slot_state[h, :, 0], positions[h], n, n - target, 0, t - recent + 1, keep[h])
+            over = True
+            if not flat:
+                evict_lowest(slot_state[h, :, 0], positions[h], n, n - target, 0, hi[h], keep[h])
+    if flat and over:
+        for h in range(hkv):
+            if head_state[h, 0] == 0.0:
+                head_state[h, 0] = 1.0
+                head_state[h, 1] = budget[h]
+        evict_flat(np.ascontiguousarray(slot_state[:, :, 0]), positions, lengths, hi, floors, head_state, keep)
 
 
 @register
@@ -121,6 +151,7 @@ class AdaH2O(Policy):
         Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as recent window (H2O)"),
         Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query heads"),
         FLOOR_ALPHA,
+        DECODE_ALLOC,
     )
     slot_fields = 1
     head_fields = 2

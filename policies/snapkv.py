@@ -31,8 +31,8 @@ BETA = Param("beta", 20.0, "float", 1.0, 1000.0, doc="PyramidKV: deepest layer k
 def window_decode_step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state,
                        keep, merge_to, merge_w):
     """Decode step of every observation-window policy (uniform or Ada): see ``_adakv_core.window_step``."""
-    window_step(int(params[0]), int(params[1]), int(params[2]), int(params[3]), t, budget, lengths, probs, positions,
-                slot_state, head_state, keep)
+    window_step(int(params[0]), int(params[1]), int(params[2]), int(params[3]), -1.0, t, budget, lengths, probs,
+                positions, slot_state, head_state, keep)
 
 
 @njit(PREFILL_SIG, cache=True)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import get_policy
-from policies._adakv_core import ada_allocate, select_prompt
+from policies._adakv_core import ada_allocate, evict_flat, select_prompt
 from policies.adakv import allocation_bound
 from policies.snapkv import pyramid_layer_budgets, window_decode_step
 from sim.replay import replay
@@ -210,3 +210,31 @@ def test_select_prompt_keeps_everything_when_the_prompt_fits():
 def test_bad_kernel_size_is_named():
     with pytest.raises(ValueError, match="kernel_size"):
         get_policy("snapkv", kernel_size=4)
+
+
+def test_evict_flat_hand_example():
+    # two heads of 4 slots, targets 3 + 3: two slots go, the lowest candidates of either head above its floor
+    scores = np.array([[0.5, 0.1, 0.2, 0.9], [0.05, 0.3, 0.01, 0.8]])
+    positions = np.array([[0, 3, 5, 9], [1, 2, 4, 9]], np.int64)
+    keep = np.ones((2, 4), np.uint8)
+    head_state = np.array([[1.0, 3.0], [1.0, 3.0]])
+    # position 9 is protected in both heads; head 1 may shrink to 2 slots, head 0 to 3
+    evict_flat(scores, positions, np.array([4, 4]), np.array([9, 9]), np.array([3, 2]), head_state, keep)
+    assert keep.tolist() == [[1, 1, 1, 1], [0, 1, 0, 1]] and head_state[:, 1].tolist() == [4, 2]
+
+
+@pytest.mark.parametrize("name", ["ada_snapkv", "ada_h2o"])
+def test_flat_decode_reallocates_within_the_layer_budget(name):
+    trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=8, n_kv_heads=4, head_dim=16, n_tokens=192,
+                                 n_prompt=128, seed=1)
+    par = {"window_size": 8} if name == "ada_snapkv" else {}
+    res = replay(trace, get_policy(name, decode_alloc="flat", **par), 24)
+    assert (res.slots.sum(axis=2) == 24 * 4).all()
+    assert (res.slots != res.slots[:, :1]).any()                   # head sizes move during decode
+    w_e = 8 if name == "ada_snapkv" else 12
+    assert (res.slots >= w_e + int(0.5 * (24 - w_e))).all()       # the safeguard floor holds at decode too
+    l1, bound = res.metric("l1"), res.metric("l1_bound")
+    assert (l1 <= bound + 1e-4 * (1.0 + bound)).all()
+    same = replay(trace, get_policy(name, decode_alloc="flat", floor_alpha=1.0, **par), 24)
+    fixed = replay(trace, get_policy(name, floor_alpha=1.0, **par), 24)
+    np.testing.assert_array_equal(same.metrics, fixed.metrics)     # floor 1: flat decode is uniform
