@@ -31,6 +31,7 @@ FAMILIES = {
     "snapkv": (("snapkv", {}), ("ada_snapkv", {})),
     "pyramidkv": (("pyramidkv", {}), ("ada_pyramidkv", {})),
     "h2o": (("ada_h2o", {"floor_alpha": 1.0}), ("ada_h2o", {})),
+    "snapkv_flat": (("snapkv", {}), ("ada_snapkv", {"decode_alloc": "flat"})),
 }
 #: heads of a layer cycle through these recipes: concentrated (sinks, recall) next to diffuse (random, zipf)
 HETERO_KINDS = ("sinks", "random", "recall", "zipf")
@@ -111,15 +112,19 @@ def plot(rows: list[dict], table: list[dict], path: Path) -> None:
 
     traces = sorted({r["trace"] for r in rows})
     fig, axes = plt.subplots(2, len(traces), figsize=(4.6 * len(traces), 7.0), squeeze=False)
-    colors = dict(zip(FAMILIES, ("C0", "C1", "C2")))
+    colors = dict(zip(FAMILIES, ("C0", "C1", "C2", "C3")))
     for i, tr in enumerate(traces):
         top, bottom = axes[0, i], axes[1, i]
+        drawn: set[str] = set()
         for fam, col in colors.items():
             for role, style in (("uniform", "o--"), ("ada", "s-")):
                 sel = sorted((r for r in rows if r["trace"] == tr and r["family"] == fam and r["role"] == role),
                              key=lambda r: r["budget"])
+                if not sel or sel[0]["policy"] in drawn:     # a uniform twin shared by two families
+                    continue
+                drawn.add(sel[0]["policy"])
                 top.plot([r["budget"] for r in sel], [r["l1"] for r in sel], style, color=col,
-                         label=f"{'ada_' if role == 'ada' else ''}{fam}", ms=4)
+                         label=sel[0]["policy"], ms=4)
             sel = sorted((r for r in table if r["trace"] == tr and r["family"] == fam), key=lambda r: r["budget"])
             x = [r["budget"] for r in sel]
             bottom.plot(x, [100 * r["l1_change"] for r in sel], "s-", color=col, label=f"{fam}: loss", ms=4)
