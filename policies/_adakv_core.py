@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from policies.kernels import evict_lowest, evict_lowest_sorted
+from policies.kernels import _causal_row, evict_lowest, evict_lowest_sorted, group_score
 
 POOLING = ("max", "avg")
 
@@ -32,36 +32,12 @@ def group_rows_scores(q, k, scale, h, r0, r1, mode, scores, ring, ring_w):
     """
     hkv = k.shape[1]
     g_n = q.shape[1] // hkv
-    d = q.shape[2]
-    p = np.zeros((g_n, r1), np.float64)
+    p = np.zeros((1, g_n, r1), np.float64)
     for r in range(r0, r1):
         for g in range(g_n):
-            hq = h * g_n + g
-            mx = -np.inf
-            for i in range(r + 1):
-                acc = 0.0
-                for x in range(d):
-                    acc += np.float64(q[r, hq, x]) * np.float64(k[i, h, x])
-                p[g, i] = acc * scale
-                if p[g, i] > mx:
-                    mx = p[g, i]
-            tot = 0.0
-            for i in range(r + 1):
-                p[g, i] = np.exp(p[g, i] - mx)
-                tot += p[g, i]
-            for i in range(r + 1):
-                p[g, i] /= tot
+            _causal_row(q, k, scale, h * g_n + g, h, r, p[0, g])
         for i in range(r + 1):
-            s = p[0, i]
-            if mode == 2:
-                for g in range(1, g_n):
-                    if p[g, i] > s:
-                        s = p[g, i]
-            else:
-                for g in range(1, g_n):
-                    s += p[g, i]
-                if mode == 0:
-                    s /= g_n
+            s = group_score(p, 0, i, mode)
             scores[i] += s
             if ring_w > 0:
                 ring[i, 1 + r % ring_w] = s
@@ -219,7 +195,6 @@ def window_step(window, kernel, pooling, mode, flat_alpha, t, budget, lengths, p
     col = 1 + t % window
     r = kernel // 2
     hkv = lengths.shape[0]
-    g_n = probs.shape[1]
     pooled = np.zeros((hkv, probs.shape[2]), np.float64)
     hi = np.empty(hkv, np.int64)
     floors = np.empty(hkv, np.int64)
@@ -227,16 +202,7 @@ def window_step(window, kernel, pooling, mode, flat_alpha, t, budget, lengths, p
     for h in range(hkv):
         n = lengths[h]
         for i in range(n):
-            s = probs[h, 0, i]
-            if mode == 2:
-                for g in range(1, g_n):
-                    if probs[h, g, i] > s:
-                        s = probs[h, g, i]
-            else:
-                for g in range(1, g_n):
-                    s += probs[h, g, i]
-                if mode == 0:
-                    s /= g_n
+            s = group_score(probs, h, i, mode)
             slot_state[h, i, 0] += s - slot_state[h, i, col]
             slot_state[h, i, col] = s
         w_e = protected_window(window, budget[h])
