@@ -13,7 +13,7 @@ from numba import njit
 
 from policies._buzz_model import CountRule, held_after_prefill, held_trajectory
 from policies.base import LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError
-from policies.kernels import GROUP_REDUCE, causal_attention_rows
+from policies.kernels import GROUP_REDUCE, causal_attention_rows, group_score
 from policies.registry import register
 
 # parameter vector indices (schema order)
@@ -166,24 +166,10 @@ def _init_heads(params, budget, head_state):
             head_state[h, _HINIT] = 1.0
 
 
-@njit(cache=True)
-def _reduce(vals, g_n, mode):
-    if mode == 2:
-        best = vals[0]
-        for g in range(1, g_n):
-            best = max(best, vals[g])
-        return best
-    acc = 0.0
-    for g in range(g_n):
-        acc += vals[g]
-    return acc / g_n if mode == 0 else acc
-
-
 @njit(STEP_SIG, cache=True)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
     hkv = lengths.shape[0]
-    g_n = probs.shape[1]
     k = int(params[_K])
     s = int(params[_S])
     on_new = params[_ON] == 1.0
@@ -193,22 +179,17 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
     layer_scope = params[_SCOPE] == 1.0
     mode = int(params[_REDUCE])
     _init_heads(params, budget, head_state)
-    vals = np.empty(g_n, np.float64)
     if layer_scope:   # every head holds the same positions: one shared score per slot
         for i in range(lengths[0]):
             acc = 0.0
             for h in range(hkv):
-                for g in range(g_n):
-                    vals[g] = probs[h, g, i]
-                acc += _reduce(vals, g_n, mode)
+                acc += group_score(probs, h, i, mode)
             for h in range(hkv):
                 slot_state[h, i, _SCORE] += acc
     else:
         for h in range(hkv):
             for i in range(lengths[h]):
-                for g in range(g_n):
-                    vals[g] = probs[h, g, i]
-                slot_state[h, i, _SCORE] += _reduce(vals, g_n, mode)
+                slot_state[h, i, _SCORE] += group_score(probs, h, i, mode)
     for h in range(hkv):
         w = int(head_state[h, _HW])
         T = int(head_state[h, _HT])
