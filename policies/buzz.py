@@ -320,7 +320,7 @@ class Buzz(Policy):
         Param("inclusive_bounds", True, "bool", doc="pass fires when the count exceeds T (Alg. 1 `<=`) vs reaches T"),
         Param("hive_tail", "keep", "choice", choices=("keep", "drop"), doc="partial hive keeps its max or is evicted"),
         Param("hive_align", "left", "choice", choices=("left", "right"), doc="hives from the oldest or newest token"),
-        Param("score_scope", "head", "choice", choices=("head", "layer"), doc="accumulated scores per KV head or layer"),
+        Param("score_scope", "head", "choice", choices=("head", "layer"), doc="scores per KV head or per layer"),
         Param("group_reduce", "sum", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query-head attention"),
     )
     slot_fields = 2
