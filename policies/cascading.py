@@ -25,7 +25,10 @@ Ambiguities, chosen and parameterised:
   - ``clock``: "step" (default) makes sub-cache k accept on steps t divisible by base^k (the paper's
     "every 4th iteration"); "offers" counts the tokens offered to each sub-cache instead and accepts
     every base-th offer ("accepts half of the tokens evicted from the previous one").
-  - The prompt is streamed token by token (the paper streams PG19 books); no prompt-level selection.
+  - ``prefill``: "stream" (default; the paper streams PG19 books token by token through the cascade) or
+    "window": keep the sinks and the newest prompt tokens, split by position into full sub-caches (the
+    newest to C_0) with zero EMA, i.e. the state a cascade fed at the accept rate of C_0 alone would have.
+    ``footprint`` assumes a streamed prompt.
   - Positions: slots keep their original positions (the engine's ``positions``). The paper re-indexes
     RoPE consecutively over the cached tokens (its Positional Encoding paragraph); ``pe_indices`` gives
     that mapping for the GPU path, which must re-rotate keys from their original positions.
@@ -39,12 +42,13 @@ import math
 import numpy as np
 from numba import njit
 
-from policies.base import STEP_SIG, Guarantees, Param, Policy
+from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, stream_prefill
 from policies.registry import register
 
 HEAD_REDUCE = ("mean", "max", "median")
 WARMUP = ("keep_all", "algorithm1")
 CLOCK = ("step", "offers")
+PREFILL = ("stream", "window")
 MAX_CASCADES = 16
 _SINK = 1.0
 _TAG0 = 2.0
@@ -107,7 +111,8 @@ def _accepts(params, head_state, k, t):
 
 @njit(cache=True)
 def _assign_full(params, sizes, n, tags):
-    """Split n held slots (position order) into sinks and full sub-caches, newest to C_0 (keep_all warm-up)."""
+    """Tag n held slots (position order): the first as sinks, then the newest to C_0, C_1... up to their sizes
+    (with n < budget the oldest sub-caches stay short). Used at the keep_all overflow and by the window prefill."""
     n_sinks = int(params[_N_SINKS])
     for i in range(min(n_sinks, n)):
         tags[i] = _SINK
@@ -117,6 +122,31 @@ def _assign_full(params, sizes, n, tags):
             if j >= n_sinks:
                 tags[j] = _TAG0 + k
                 j -= 1
+
+
+@njit(PREFILL_SIG, cache=True)
+def _window_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
+    P = k.shape[0]
+    n_sinks = int(params[_N_SINKS])
+    n_casc = int(params[_N_CASC])
+    c = budget[0] - n_sinks
+    sizes = np.empty(n_casc, np.int64)
+    for k_ in range(n_casc):
+        sizes[k_] = c // n_casc + (1 if k_ < c % n_casc else 0)
+    held = np.empty(min(P, budget[0]), np.int64)
+    for i in range(min(P, n_sinks)):
+        held[i] = i
+    for j in range(held.shape[0] - min(P, n_sinks)):
+        held[held.shape[0] - 1 - j] = P - 1 - j
+    tags = np.zeros(held.shape[0], np.float64)
+    if P > budget[0] or int(params[_WARMUP]) == 1:   # keep_all with room left keeps warming up untagged
+        _assign_full(params, sizes, held.shape[0], tags)
+    for h in range(keep.shape[0]):
+        for i in range(P):
+            keep[h, i] = 0
+        for j in range(held.shape[0]):
+            keep[h, held[j]] = 1
+            slot_state[h, held[j], 0] = tags[j]
 
 
 @njit(STEP_SIG, cache=True)
@@ -243,10 +273,19 @@ class Cascading(Policy):
         Param("head_reduce", "mean", "choice", choices=HEAD_REDUCE, doc="reduction of scores over the layer's heads"),
         Param("warmup", "keep_all", "choice", choices=WARMUP, doc="behaviour before the cache is full"),
         Param("clock", "step", "choice", choices=CLOCK, doc="what the acceptance period counts"),
+        Param("prefill", "stream", "choice", choices=PREFILL, doc="how the prompt enters the cache"),
     )
     slot_fields = 2
     head_fields = MAX_CASCADES
     step_fn = _step
+
+    @property
+    def has_prefill(self) -> bool:
+        return self.params["prefill"] == "window"
+
+    def kernels(self):
+        step, _, scale = super().kernels()
+        return step, (_window_prefill if self.has_prefill else stream_prefill), scale
 
     def _p(self, name: str):
         return self.params[name]

@@ -233,3 +233,32 @@ def test_footprint_matches_replay(warmup):
     if warmup == "algorithm1":
         assert want[39] < 40        # the literal pseudocode under-fills: it drops tokens before the budget is used
 
+
+
+@pytest.mark.parametrize("warmup", ["keep_all", "algorithm1"])
+def test_window_prefill_worked_example(warmup):
+    # 40 prompt tokens, budget 20 = 4 sinks + 4 x 4: the prefill keeps 0-3 and 24-39 (C0 = 36-39 ... C3 = 24-27);
+    # at t = 40 every sub-cache accepts (40 is a multiple of 8): 36, 32, 28 move down one level and 24 drops
+    trace = make_synthetic_trace("mixed", n_layers=1, n_tokens=48, n_prompt=40, head_dim=16, seed=0)
+    res = replay(trace, get_policy("cascading", prefill="window", warmup=warmup), 20, record_kept=(40, 2))
+    kept = lambda r: sorted(x for x in res.kept[0, r, 0].tolist() if x >= 0)
+    assert kept(0) == [0, 1, 2, 3] + list(range(25, 41))
+    assert (res.kept[0, :, 0] == res.kept[0, :, 1]).all()
+    # t = 41 (odd): 37 leaves C0 and competes with C1's newest (36); whichever wins, 25-35 and 38-41 stay
+    assert set([0, 1, 2, 3] + list(range(25, 36)) + list(range(38, 42))) <= set(kept(1))
+    assert len(kept(1)) == 20
+
+
+@pytest.mark.parametrize("params", [{"prefill": "window"}, {"warmup": "algorithm1", "clock": "offers"},
+                                    {"head_reduce": "median", "n_cascades": 3, "accept_base": 3}])
+def test_variants_match_numpy_reference_engine(params):
+    from sim.reference_replay import reference_replay_layer
+    from sim.replay import load_layers
+
+    trace = make_synthetic_trace("mixed", n_layers=1, n_tokens=80, n_prompt=30, head_dim=16, seed=5)
+    p = get_policy("cascading", **params)
+    res = replay(trace, p, 20)
+    metrics, slots, _ = reference_replay_layer(p, 0, load_layers(trace)[0], res.budgets[0], 30,
+                                               trace.meta.softmax_scale)
+    np.testing.assert_array_equal(res.slots[0], slots)
+    np.testing.assert_allclose(res.metrics[0][..., :4], metrics[..., :4], rtol=1e-4, atol=5e-5)
