@@ -27,11 +27,18 @@ Ambiguities, chosen and parameterised:
     every base-th offer ("accepts half of the tokens evicted from the previous one").
   - ``prefill``: "stream" (default; the paper streams PG19 books token by token through the cascade) or
     "window": keep the sinks and the newest prompt tokens, split by position into full sub-caches (the
-    newest to C_0) with zero EMA, i.e. the state a cascade fed at the accept rate of C_0 alone would have.
+    newest to C_0) with zero EMA: the keep_all overflow split applied to the prompt, no prompt attention.
     ``footprint`` assumes a streamed prompt.
   - Positions: slots keep their original positions (the engine's ``positions``). The paper re-indexes
     RoPE consecutively over the cached tokens (its Positional Encoding paragraph); ``pe_indices`` gives
     that mapping for the GPU path, which must re-rotate keys from their original positions.
+  - The decision is layer-level, so the kernel reads the budget of KV head 0 (the default allocation is
+    uniform) and writes the same keep mask and state to every KV head.
+
+Effective context (eq. 4, tested): once warm, no non-sink token older than L~ = sum_k |C_k| base^k positions
+is held, the span reaches L~ exactly under the fixed pattern (an offered token never wins), and token
+selection can shorten it by at most 2 (base^(N-1) - 1) positions (found by property tests, not in the paper).
+
 slot_state: [0] tag (0 unassigned, 1 sink, 2 + k for sub-cache k), [1] EMA score.
 head_state: [0, k] offers seen by sub-cache k (clock = "offers"); identical across the KV heads.
 """
@@ -283,7 +290,7 @@ class Cascading(Policy):
     def has_prefill(self) -> bool:
         return self.params["prefill"] == "window"
 
-    def kernels(self):
+    def kernels(self) -> tuple:
         step, _, scale = super().kernels()
         return step, (_window_prefill if self.has_prefill else stream_prefill), scale
 
