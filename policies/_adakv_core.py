@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from policies.kernels import _causal_row, evict_lowest, evict_lowest_sorted, group_score
+from policies.kernels import causal_row, evict_lowest, evict_lowest_sorted, group_score
 
 POOLING = ("max", "avg")
 
@@ -35,7 +35,7 @@ def group_rows_scores(q, k, scale, h, r0, r1, mode, scores, ring, ring_w):
     p = np.zeros((1, g_n, r1), np.float64)
     for r in range(r0, r1):
         for g in range(g_n):
-            _causal_row(q, k, scale, h * g_n + g, h, r, p[0, g])
+            causal_row(q, k, scale, h * g_n + g, h, r, p[0, g])
         for i in range(r + 1):
             s = group_score(p, 0, i, mode)
             scores[i] += s

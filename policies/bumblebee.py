@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit
 
 from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy
-from policies.kernels import GROUP_REDUCE, _causal_row, group_score
+from policies.kernels import GROUP_REDUCE, causal_row, group_score
 from policies.registry import register
 
 CONCAVE = ("power", "log")
@@ -252,7 +252,7 @@ def prompt_importance(q, k, scale, h, mode):
     row = np.zeros((g_n, P), np.float64)
     for r in range(P):
         for g in range(g_n):
-            _causal_row(q, k, scale, h * g_n + g, h, r, row[g])
+            causal_row(q, k, scale, h * g_n + g, h, r, row[g])
         for i in range(r + 1):
             if mode == 2:
                 a = row[0, i]
