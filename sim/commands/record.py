@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             raise RecordError(f"--text {args.text!r}: file not found")
         text, source["text_id"] = path.read_text(encoding="utf-8", errors="replace"), path.name
     model, tok = load_model(args.model, device=args.device, torch_dtype=args.model_dtype)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
+    ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
     res = record_trace(model, ids, args.out, n_prompt=args.prompt_tokens, n_decode=args.decode_tokens,
                        tokenizer=tok, layers=args.layers, kv_heads=args.kv_heads, dtype=args.dtype,
                        teacher_forced=args.teacher_forced, model_id=Path(args.model).name if args.model != "default"

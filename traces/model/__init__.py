@@ -43,7 +43,7 @@ def record_default_trace(out_dir: str | Path, n_prompt: int = 512, n_decode: int
 
     torch.manual_seed(0)
     model, tok = load_default_model()
-    ids = tok(default_text())["input_ids"]
+    ids = tok(default_text(), verbose=False)["input_ids"]
     res = record_trace(model, ids, out_dir, n_prompt=n_prompt, n_decode=n_decode, tokenizer=tok, layers=layers,
                        dtype=dtype, teacher_forced=True, model_id="kvsim-tiny-llama",
                        source={"text_id": DEFAULT_TEXT_ID}, progress=progress, overwrite=overwrite)
