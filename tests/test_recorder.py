@@ -184,3 +184,12 @@ def test_existing_output_and_missing_model(llama, ids, tmp_path):
     with pytest.raises(RecordError, match="not a local HF model folder"):
         load_model(str(tmp_path / "nope"))
     assert isinstance(RecordError("x"), ValueError) and isinstance(CaptureError("x"), ValueError)
+
+
+def test_half_precision_model_records_within_its_tolerance(llama, ids, tmp_path):
+    import copy
+
+    half = copy.deepcopy(llama).to(torch.bfloat16)
+    res = record_trace(half, ids, tmp_path / "t", n_prompt=20, n_decode=6, teacher_forced=True, progress=False)
+    assert all(r.rel_err < 5e-2 for r in res.faithfulness)
+    assert load_trace(tmp_path / "t").meta.source["model_dtype"] == "torch.bfloat16"

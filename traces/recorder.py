@@ -130,7 +130,8 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
         res, lse, o = layer_faithfulness(layer, q, k, v, model_o, scale)
         faith.append(res)
         layers_out.append(LayerArrays(q, k, v, lse, o))
-    assert_faithful(faith, default_tolerance(dtype) if tol is None else tol)
+    compute = str(next(model.parameters()).dtype)
+    assert_faithful(faith, default_tolerance(dtype, compute) if tol is None else tol)
 
     decode_nll = [x for x in nll[n_prompt:] if not math.isnan(x)]
     mean_nll = float(np.mean(decode_nll)) if decode_nll else math.nan
@@ -163,7 +164,10 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
 
 
 def load_model(name_or_path: str, *, device: str = "cpu", torch_dtype: str | None = None):
-    """Load (model, tokenizer) from a local HF folder, or 'default' for kvsim's shipped model. No downloads."""
+    """Load (model, tokenizer) from a local HF folder, or 'default' for kvsim's shipped model. No downloads.
+
+    torch_dtype None: float32 on CPU (half precision is slow and inexact there), the saved dtype on CUDA.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -177,8 +181,10 @@ def load_model(name_or_path: str, *, device: str = "cpu", torch_dtype: str | Non
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RecordError(f"device {device!r} requested but CUDA is not available")
     kwargs = {"local_files_only": True}
-    if torch_dtype:
-        kwargs["dtype"] = getattr(torch, torch_dtype)
+    if torch_dtype or device == "cpu":
+        kwargs["dtype"] = getattr(torch, torch_dtype or "float32")
+    else:
+        kwargs["dtype"] = "auto"
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tok
