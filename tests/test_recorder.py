@@ -193,3 +193,16 @@ def test_half_precision_model_records_within_its_tolerance(llama, ids, tmp_path)
     res = record_trace(half, ids, tmp_path / "t", n_prompt=20, n_decode=6, teacher_forced=True, progress=False)
     assert all(r.rel_err < 5e-2 for r in res.faithfulness)
     assert load_trace(tmp_path / "t").meta.source["model_dtype"] == "torch.bfloat16"
+
+
+def test_single_pass_equals_stepwise_decode(llama, ids, tmp_path):
+    kw = dict(n_prompt=12, n_decode=20, teacher_forced=True, progress=False)
+    record_trace(llama, ids, tmp_path / "a", **kw)
+    record_trace(llama, ids, tmp_path / "b", single_pass=True, **kw)
+    a, b = load_trace(tmp_path / "a"), load_trace(tmp_path / "b")
+    for i in range(a.n_layers):
+        for name in ("q", "k", "v", "lse", "o"):
+            np.testing.assert_allclose(getattr(a.layer(i), name), getattr(b.layer(i), name), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(a.tokens["nll"], b.tokens["nll"], rtol=1e-4, atol=1e-5)
+    with pytest.raises(RecordError, match="single_pass needs teacher_forced"):
+        record_trace(llama, ids, tmp_path / "c", n_prompt=4, n_decode=2, single_pass=True, progress=False)

@@ -35,8 +35,11 @@ def default_text() -> str:
 
 def record_default_trace(out_dir: str | Path, n_prompt: int = 512, n_decode: int = 512, *,
                          layers: tuple[int, ...] | None = None, dtype: str = "float32", overwrite: bool = False,
-                         progress: bool = False) -> Path:
-    """Record a teacher-forced trace of the shipped model on the default text; returns the trace folder."""
+                         progress: bool = False, single_pass: bool = True) -> Path:
+    """Record a teacher-forced trace of the shipped model on the default text; returns the trace folder.
+
+    single_pass (default) runs one causal forward over all tokens (about a second for 1k tokens on one
+    CPU thread); False decodes token by token through the KV cache (same attention, slower)."""
     import torch
 
     from traces.recorder import record_trace
@@ -46,5 +49,6 @@ def record_default_trace(out_dir: str | Path, n_prompt: int = 512, n_decode: int
     ids = tok(default_text(), verbose=False)["input_ids"]
     res = record_trace(model, ids, out_dir, n_prompt=n_prompt, n_decode=n_decode, tokenizer=tok, layers=layers,
                        dtype=dtype, teacher_forced=True, model_id="kvsim-tiny-llama",
-                       source={"text_id": DEFAULT_TEXT_ID}, progress=progress, overwrite=overwrite)
+                       source={"text_id": DEFAULT_TEXT_ID}, progress=progress, overwrite=overwrite,
+                       single_pass=single_pass)
     return res.path
