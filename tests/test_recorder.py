@@ -206,3 +206,19 @@ def test_single_pass_equals_stepwise_decode(llama, ids, tmp_path):
     np.testing.assert_allclose(a.tokens["nll"], b.tokens["nll"], rtol=1e-4, atol=1e-5)
     with pytest.raises(RecordError, match="single_pass needs teacher_forced"):
         record_trace(llama, ids, tmp_path / "c", n_prompt=4, n_decode=2, single_pass=True, progress=False)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_gqa_rope_families_are_faithful(family, ids, tmp_path):
+    import transformers
+
+    cfg_cls, model_cls = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                          "mistral": ("MistralConfig", "MistralForCausalLM")}[family]
+    torch.manual_seed(2)
+    cfg = getattr(transformers, cfg_cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    res = record_trace(model, ids, tmp_path / "t", n_prompt=20, n_decode=8, progress=False)
+    assert all(r.rel_err < 1e-5 for r in res.faithfulness)
+    tr = load_trace(tmp_path / "t")
+    assert (tr.meta.model.n_q_heads, tr.meta.model.n_kv_heads, tr.meta.source["model_type"]) == (4, 1, family)
