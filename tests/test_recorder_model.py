@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sim.commands import record as record_cmd
+from sim.commands import record_cmd
 from traces.faithful import verify_trace_against_model
 from traces.format import load_trace
 from traces.model import MODEL_DIR, default_model_path, default_text, load_default_model, record_default_trace
