@@ -4,7 +4,8 @@ Each key is laid out in feature blocks so that ``softmax_scale * q_t . k_i`` is 
 
 * sink:      a constant bonus for the first ``n_sinks`` tokens (attention sinks);
 * salience:  ``zipf_strength * log w_i`` with Zipf weights ``w_i`` on a random permutation (heavy hitters);
-* locality:  ``local_strength * sum_j cos(omega_j (t - i))`` from rotary features (local windows);
+* locality:  ``local * c_t . c_i`` for an AR(1) random walk ``c`` with correlation length ``local_length``,
+             about ``local * exp(-|t - i| / local_length)`` (local windows, no periodic aliasing);
 * content:   random per-token vectors; queries recall a chosen old token (periodic recall, passkey) or
              the current topic's shared vector (topic shifts).
 
@@ -42,11 +43,11 @@ class HeadRecipe:
 _RECIPES: dict[str, HeadRecipe] = {
     "sinks": HeadRecipe(sink=6.0, local=1.0),
     "zipf": HeadRecipe(zipf=1.5, sink=2.0),
-    "local": HeadRecipe(local=3.0, sink=1.0),
+    "local": HeadRecipe(local=6.0, sink=1.0),
     "recall": HeadRecipe(recall=9.0, local=1.0, sink=2.0),
     "topic_shift": HeadRecipe(topic=4.0, sink=2.0, local=0.5),
     "adversarial": HeadRecipe(zipf=2.0, recall=8.0, flip_zipf_at=0.5),
-    "passkey": HeadRecipe(sink=3.0, local=2.0, recall=12.0),
+    "passkey": HeadRecipe(sink=3.0, local=2.0, recall=14.0),
     "random": HeadRecipe(noise=2.0),
 }
 _MIXED_CYCLE = ("sinks", "zipf", "local", "recall", "topic_shift")
@@ -56,6 +57,16 @@ def _recipe_for(kind: str, layer: int, head: int) -> HeadRecipe:
     if kind != "mixed":
         return _RECIPES[kind]
     return _RECIPES[_MIXED_CYCLE[(layer * 2 + head) % len(_MIXED_CYCLE)]]
+
+
+def _ar1_walk(rng: np.random.Generator, T: int, dims: int, rho: float) -> np.ndarray:
+    """Unit-scale AR(1) random walk [T, dims]: E[c_t . c_i] = rho ** |t - i|."""
+    noise = rng.standard_normal((T, dims)) / np.sqrt(dims)
+    walk = np.empty((T, dims))
+    walk[0] = noise[0]
+    for t in range(1, T):
+        walk[t] = rho * walk[t - 1] + np.sqrt(1.0 - rho * rho) * noise[t]
+    return walk
 
 
 def _recall_targets(kind: str, T: int, rng: np.random.Generator, recall_every: int, window: int,
@@ -74,7 +85,7 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
                          head_dim: int = 32, n_tokens: int = 512, n_prompt: int = 64, seed: int = 0,
                          n_sinks: int = 4, zipf_alpha: float = 1.1, recall_every: int = 16, recall_window: int = 32,
                          segment: int = 128, passkey_pos: int | None = None, n_needle_queries: int = 16,
-                         dtype: str = "float32") -> InMemoryTrace:
+                         local_length: float = 4.0, dtype: str = "float32") -> InMemoryTrace:
     """Generate a synthetic trace with a known attention structure (see module docstring)."""
     if kind not in KINDS:
         raise ValueError(f"unknown synthetic kind {kind!r}; choose from {KINDS}")
@@ -88,11 +99,10 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
     scale = d ** -0.5
     rng = np.random.default_rng(seed)
     dc = d - 2 - 2 * _N_FREQ
-    omegas = np.pi / (2.0 ** np.arange(_N_FREQ) * 2.0)
     pos = np.arange(T)
-    rot = np.concatenate([np.cos(np.outer(pos, omegas)), np.sin(np.outer(pos, omegas))], axis=1)  # [T, 2F]
+    rho = float(np.exp(-1.0 / local_length))
     passkey_pos = n_prompt // 4 if passkey_pos is None else passkey_pos
-    if not 0 <= passkey_pos < T - n_needle_queries:
+    if kind == "passkey" and not 0 <= passkey_pos < T - n_needle_queries:
         raise ValueError(f"passkey_pos {passkey_pos} must lie before the last {n_needle_queries} queries")
     layers = []
     for layer in range(n_layers):
@@ -102,13 +112,18 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
         for h in range(n_kv_heads):
             rec = _recipe_for(kind, layer, h)
             ranks = rng.permutation(T) + 1
+            walk = _ar1_walk(rng, T, 2 * _N_FREQ, rho)
             content = rng.standard_normal((T, dc)) / np.sqrt(dc)
+            if kind == "passkey":   # make the needle unique: no other token shares its content direction
+                u = content[passkey_pos] / np.linalg.norm(content[passkey_pos])
+                others = np.arange(T) != passkey_pos
+                content[others] -= np.outer(content[others] @ u, u)
             topics = rng.standard_normal((T // max(1, segment) + 1, dc)) / np.sqrt(dc)
             seg = pos // max(1, segment)
             content_k = content + (topics[seg] if rec.topic else 0.0)
             k[:, h, 0] = (pos < n_sinks).astype(np.float64)
             k[:, h, 1] = -zipf_alpha * np.log(ranks)
-            k[:, h, 2:2 + 2 * _N_FREQ] = rot
+            k[:, h, 2:2 + 2 * _N_FREQ] = walk
             k[:, h, 2 + 2 * _N_FREQ:] = content_k
             targets = _recall_targets(kind if kind == "passkey" else "recall", T, rng, recall_every, recall_window,
                                       passkey_pos, n_needle_queries)
@@ -118,7 +133,7 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
                 qh = q[:, h * G + g]
                 qh[:, 0] = rec.sink * jit_[0] / scale
                 qh[:, 1] = rec.zipf * jit_[1] * zsign / scale
-                qh[:, 2:2 + 2 * _N_FREQ] = rec.local * jit_[2] * rot / scale
+                qh[:, 2:2 + 2 * _N_FREQ] = rec.local * jit_[2] * walk / scale
                 qc = rec.noise * rng.standard_normal((T, dc)) / np.sqrt(dc)
                 if rec.topic:
                     qc += rec.topic * jit_[3] * topics[seg] / scale
@@ -133,6 +148,7 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
     model = ModelInfo(f"synthetic-{kind}", n_layers, n_q_heads, n_kv_heads, head_dim, rope="none",
                       layer_ids=tuple(range(n_layers)))
     source: dict[str, Any] = dict(generator="traces.synthetic", kind=kind, seed=seed, n_sinks=n_sinks,
+                                  local_length=local_length,
                                   zipf_alpha=zipf_alpha, recall_every=recall_every, recall_window=recall_window,
                                   segment=segment, passkey_pos=passkey_pos, n_needle_queries=n_needle_queries)
     meta = TraceMeta(model, T, n_prompt, dtype=dtype, softmax_scale=scale, kind="synthetic", source=source)

@@ -1,0 +1,1 @@
+"""One module per kvsim subcommand, each exposing ``register(subparsers)``."""

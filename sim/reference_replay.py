@@ -1,0 +1,115 @@
+"""Plain-numpy replay with the engine's semantics: the oracle the numba engine is tested and benchmarked against.
+
+Per step and KV head it appends the new token, computes attention with numpy over the cached slots, calls the
+same policy kernels, applies merges and compacts with boolean masks. Slow by design (Python per step and
+head), so it is only used on small traces in tests and as the side-by-side baseline of benchmarks/replay.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from policies.base import Policy
+from sim.engine import N_METRICS
+from sim.replay import LayerInputs
+
+
+def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: np.ndarray, n_prompt: int,
+                           scale: float) -> tuple[np.ndarray, np.ndarray, list[list[np.ndarray]]]:
+    """Replay one layer; returns metrics [S, Hq, 5], slots [S, Hkv] and the kept positions per step and head."""
+    step, prefill, logit_scale = policy.kernels()
+    params = policy.param_vector()
+    T, hq_n, d = li.q.shape
+    hkv = li.k.shape[1]
+    g_n = hq_n // hkv
+    S = policy.slot_fields
+    cap = T + 1 if policy.unbounded else int(min(T, budget.sum() if policy.head_adaptive else budget.max())) + 1
+    keys = [np.zeros((0, d), np.float32) for _ in range(hkv)]
+    vals = [np.zeros((0, d), np.float32) for _ in range(hkv)]
+    pos = [np.zeros(0, np.int64) for _ in range(hkv)]
+    state = [np.zeros((0, S)) for _ in range(hkv)]
+    dirty = [np.zeros(0, bool) for _ in range(hkv)]
+    head_state = np.zeros((hkv, policy.head_fields))
+    t0 = 0
+    if policy.has_prefill and n_prompt > 0:
+        pkeep = np.ones((hkv, n_prompt), np.uint8)
+        pst = np.zeros((hkv, n_prompt, S))
+        prefill(params, layer, budget, li.q[:n_prompt], li.k[:n_prompt], li.v[:n_prompt], scale, pkeep, pst,
+                head_state)
+        for h in range(hkv):
+            sel = pkeep[h].astype(bool)
+            keys[h], vals[h] = li.k[:n_prompt, h][sel], li.v[:n_prompt, h][sel]
+            pos[h], state[h] = np.arange(n_prompt)[sel], pst[h][sel]
+            dirty[h] = np.zeros(int(sel.sum()), bool)
+        t0 = n_prompt
+    metrics = np.zeros((T - n_prompt, hq_n, N_METRICS))
+    slots = np.zeros((T - n_prompt, hkv), np.int32)
+    kept_log: list[list[np.ndarray]] = []
+    for t in range(t0, T):
+        mult = logit_scale(params, t + 1)
+        probs = np.zeros((hkv, g_n, cap))
+        lengths = np.zeros(hkv, np.int64)
+        ck = np.zeros((hkv, cap, d), np.float32)
+        cv = np.zeros((hkv, cap, d), np.float32)
+        cpos = np.full((hkv, cap), -1, np.int64)
+        cst = np.zeros((hkv, cap, S))
+        for h in range(hkv):
+            keys[h] = np.vstack([keys[h], li.k[t, h][None]])
+            vals[h] = np.vstack([vals[h], li.v[t, h][None]])
+            pos[h] = np.append(pos[h], t)
+            state[h] = np.vstack([state[h], np.zeros((1, S))])
+            dirty[h] = np.append(dirty[h], False)
+            n = len(pos[h])
+            lengths[h] = n
+            qg = li.q[t, h * g_n:(h + 1) * g_n].astype(np.float64)             # [G, d]
+            dots = qg @ keys[h].astype(np.float64).T                           # [G, n]
+            logits = dots * scale * mult
+            p = np.exp(logits - logits.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            probs[h, :, :n] = p
+            if t >= n_prompt:
+                orig = np.where(dirty[h][None], qg @ li.k[pos[h], h].astype(np.float64).T, dots)
+                lse = li.lse[t, h * g_n:(h + 1) * g_n].astype(np.float64)[:, None]
+                log_pfull = orig * scale - lse
+                o_cache = p @ vals[h].astype(np.float64)
+                ref = li.o[t, h * g_n:(h + 1) * g_n].astype(np.float64)
+                diff = ref - o_cache
+                den = np.sqrt((ref ** 2).sum(axis=1))
+                mass = np.exp(log_pfull).sum(axis=1)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    kl = np.where(p > 0, p * (np.log(p) - log_pfull), 0.0).sum(axis=1)
+                r = t - n_prompt
+                sl = slice(h * g_n, (h + 1) * g_n)
+                metrics[r, sl, 0] = mass
+                metrics[r, sl, 1] = np.where(den > 0, np.sqrt((diff ** 2).sum(axis=1)) / np.where(den > 0, den, 1),
+                                             np.sqrt((diff ** 2).sum(axis=1)))
+                metrics[r, sl, 2] = np.maximum(kl, 0.0)
+                metrics[r, sl, 3] = np.abs(diff).sum(axis=1)
+                metrics[r, sl, 4] = 2.0 * np.maximum(0.0, 1.0 - mass) * li.vmax1[t, h]
+            ck[h, :n], cv[h, :n], cpos[h, :n], cst[h, :n] = keys[h], vals[h], pos[h], state[h]
+        keep = np.ones((hkv, cap), np.uint8)
+        merge_to = np.full((hkv, cap), -1, np.int64)
+        merge_w = np.ones((hkv, cap))
+        step(params, layer, t, budget, lengths, probs, ck, cv, cpos, cst, head_state, keep, merge_to, merge_w)
+        step_kept = []
+        for h in range(hkv):
+            n = lengths[h]
+            kh, vh = ck[h, :n].astype(np.float64), cv[h, :n].astype(np.float64)
+            src = np.nonzero(merge_to[h, :n] >= 0)[0]
+            targets = np.unique(merge_to[h, src])
+            newk, newv = kh.copy(), vh.copy()
+            newk[targets] *= merge_w[h, targets][:, None]
+            newv[targets] *= merge_w[h, targets][:, None]
+            for i in src:
+                newk[merge_to[h, i]] += merge_w[h, i] * kh[i]
+                newv[merge_to[h, i]] += merge_w[h, i] * vh[i]
+            sel = keep[h, :n].astype(bool)
+            merged = np.zeros(n, bool)
+            merged[targets] = True
+            keys[h], vals[h] = newk[sel].astype(np.float32), newv[sel].astype(np.float32)
+            pos[h], state[h] = cpos[h, :n][sel], cst[h, :n][sel]
+            dirty[h] = (dirty[h] | merged)[sel]
+            step_kept.append(pos[h].copy())
+            if t >= n_prompt:
+                slots[t - n_prompt, h] = len(pos[h])
+        kept_log.append(step_kept)
+    return metrics, slots, kept_log

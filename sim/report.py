@@ -1,0 +1,106 @@
+"""Tables and plots users read: ranked policies per trace, loss-vs-budget curves."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+#: columns a ranked table shows, with the header users see
+_SHOWN = {"label": "policy", "rank": "rank", "err_mean": "err", "mass_mean": "mass", "kl_mean": "KL",
+          "err_gap": "err-oracle", "slots_mean": "slots"}
+_LEGEND = ("rank: mean rank over budgets by err · err: relative L2 error of the attention output vs the full "
+           "cache · mass: share of full attention on kept tokens · KL: KL(cache ‖ full) · err-oracle: gap to "
+           "the oracle · slots: mean slots held per KV head")
+
+
+def ranked_table(df: pd.DataFrame, metric: str = "err_mean") -> pd.DataFrame:
+    """Per trace and policy label: mean rank over budgets (1 = lowest loss) and mean metrics, best first."""
+    if df.empty:
+        return df
+    df = df.copy()
+    df["rank"] = df.groupby(["trace", "budget"])[metric].rank(method="min")
+    cols = [c for c in ("rank", "err_mean", "mass_mean", "kl_mean", "err_gap", "slots_mean") if c in df]
+    out = df.groupby(["trace", "label"], as_index=False)[cols].mean()
+    return out.sort_values(["trace", "rank", metric]).reset_index(drop=True)
+
+
+def print_ranked(df: pd.DataFrame, metric: str = "err_mean", title: str = "kvsim results") -> None:
+    """Print the ranked table to the terminal (rich), one table per trace."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(100, Console().width))
+    table_df = ranked_table(df, metric)
+    for trace, part in table_df.groupby("trace", sort=False):
+        budgets = sorted(df[df.trace == trace].budget.unique())
+        table = Table(title=f"{title} — {trace} — budgets {', '.join(map(str, budgets))} (lower err is better)")
+        cols = [c for c in _SHOWN if c in part]
+        for c in cols:
+            table.add_column(_SHOWN[c], justify="left" if c == "label" else "right")
+        for _, row in part.iterrows():
+            table.add_row(*[str(row[c]) if c == "label" else f"{row[c]:.3g}" for c in cols])
+        console.print(table)
+    console.print(_LEGEND, style="dim")
+
+
+def plot_budget_curves(df: pd.DataFrame, path: str | Path, metrics: tuple[str, ...] = ("err_mean", "mass_mean")) -> Path:
+    """Loss vs budget, one line per policy, one row per trace; saved as PNG (or SVG/PDF by suffix)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(dict.fromkeys(df.trace))
+    titles = {"err_mean": "attention-output error (rel. L2) ↓", "mass_mean": "retained attention mass ↑",
+              "kl_mean": "KL(cache ‖ full) ↓"}
+    fig, axes = plt.subplots(len(traces), len(metrics), figsize=(6.2 * len(metrics), 4.2 * len(traces)),
+                             squeeze=False)
+    labels = sorted(df.label.unique(), key=lambda s: (s != "oracle", s))
+    cmap = plt.get_cmap("tab20")
+    styles = {lab: dict(color=cmap(i % 20), marker="os^vD<>ph*"[i % 10]) for i, lab in enumerate(labels)}
+    for r, trace in enumerate(traces):
+        part = df[df.trace == trace]
+        for c, metric in enumerate(metrics):
+            ax = axes[r][c]
+            for lab in labels:
+                line = part[part.label == lab].sort_values("budget")
+                if line.empty:
+                    continue
+                kw = dict(styles[lab])
+                if lab == "oracle":
+                    kw.update(color="black", linestyle="--", marker=None)
+                ax.plot(line.budget, line[metric], label=lab, linewidth=1.8, markersize=5, **kw)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("budget (slots per KV head)")
+            ax.set_title(f"{trace}: {titles.get(metric, metric)}", fontsize=10)
+            ax.grid(True, alpha=0.3)
+            budgets = sorted(part.budget.unique())
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="center right", fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def write_html(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") -> Path:
+    """The ranked table as a standalone HTML page."""
+    table = ranked_table(df, metric).rename(columns=_SHOWN)
+    html = ("<html><head><meta charset='utf-8'><title>kvsim results</title><style>"
+            "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+            "td,th{padding:4px 10px;border-bottom:1px solid #ddd;text-align:right}</style></head><body>"
+            f"<h1>kvsim results</h1>{table.to_html(index=False, float_format=lambda x: f'{x:.4g}')}</body></html>")
+    path = Path(path)
+    path.write_text(html, encoding="utf-8")
+    return path
+
+
+def default_budgets(n_tokens: int, n: int = 5) -> list[int]:
+    """Powers of two from 16 up to about half the sequence (at most n of them)."""
+    top = max(16, n_tokens // 2)
+    budgets = [int(b) for b in 2 ** np.arange(4, int(np.log2(top)) + 1)]
+    return budgets[-n:]

@@ -1,0 +1,66 @@
+"""Results store: one Parquet dataset (a directory of part files), one row per configuration with a stable key.
+
+Every finished configuration is written at once as its own atomically renamed part file, so an interrupted
+sweep (Ctrl-C, kill -9) loses nothing finished and resumes by skipping keys already present.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+
+def config_key(trace_id: str, policy: str, params: dict[str, Any], budget: int) -> str:
+    """Stable key of a (trace, policy, params, budget) configuration."""
+    payload = json.dumps([trace_id, policy, params, int(budget)], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+class ResultStore:
+    """A directory of ``part-*.parquet`` files read as one table."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"{self.root}: results store must be a directory")
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def parts(self) -> list[Path]:
+        return sorted(self.root.glob("part-*.parquet"))
+
+    def load(self) -> pd.DataFrame:
+        """All rows, one per key (the first written wins if a key was ever written twice)."""
+        frames = [pd.read_parquet(p) for p in self.parts()]
+        if not frames:
+            return pd.DataFrame()
+        df = pd.concat(frames, ignore_index=True)
+        return df.drop_duplicates("key", keep="first").reset_index(drop=True)
+
+    def keys(self) -> set[str]:
+        return set(self.load().get("key", pd.Series(dtype=str)).tolist())
+
+    def add(self, rows: Iterable[dict[str, Any]]) -> Path | None:
+        """Append rows as one new part file (temp file + rename: all or nothing)."""
+        rows = list(rows)
+        if not rows:
+            return None
+        df = pd.DataFrame(rows)
+        if "params" in df:
+            df["params"] = df["params"].map(lambda p: p if isinstance(p, str) else json.dumps(p, sort_keys=True))
+        final = self.root / f"part-{uuid.uuid4().hex}.parquet"
+        fd, tmp = tempfile.mkstemp(prefix=".part-", suffix=".tmp", dir=self.root)
+        os.close(fd)
+        try:
+            df.to_parquet(tmp, index=False)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return final

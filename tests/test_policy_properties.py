@@ -1,0 +1,107 @@
+"""Properties every registered policy must have, checked on hypothesis-generated synthetic traces."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from policies import get_policy, list_policies
+from sim.replay import replay, replay_oracle
+from traces.synthetic import KINDS, make_synthetic_trace
+
+ALL = list_policies()
+BOUNDED = [n for n in ALL if not get_policy(n).unbounded and not get_policy(n).is_oracle]
+GEOMETRIES = [(2, 1), (2, 2), (4, 2)]
+
+
+@st.composite
+def trace_and_budget(draw, name: str):
+    """A small synthetic trace and a budget the policy accepts (min_budget..T)."""
+    hq, hkv = draw(st.sampled_from(GEOMETRIES))
+    T = draw(st.integers(16, 72))
+    trace = make_synthetic_trace(
+        draw(st.sampled_from(KINDS)), n_layers=draw(st.integers(1, 2)), n_q_heads=hq, n_kv_heads=hkv,
+        head_dim=16, n_tokens=T, n_prompt=draw(st.integers(0, T // 2)), seed=draw(st.integers(0, 2**16)),
+        recall_every=5, recall_window=6, segment=12, n_needle_queries=3, passkey_pos=1)
+    policy = get_policy(name)
+    lo = policy.min_budget()
+    assume(lo <= T)
+    budget = draw(st.integers(lo, T))
+    return trace, policy, budget
+
+
+def _kept_sets(result, layer, step_index, head):
+    row = result.kept[layer, step_index, head]
+    return set(row[row >= 0].tolist())
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+@settings(max_examples=15)
+@given(data=st.data())
+def test_never_over_budget_and_keeps_promises(name, data):
+    trace, policy, budget = data.draw(trace_and_budget(name))
+    P, T = trace.meta.n_prompt, trace.meta.n_tokens
+    res = replay(trace, policy, budget, record_kept=(P, T - P))
+    if policy.head_adaptive:
+        assert (res.slots.sum(axis=2) <= res.budgets.sum(axis=1)[:, None]).all()
+    else:
+        assert (res.slots <= res.budgets[:, None, :]).all()
+    sinks, recent = policy.guarantees(budget)
+    for layer in range(trace.n_layers):
+        for r, t in enumerate(res.kept_steps):
+            for h in range(trace.meta.model.n_kv_heads):
+                kept = _kept_sets(res, layer, r, h)
+                promised = set(range(min(sinks, t + 1))) | set(range(max(0, t - recent + 1), t + 1))
+                assert promised <= kept, f"{name}: step {t} head {h} lost {sorted(promised - kept)}"
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=8)
+@given(data=st.data())
+def test_deterministic(name, data):
+    trace, policy, budget = data.draw(trace_and_budget(name))
+    a = replay(trace, policy, budget)
+    b = replay(trace, get_policy(name, **policy.params), budget)
+    np.testing.assert_array_equal(a.metrics, b.metrics)
+    np.testing.assert_array_equal(a.slots, b.slots)
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=8)
+@given(data=st.data())
+def test_full_budget_is_full_attention(name, data):
+    trace, policy, _ = data.draw(trace_and_budget(name))
+    T = trace.meta.n_tokens
+    assume(policy.min_budget() <= T)
+    full = replay(trace, get_policy("full"), T)
+    res = replay(trace, policy, T)
+    if policy.is_oracle or policy.logit_scale_fn is not None:
+        # separate exact path (oracle) or changed attention (logit scaling): equal only up to rounding / by design
+        if policy.is_oracle:
+            np.testing.assert_allclose(res.metrics, full.metrics, rtol=1e-9, atol=1e-9)
+        return
+    np.testing.assert_array_equal(res.metrics, full.metrics)
+    assert np.abs(full.metric("mass") - 1.0).max() < 1e-6
+    assert full.metric("err").max() < 1e-5
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+@settings(max_examples=10)
+@given(data=st.data())
+def test_oracle_retains_at_least_as_much(name, data):
+    trace, policy, budget = data.draw(trace_and_budget(name))
+    res = replay(trace, policy, budget)
+    per_layer_total = res.budgets.sum(axis=1)
+    assume((per_layer_total == per_layer_total[0]).all())        # same memory in every layer
+    hkv = trace.meta.model.n_kv_heads
+    g = trace.meta.model.n_q_heads // hkv
+    mass = res.metric("mass")                                    # [L, S, Hq]
+    if policy.head_adaptive or not (res.budgets == res.budgets[0, 0]).all():
+        assume(per_layer_total[0] % hkv == 0)
+        orc = replay_oracle(trace, [int(per_layer_total[0] // hkv)], scope="layer")[0]
+        assert (orc.metric("mass").sum(axis=2) >= mass.sum(axis=2) - 1e-9).all()
+    else:
+        orc = replay_oracle(trace, [int(res.budgets[0, 0])], scope="head")[0]
+        grouped = lambda m: m.reshape(m.shape[0], m.shape[1], hkv, g).sum(axis=3)
+        assert (grouped(orc.metric("mass")) >= grouped(mass) - 1e-9).all()
