@@ -48,7 +48,7 @@ def assert_faithful(results: list[LayerFaithfulness], tol: float) -> None:
         raise UnfaithfulTraceError(f"recomputed attention differs from the model's ({detail}; tolerance {tol:.0e})")
 
 
-def verify_trace_against_model(trace, model, *, tol: float | None = None, device: str = "cpu") -> list[LayerFaithfulness]:
+def verify_trace_against_model(trace, model, *, tol: float | None = None) -> list[LayerFaithfulness]:
     """Re-run the model teacher-forced on a trace's tokens and check every stored layer.
 
     Independent of the recording run: the model's attention outputs are captured afresh and compared with
@@ -65,7 +65,7 @@ def verify_trace_against_model(trace, model, *, tol: float | None = None, device
     kv_heads = tuple(src.get("kv_heads", range(trace.meta.model.n_kv_heads)))
     group = trace.meta.model.group_size
     cap = Capture(tuple(trace.meta.model.layer_ids), kv_heads, group, np.dtype(np.float32))
-    ids = torch.tensor(tokens["token_id"].to_numpy(np.int64)[None], device=device)
+    ids = torch.tensor(tokens["token_id"].to_numpy(np.int64)[None], device=next(model.parameters()).device)
     model.eval()
     with torch.no_grad(), capturing(model, cap):
         model(input_ids=ids, use_cache=True)
