@@ -6,6 +6,8 @@ wall-clock-cap fraction, so a slow shared machine still ends with a decayed LR a
 At every checkpoint the held-out NLL is measured and the fp16 export is rewritten atomically only when
 it improved, so stopping (SIGTERM, cap, crash) never leaves a half-written or overfit model. Run:
     PYTHONPATH=. nice -n 10 python -m traces.model.train --minutes 60
+A second stage continues from an exported model (--init-from) with its own curriculum, e.g. long contexts
+at a low learning rate; it reuses that model's tokenizer.
 """
 from __future__ import annotations
 
@@ -69,9 +71,20 @@ def build_config(vocab_size: int, args):
     )
 
 
-def phase_for(progress: float) -> tuple[int, int]:
-    seq, bs = CURRICULUM[0][1:]
-    for start, s, b in CURRICULUM:
+def parse_curriculum(text: str) -> tuple[tuple[float, int, int], ...]:
+    """'0:1024:8,0.5:2048:4' -> ((0.0, 1024, 8), (0.5, 2048, 4)): start fraction, sequence length, batch."""
+    try:
+        phases = tuple((float(a), int(b), int(c)) for a, b, c in (p.split(":") for p in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"curriculum must look like 0:1024:8,0.5:2048:4, got {text!r}") from None
+    if not phases or phases[0][0] != 0.0 or any(x[0] >= y[0] for x, y in zip(phases, phases[1:])):
+        raise argparse.ArgumentTypeError(f"curriculum must start at 0 and increase, got {text!r}")
+    return phases
+
+
+def phase_for(progress: float, curriculum=CURRICULUM) -> tuple[int, int]:
+    seq, bs = curriculum[0][1:]
+    for start, s, b in curriculum:
         if progress >= start:
             seq, bs = s, b
     return seq, bs
@@ -135,7 +148,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--checkpoint-seconds", type=float, default=180.0)
     ap.add_argument("--log", type=Path, default=HERE / "train_log.jsonl")
+    ap.add_argument("--state", type=Path, default=HERE / "train_state.json")
+    ap.add_argument("--init-from", type=Path, default=None, help="continue from an exported model folder")
+    ap.add_argument("--curriculum", type=parse_curriculum, default=CURRICULUM,
+                    help="start:seq_len:batch,... over schedule progress (default: %(default)s)")
     args = ap.parse_args(argv)
+    if args.init_from is not None and args.init_from.resolve() == args.out.resolve():
+        ap.error("--init-from must differ from --out (the export is rewritten during training)")
 
     import torch
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
@@ -148,7 +167,11 @@ def main(argv: list[str] | None = None) -> None:
 
     docs = load_documents()
     train_docs, held_docs = split_documents(docs)
-    tok = train_tokenizer([t for _, t in train_docs], args.vocab)
+    if args.init_from is not None:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+    else:
+        tok = train_tokenizer([t for _, t in train_docs], args.vocab)
     train_ids = encode_stream(tok, [t for _, t in train_docs])
     val_ids = encode_stream(tok, [t for _, t in held_docs])
     args.out.mkdir(parents=True, exist_ok=True)
@@ -161,8 +184,10 @@ def main(argv: list[str] | None = None) -> None:
     heldout_text = "".join(t for _, t in held_docs)
     atomic_write_bytes(HERE / "data" / "heldout.txt", heldout_text.encode("utf-8"))
 
-    config = build_config(tok.get_vocab_size(), args)
-    model = LlamaForCausalLM(config)
+    if args.init_from is not None:
+        model = LlamaForCausalLM.from_pretrained(args.init_from, local_files_only=True, dtype=torch.float32)
+    else:
+        model = LlamaForCausalLM(build_config(tok.get_vocab_size(), args))
     model.config._attn_implementation = "sdpa"
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
@@ -177,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
                    "heldout_tokens": int(len(val_ids)), "train_chars": sum(len(t) for _, t in train_docs),
                    "heldout_chars": len(heldout_text)},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "curriculum": CURRICULUM, "n_params": n_params, "step": 0, "tokens_seen": 0, "finished": False,
+        "curriculum": args.curriculum, "n_params": n_params, "step": 0, "tokens_seen": 0, "finished": False,
     }
     print(json.dumps({k: state[k] for k in ("n_params",)} | {"train_tokens": len(train_ids),
                                                              "val_tokens": len(val_ids)}), flush=True)
@@ -198,10 +223,12 @@ def main(argv: list[str] | None = None) -> None:
                          exported_step=step, exported_tokens_seen=tokens)
         state.update(step=step, tokens_seen=tokens, elapsed_s=round(time.time() - t0, 1), finished=final,
                      stop_reason=stop_reason if final else None)
-        atomic_write_bytes(args.out.parent / "train_state.json", json.dumps(state, indent=1).encode())
+        atomic_write_bytes(args.state, json.dumps(state, indent=1).encode())
         print(json.dumps(rec), flush=True)
 
     cap_s = args.minutes * 60
+    if args.init_from is not None:
+        state["init_val_nll_1024"] = round(eval_loss(model, val_ids, 1024), 4)
     while tokens < args.total_tokens:
         if stop["flag"]:
             stop_reason = "SIGTERM"
@@ -210,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
             stop_reason = f"wall-clock cap {args.minutes} min"
             break
         progress = max(tokens / args.total_tokens, (time.time() - t0) / cap_s)
-        seq, bs = phase_for(progress)
+        seq, bs = phase_for(progress, args.curriculum)
         starts = rng.integers(0, len(train_ids) - seq - 1, size=bs)
         batch = torch.from_numpy(np.stack([train_ids[s:s + seq + 1] for s in starts]).astype(np.int64))
         lr = lr_at(progress, step, args.lr, args.warmup)
