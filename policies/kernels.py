@@ -89,30 +89,35 @@ def hash_uniform(seed, a, b, c):
 
 
 @njit(cache=True)
+def causal_row(q, k, scale, hq, h, r, row):
+    """row[:r+1] = causal softmax attention of query ``r`` (head ``hq``) over KV head ``h``'s keys 0..r."""
+    d = q.shape[2]
+    mx = -np.inf
+    for i in range(r + 1):
+        acc = 0.0
+        for x in range(d):
+            acc += np.float64(q[r, hq, x]) * np.float64(k[i, h, x])
+        row[i] = acc * scale
+        if row[i] > mx:
+            mx = row[i]
+    tot = 0.0
+    for i in range(r + 1):
+        row[i] = np.exp(row[i] - mx)
+        tot += row[i]
+    for i in range(r + 1):
+        row[i] /= tot
+
+
+@njit(cache=True)
 def causal_attention_rows(q, k, scale, hq, h, r0, r1):
     """Causal softmax attention of query head ``hq`` rows [r0, r1) over KV head ``h``'s keys 0..row.
 
     Returns float64 [r1 - r0, r1]; entries right of the diagonal are 0. Prompt-time helper for prefill
     selectors (SnapKV observation windows, accumulated prompt attention): O((r1 - r0) * r1 * d).
     """
-    d = q.shape[2]
     out = np.zeros((r1 - r0, r1), np.float64)
     for r in range(r0, r1):
-        row = out[r - r0]
-        mx = -np.inf
-        for i in range(r + 1):
-            acc = 0.0
-            for x in range(d):
-                acc += np.float64(q[r, hq, x]) * np.float64(k[i, h, x])
-            row[i] = acc * scale
-            if row[i] > mx:
-                mx = row[i]
-        tot = 0.0
-        for i in range(r + 1):
-            row[i] = np.exp(row[i] - mx)
-            tot += row[i]
-        for i in range(r + 1):
-            row[i] /= tot
+        causal_row(q, k, scale, hq, h, r, out[r - r0])
     return out
 
 
@@ -123,22 +128,10 @@ def causal_column_sums(q, k, scale, hq, h, r0, r1):
     Column i is the attention token i accumulated from those queries (H2O-style accumulated score).
     Streams row by row: O(r1) memory.
     """
-    d = q.shape[2]
     sums = np.zeros(r1, np.float64)
     row = np.zeros(r1, np.float64)
     for r in range(r0, r1):
-        mx = -np.inf
+        causal_row(q, k, scale, hq, h, r, row)
         for i in range(r + 1):
-            acc = 0.0
-            for x in range(d):
-                acc += np.float64(q[r, hq, x]) * np.float64(k[i, h, x])
-            row[i] = acc * scale
-            if row[i] > mx:
-                mx = row[i]
-        tot = 0.0
-        for i in range(r + 1):
-            row[i] = np.exp(row[i] - mx)
-            tot += row[i]
-        for i in range(r + 1):
-            sums[i] += row[i] / tot
+            sums[i] += row[i]
     return sums

@@ -18,3 +18,7 @@ class Oracle(Policy):
     summary = "top-k of the true attention row (upper bound)"
     schema = (Param("scope", "head", "choice", choices=("head", "layer"), doc="budget per head or per layer"),)
     is_oracle = True
+
+    def validate(self) -> None:
+        # with scope='layer' the budget is shared by the heads of a layer, like Ada-KV's
+        self.head_adaptive = self.params["scope"] == "layer"

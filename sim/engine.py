@@ -18,49 +18,116 @@ N_METRICS = len(METRICS)
 OK, OVER_BUDGET, BAD_MERGE, BAD_SCALE, OVER_CAPACITY = 0, 1, 2, 3, 4
 
 
+_VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the float32 dot products and sums
+
+
+@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
+def _dots(q, t, h, g_n, ck, n, dots):
+    """dots[g, i] = q[t, h*G + g] . ck[h, i] in float32 (SIMD), each cached key read once for the group."""
+    d = q.shape[2]
+    for i in range(n):
+        for g in range(g_n):
+            acc = np.float32(0.0)
+            for x in range(d):
+                acc += q[t, h * g_n + g, x] * ck[h, i, x]
+            dots[g, i] = acc
+
+
+@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
+def _weighted_sum(probs, h, g, cv, n, oacc):
+    """oacc = sum_i probs[h, g, i] * cv[h, i] (the cache's attention output of one query head)."""
+    d = cv.shape[2]
+    for x in range(d):
+        oacc[x] = 0.0
+    for i in range(n):
+        p = probs[h, g, i]
+        for x in range(d):
+            oacc[x] += p * cv[h, i, x]
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
+def _exp_nonpositive(xs, n, ibuf, out):
+    """out[i] = exp(xs[i]) for xs[i] <= 0 in float32, vectorised (no libm call per element).
+
+    Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial for e^r (relative error
+    < 2e-7) and 2^k built from its IEEE-754 bits. Inputs below -87 are clamped (result ~1e-38, not 0):
+    an absolute error below 2e-38 on values normalised by a sum >= 1.
+    """
+    for i in range(n):
+        x = max(xs[i], np.float32(-87.0))
+        k = np.floor(x * _LOG2E + np.float32(0.5))
+        r = x - k * _LN2_HI - k * _LN2_LO
+        p = np.float32(1.0 / 720.0)
+        p = p * r + np.float32(1.0 / 120.0)
+        p = p * r + np.float32(1.0 / 24.0)
+        p = p * r + np.float32(1.0 / 6.0)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        p = p * r + np.float32(1.0)
+        out[i] = p
+        ibuf[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    pow2 = ibuf[:n].view(np.float32)
+    for i in range(n):
+        out[i] *= pow2[i]
+
+
 @njit(cache=True, nogil=True)
 def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs, metric_row, want, dots,
-                        oacc):
+                        oacc, xs, ibuf, ebuf):
     """Attention of the G query heads of KV head h over its n cached slots into ``probs[h]``; when ``want``,
     also the step's metrics against the full-attention reference into ``metric_row[hq, :4]``."""
     d = q.shape[2]
+    _dots(q, t, h, g_n, ck, n, dots)
+    any_dirty = False
+    for i in range(n):
+        if dirty[h, i] != 0:
+            any_dirty = True
+    f = np.float32(scale * mult)
     for g in range(g_n):
         hq = h * g_n + g
-        mx = -np.inf
+        mx32 = np.float32(-np.inf)
         for i in range(n):
-            acc = 0.0
-            for x in range(d):
-                acc += np.float64(q[t, hq, x]) * np.float64(ck[h, i, x])
-            dots[i] = acc
-            if acc * scale * mult > mx:
-                mx = acc * scale * mult
+            xs[i] = dots[g, i] * f
+            mx32 = max(mx32, xs[i])
+        for i in range(n):
+            xs[i] -= mx32
+        _exp_nonpositive(xs, n, ibuf, ebuf)
         tot = 0.0
         for i in range(n):
-            e = np.exp(dots[i] * scale * mult - mx)
-            probs[h, g, i] = e
-            tot += e
+            tot += ebuf[i]
         inv = 1.0 / tot
         for i in range(n):
-            probs[h, g, i] *= inv
+            probs[h, g, i] = ebuf[i] * inv
+        mx = np.float64(mx32)
         if not want:
             continue
-        mass = 0.0
-        kl = 0.0
-        oacc[:] = 0.0
-        for i in range(n):
-            p = probs[h, g, i]
-            dot = dots[i]
-            if dirty[h, i] != 0:   # merged slot: measure the token it stands for with its original key
-                dot = 0.0
-                src = cpos[h, i]
-                for x in range(d):
-                    dot += np.float64(q[t, hq, x]) * np.float64(k[src, h, x])
-            log_pfull = dot * scale - lse[t, hq]
-            mass += np.exp(log_pfull)
-            if p > 0.0:
-                kl += p * (np.log(p) - log_pfull)
-            for x in range(d):
-                oacc[x] += p * cv[h, i, x]
+        lse_cache = mx + np.log(tot)
+        if mult == 1.0 and not any_dirty:
+            # cached logits are the true logits: p_full(i) = p(i) * exp(lse_cache - lse_full) for every slot
+            mass = np.exp(min(0.0, lse_cache - lse[t, hq]))
+            kl = max(0.0, lse[t, hq] - lse_cache)
+        else:
+            mass = 0.0
+            kl = 0.0
+            for i in range(n):
+                dot = np.float64(dots[g, i])
+                if dirty[h, i] != 0:   # merged slot: measure the token it stands for with its original key
+                    acc = np.float32(0.0)
+                    src = cpos[h, i]
+                    for x in range(d):
+                        acc += q[t, hq, x] * k[src, h, x]
+                    dot = np.float64(acc)
+                log_pfull = dot * scale - lse[t, hq]
+                mass += np.exp(log_pfull)
+                p = probs[h, g, i]
+                if p > 0.0:
+                    kl += p * (np.log(p) - log_pfull)
+        _weighted_sum(probs, h, g, cv, n, oacc)
         num = 0.0
         den = 0.0
         l1 = 0.0
@@ -70,10 +137,25 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
             num += diff * diff
             den += ref * ref
             l1 += abs(diff)
-        metric_row[hq, 0] = mass
+        # the stored float32 lse limits precision to ~6e-8 * |lse|: keep mass in [0, 1] where it cannot resolve
+        metric_row[hq, 0] = min(1.0, mass)
         metric_row[hq, 1] = np.sqrt(num / den) if den > 0.0 else np.sqrt(num)
         metric_row[hq, 2] = max(kl, 0.0)
         metric_row[hq, 3] = l1
+
+
+@njit(cache=True, nogil=True)
+def _move_left(ck, cv, cpos, dirty, cst, i, j, dst):
+    """Move slots [i, j) to [dst, dst + j - i) with dst < i: a forward copy, no temporary (regions overlap)."""
+    d = ck.shape[1]
+    for s in range(j - i):
+        for x in range(d):
+            ck[dst + s, x] = ck[i + s, x]
+            cv[dst + s, x] = cv[i + s, x]
+        cpos[dst + s] = cpos[i + s]
+        dirty[dst + s] = dirty[i + s]
+        for f in range(cst.shape[1]):
+            cst[dst + s, f] = cst[i + s, f]
 
 
 @njit(cache=True, nogil=True)
@@ -106,7 +188,10 @@ def replay_layer(step_k, prefill_k, scale_k, params, layer, q, k, v, lse, o, vma
     merge_to = np.full((hkv, cap), -1, np.int64)
     merge_w = np.ones((hkv, cap), np.float64)
     metric_row = np.zeros((hq_n, N_METRICS), np.float64)
-    dots = np.zeros(cap, np.float64)
+    dots = np.zeros((g_n, cap), np.float32)
+    xs = np.zeros(cap, np.float32)
+    ebuf = np.zeros(cap, np.float32)
+    ibuf = np.zeros(cap, np.int32)
     oacc = np.zeros(d, np.float64)
     total_budget = 0
     for h in range(hkv):
@@ -171,7 +256,7 @@ def replay_layer(step_k, prefill_k, scale_k, params, layer, q, k, v, lse, o, vma
                 cst[h, s, f] = 0.0
             clen[h] = s + 1
             _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs,
-                                metric_row, want, dots, oacc)
+                                metric_row, want, dots, oacc, xs, ibuf, ebuf)
             if want:
                 r = t - metric_start
                 for g in range(g_n):
@@ -207,20 +292,24 @@ def replay_layer(step_k, prefill_k, scale_k, params, layer, q, k, v, lse, o, vma
                     for x in range(d):
                         ck[h, j, x] = np.float32(ck[h, j, x] + w * ck[h, i, x])
                         cv[h, j, x] = np.float32(cv[h, j, x] + w * cv[h, i, x])
-            # stable compaction of kept slots
+            # stable compaction of kept slots: move each run of kept slots with one block copy
             wpos = 0
+            i = 0
+            while i < n:
+                if keep[h, i] == 0:
+                    i += 1
+                    continue
+                j = i
+                while j < n and keep[h, j] != 0:
+                    j += 1
+                if wpos != i:
+                    _move_left(ck[h], cv[h], cpos[h], dirty[h], cst[h], i, j, wpos)
+                wpos += j - i
+                i = j
+            for i in range(wpos):
+                if dirty[h, i] == 2:
+                    dirty[h, i] = 1
             for i in range(n):
-                if keep[h, i] != 0:
-                    if wpos != i:
-                        ck[h, wpos] = ck[h, i]
-                        cv[h, wpos] = cv[h, i]
-                        cpos[h, wpos] = cpos[h, i]
-                        dirty[h, wpos] = dirty[h, i]
-                        for f in range(n_slot_fields):
-                            cst[h, wpos, f] = cst[h, i, f]
-                    if dirty[h, wpos] == 2:
-                        dirty[h, wpos] = 1
-                    wpos += 1
                 keep[h, i] = 1
                 merge_to[h, i] = -1
                 merge_w[h, i] = 1.0

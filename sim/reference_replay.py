@@ -60,18 +60,19 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
             dirty[h] = np.append(dirty[h], False)
             n = len(pos[h])
             lengths[h] = n
-            qg = li.q[t, h * g_n:(h + 1) * g_n].astype(np.float64)             # [G, d]
-            dots = qg @ keys[h].astype(np.float64).T                           # [G, n]
+            qg = li.q[t, h * g_n:(h + 1) * g_n]                                  # [G, d]
+            dots = (qg @ keys[h].T).astype(np.float64)                         # [G, n], float32 like the engine
             logits = dots * scale * mult
             p = np.exp(logits - logits.max(axis=1, keepdims=True))
             p /= p.sum(axis=1, keepdims=True)
             probs[h, :, :n] = p
             if t >= n_prompt:
-                orig = np.where(dirty[h][None], qg @ li.k[pos[h], h].astype(np.float64).T, dots)
+                orig = np.where(dirty[h][None], (qg @ li.k[pos[h], h].T).astype(np.float64), dots)
                 lse = li.lse[t, h * g_n:(h + 1) * g_n].astype(np.float64)[:, None]
                 log_pfull = orig * scale - lse
                 o_cache = p @ vals[h].astype(np.float64)
                 ref = li.o[t, h * g_n:(h + 1) * g_n].astype(np.float64)
+                qg = qg.astype(np.float64)
                 diff = ref - o_cache
                 den = np.sqrt((ref ** 2).sum(axis=1))
                 mass = np.exp(log_pfull).sum(axis=1)

@@ -40,7 +40,7 @@ class LayerInputs:
 
     @staticmethod
     def from_arrays(la: LayerArrays, scale: float) -> "LayerInputs":
-        f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
+        f32 = lambda a: np.array(a, dtype=np.float32, order="C")   # an owned, writable copy (traces are read-only maps)
         q, k, v = f32(la.q), f32(la.k), f32(la.v)
         if la.lse is None or la.o is None:
             lse, o = full_attention_reference(q, k, v, scale)
@@ -91,6 +91,8 @@ class ReplayResult:
         per_step_bytes = self.slots.sum(axis=(0, 2)) * 2 * self.head_dim * KV_ELEMENT_BYTES
         out["kv_bytes_mean"] = float(per_step_bytes.mean()) if n else float("nan")
         out["n_steps"] = int(n)
+        out["err_by_layer"] = [float(x) for x in self.metric("err").mean(axis=(1, 2))] if n else []
+        out["mass_by_layer"] = [float(x) for x in self.metric("mass").mean(axis=(1, 2))] if n else []
         return out
 
     def per_head(self) -> pd.DataFrame:
@@ -223,7 +225,7 @@ def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
         li = inputs[layer]
         metrics = np.zeros((nb, T - P, hq, N_METRICS), np.float64)
         slots = np.zeros((nb, T - P, hkv), np.int32)
-        oracle_layer(li.q, li.k, li.v, li.lse, li.o, li.vmax1, float(meta.softmax_scale), sorted_b, P,
+        oracle_layer(li.q, li.k, li.v, li.o, li.vmax1, float(meta.softmax_scale), sorted_b, P,
                      scope == "layer", metrics, slots)
         return metrics, slots
 

@@ -14,6 +14,17 @@ _LEGEND = ("rank: mean rank over budgets by err · err: relative L2 error of the
            "the oracle · slots: mean slots held per KV head")
 
 
+def _save(fig, path: str | Path, dpi: int = 130) -> Path:
+    """Write a matplotlib figure (format from the suffix) and free it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def ranked_table(df: pd.DataFrame, metric: str = "err_mean") -> pd.DataFrame:
     """Per trace and policy label: mean rank over budgets (1 = lowest loss) and mean metrics, best first."""
     if df.empty:
@@ -80,11 +91,7 @@ def plot_budget_curves(df: pd.DataFrame, path: str | Path, metrics: tuple[str, .
     handles, names = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, names, loc="center right", fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0, 0.84, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=130)
 
 
 def write_html(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") -> Path:
@@ -104,3 +111,102 @@ def default_budgets(n_tokens: int, n: int = 5) -> list[int]:
     top = max(16, n_tokens // 2)
     budgets = [int(b) for b in 2 ** np.arange(4, int(np.log2(top)) + 1)]
     return budgets[-n:]
+
+
+def plot_search(trials: pd.DataFrame, pareto: pd.DataFrame, path: str | Path, objective: str) -> Path:
+    """Search trials as loss vs KV memory, Pareto-optimal ones highlighted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter(trials.kv_bytes_mean / 1024, trials.loss, s=18, alpha=0.5, color="tab:gray", label="trial")
+    front = pareto.sort_values("kv_bytes_mean")
+    ax.plot(front.kv_bytes_mean / 1024, front.loss, "o-", color="tab:red", label="best / Pareto front")
+    ax.set_xlabel("KV memory held per step (KiB, all layers and heads)")
+    ax.set_ylabel(f"loss ({objective}) ↓")
+    ax.grid(True, alpha=0.3)
+    ax.legend(frameon=False)
+    fig.tight_layout()
+    return _save(fig, path, dpi=130)
+
+
+def plot_pareto(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") -> Path:
+    """Loss vs memory held per trace: every configuration, with each trace's non-dominated set joined."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(dict.fromkeys(df.trace))
+    fig, axes = plt.subplots(1, len(traces), figsize=(6.5 * len(traces), 4.6), squeeze=False)
+    policies = sorted(df.policy.unique())
+    cmap = plt.get_cmap("tab20")
+    for ax, trace in zip(axes[0], traces):
+        part = df[(df.trace == trace) & (df.policy != "full")]
+        for i, pol in enumerate(policies):
+            pts = part[part.policy == pol]
+            if not pts.empty:
+                ax.scatter(pts.kv_bytes_mean / 1024, pts[metric], s=22, color=cmap(i % 20), label=pol,
+                           marker="os^vD<>ph*"[i % 10])
+        front = pareto_front(part, metric)
+        ax.plot(front.kv_bytes_mean / 1024, front[metric], "-", color="black", linewidth=1, label="Pareto front")
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.set_xlabel("KV memory held per step (KiB)")
+        ax.set_ylabel(f"{metric} ↓")
+        ax.set_title(trace, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="center right", fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
+    return _save(fig, path, dpi=130)
+
+
+def pareto_front(df: pd.DataFrame, metric: str = "err_mean") -> pd.DataFrame:
+    """Rows not dominated in (kv_bytes_mean, metric), sorted by memory (the oracle excluded: not realisable)."""
+    cand = df[df.policy != "oracle"].sort_values(["kv_bytes_mean", metric])
+    best = np.inf
+    keep = []
+    for idx, row in cand.iterrows():
+        if row[metric] < best:
+            keep.append(idx)
+            best = row[metric]
+    return cand.loc[keep]
+
+
+def plot_occupancy(kept: np.ndarray, steps: np.ndarray, n_tokens: int, title: str, path: str | Path) -> Path:
+    """Cache occupancy map: which positions (y) are held at each step (x), shaded by the share of heads holding them.
+
+    ``kept``: [L, R, Hkv, cap] cached positions (-1 padded) from ``replay(..., record_kept=...)``, or a list of
+    such arrays (one panel each, e.g. one per policy) with ``title`` a list of panel titles.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = kept if isinstance(kept, list) else [kept]
+    titles = title if isinstance(title, list) else [title]
+    cols = min(3, len(panels))
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
+    for ax, arr, ttl in zip(axes.flat, panels, titles):
+        L, R, H, _ = arr.shape
+        grid = np.zeros((n_tokens, R))
+        for r in range(R):
+            pos = arr[:, r].reshape(-1)
+            pos = pos[pos >= 0]
+            np.add.at(grid[:, r], pos, 1.0 / (L * H))
+        ax.imshow(grid, aspect="auto", origin="lower", cmap="magma", vmin=0, vmax=1,
+                  extent=(steps[0], steps[-1] + 1, 0, n_tokens), interpolation="nearest")
+        ax.plot([steps[0], steps[-1]], [steps[0], steps[-1]], color="cyan", linewidth=0.6, alpha=0.6)
+        ax.set_title(ttl, fontsize=10)
+        ax.set_xlabel("decode step (position of the newest token)")
+        ax.set_ylabel("cached token position")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    return _save(fig, path, dpi=120)

@@ -1,79 +1,75 @@
-"""Grid sweeps: policies x budgets x traces, replayed and stored with stable keys (resumable)."""
+"""Grid sweeps: policies x hyperparameter grids x budgets x traces into a resumable results store."""
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+import itertools
 from typing import Sequence
 
 import pandas as pd
 from tqdm.auto import tqdm
 
-from policies import Policy
-from sim.replay import load_layers, replay, replay_oracle
-from sim.specs import trace_id, trace_name
+from policies import Policy, PolicyError, get_policy, list_policies
+from sim.executors import Job, TraceRef, consume, execute
+from sim.specs import trace_id
 from sim.store import ResultStore, config_key
-from traces.format import Trace
 
 
-@dataclass(frozen=True)
-class SweepTask:
-    """One configuration to evaluate."""
+def expand_grid(spec: str) -> list[Policy]:
+    """``name:p=a|b,q=c`` -> one policy per combination of alternatives (``all`` = every registered policy)."""
+    spec = spec.strip()
+    if spec == "all":
+        return [get_policy(n) for n in list_policies()]
+    name, _, rest = spec.partition(":")
+    axes: list[tuple[str, list[str]]] = []
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, values = item.partition("=")
+        if not eq:
+            raise PolicyError(f"policy spec {spec!r}: expected param=value[|value...], got {item!r}")
+        axes.append((key.strip(), [v.strip() for v in values.split("|") if v.strip()]))
+    combos = itertools.product(*[vals for _, vals in axes]) if axes else [()]
+    return [get_policy(name.strip(), **{k: v for (k, _), v in zip(axes, combo)}) for combo in combos]
 
-    trace_index: int
-    policy: Policy
-    budget: int
-    key: str
+
+def parse_policy_list(text: str) -> list[Policy]:
+    """';'-separated grid specs -> policies (duplicates removed, order kept)."""
+    seen: dict[str, Policy] = {}
+    for part in filter(None, (s.strip() for s in text.split(";"))):
+        for pol in expand_grid(part):
+            seen.setdefault(pol.label(), pol)
+    return list(seen.values())
 
 
-def plan(traces: Sequence[Trace], policies: Sequence[Policy], budgets: Sequence[int]) -> list[SweepTask]:
-    """Every valid (trace, policy, budget) configuration; budgets a policy or trace cannot take are skipped."""
-    tasks = []
-    for ti, trace in enumerate(traces):
+def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequence[int],
+         done: set[str] = frozenset()) -> list[Job]:
+    """Jobs for every valid configuration not in ``done``; the oracle gets one job per trace for all budgets."""
+    jobs: list[Job] = []
+    for ref in traces:
+        trace, _ = ref.open()
         tid = trace_id(trace)
         for pol in policies:
-            for b in budgets:
-                if b > trace.meta.n_tokens or b < pol.min_budget():
-                    continue
-                tasks.append(SweepTask(ti, pol, int(b), config_key(tid, pol.name, pol.params, b)))
-    return tasks
+            valid = [int(b) for b in budgets if pol.min_budget() <= b <= trace.meta.n_tokens]
+            todo = [(b, config_key(tid, pol.name, pol.params, b)) for b in valid]
+            todo = [(b, k) for b, k in todo if k not in done]
+            if not todo:
+                continue
+            params = tuple(sorted(pol.params.items()))
+            if pol.is_oracle:
+                jobs.append(Job(ref, pol.name, params, tuple(b for b, _ in todo), tuple(k for _, k in todo)))
+            else:
+                jobs.extend(Job(ref, pol.name, params, (b,), (k,)) for b, k in todo)
+    return jobs
 
 
-def _row(trace: Trace, task: SweepTask, summary: dict, elapsed: float) -> dict:
-    row = dict(summary)
-    row.update(key=task.key, trace=trace_name(trace), trace_id=trace_id(trace), policy=task.policy.name,
-               label=task.policy.label(), params=task.policy.params, budget=task.budget,
-               n_tokens=trace.meta.n_tokens, elapsed_s=elapsed)
-    return row
+def run_sweep(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequence[int], store: ResultStore,
+              *, workers: int = 1, ray_address: str | None = None, progress: bool = True) -> pd.DataFrame:
+    """Evaluate every configuration not yet in ``store`` and return the store's full table.
 
-
-def run_sweep(traces: Sequence[Trace], policies: Sequence[Policy], budgets: Sequence[int], store: ResultStore, *,
-              progress: bool = True, threads: int | None = None) -> pd.DataFrame:
-    """Evaluate every configuration not yet in ``store``; returns the store's full table.
-
-    The oracle (when listed) is replayed once per trace for all its budgets.
+    Each finished job is written at once (atomic part file), so Ctrl-C or kill -9 loses only running jobs
+    and a rerun resumes where it stopped.
     """
-    done = store.keys()
-    todo = [t for t in plan(traces, policies, budgets) if t.key not in done]
-    bar = tqdm(total=len(todo), desc="sweep", unit="cfg", disable=not progress)
-    for ti, trace in enumerate(traces):
-        mine = [t for t in todo if t.trace_index == ti]
-        if not mine:
-            continue
-        inputs = load_layers(trace)
-        oracle_tasks = [t for t in mine if t.policy.is_oracle]
-        for scope in sorted({t.policy.params["scope"] for t in oracle_tasks}):
-            group = [t for t in oracle_tasks if t.policy.params["scope"] == scope]
-            t0 = time.perf_counter()
-            results = replay_oracle(trace, [t.budget for t in group], scope=scope, inputs=inputs, threads=threads)
-            per = (time.perf_counter() - t0) / len(group)
-            store.add([_row(trace, t, r.summary(), per) for t, r in zip(group, results)])
-            bar.update(len(group))
-        for task in (t for t in mine if not t.policy.is_oracle):
-            t0 = time.perf_counter()
-            res = replay(trace, task.policy, task.budget, inputs=inputs, threads=threads)
-            store.add([_row(trace, task, res.summary(), time.perf_counter() - t0)])
-            bar.update(1)
-    bar.close()
+    jobs = plan(traces, policies, budgets, store.keys())
+    total = sum(len(j.budgets) for j in jobs)
+    with tqdm(total=total, desc="sweep", unit="cfg", disable=not progress) as bar:
+        consume(execute(jobs, workers=workers, ray_address=ray_address), store.add, bar.update)
     return store.load()
 
 

@@ -5,6 +5,8 @@ os.environ.setdefault("KVSIM_THREADS", "1")
 
 from hypothesis import HealthCheck, settings
 
+pytest_plugins = ["pytester"]
+
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 settings.register_profile("dev", deadline=None, max_examples=10, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("deep", deadline=None, max_examples=2000, suppress_health_check=list(HealthCheck))

@@ -31,7 +31,10 @@ def test_engine_matches_numpy_reference(name, seed, T, geometry, frac, prompt_fr
     for layer, li in enumerate(load_layers(trace)):
         metrics, slots, kept = reference_replay_layer(policy, layer, li, res.budgets[layer], P,
                                                       trace.meta.softmax_scale)
-        np.testing.assert_allclose(res.metrics[layer], metrics, rtol=2e-5, atol=2e-6)
+        # float32 dot products in both; the L1 bound 2(1 - mass) max||v||_1 magnifies mass rounding by max||v||_1
+        np.testing.assert_allclose(res.metrics[layer][..., :4], metrics[..., :4], rtol=1e-4, atol=5e-5)
+        np.testing.assert_allclose(res.metrics[layer][..., 4], metrics[..., 4], rtol=1e-4,
+                                   atol=1e-4 * li.vmax1.max())
         np.testing.assert_array_equal(res.slots[layer], slots)
         offset = len(kept) - (T - P)
         for r in range(T - P):

@@ -20,6 +20,13 @@ def add_trace_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
     p.add_argument("--no-verify", action="store_true", help="skip checksum/NaN verification of trace files")
 
 
+def trace_refs(args: argparse.Namespace) -> list:
+    """The TRACE arguments as references every worker process can reopen."""
+    from sim.executors import TraceRef
+
+    return [TraceRef(spec, args.tokens, args.prompt, args.layers, args.seed) for spec in args.traces]
+
+
 def load(args: argparse.Namespace, spec: str) -> Trace:
     return open_trace(spec, n_tokens=args.tokens, n_prompt=args.prompt, n_layers=args.layers, seed=args.seed,
                       verify=not args.no_verify)

@@ -23,19 +23,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def demo_trace(args: argparse.Namespace):
     """The demo's trace: the shipped model on the shipped text (recorded once, then reused), or synthetic."""
+    from sim.executors import TraceRef
     from traces.format import TraceError, load_trace
-    from traces.synthetic import make_synthetic_trace
 
     if args.synthetic:
-        return make_synthetic_trace(args.synthetic, n_tokens=args.tokens, n_prompt=args.prompt, n_layers=2)
+        return TraceRef(f"synthetic:{args.synthetic}", args.tokens, args.prompt, 2)
     from traces.model import record_default_trace
 
     path = args.out / f"demo-trace-{args.prompt}-{args.tokens - args.prompt}"
     try:
-        return load_trace(path)
+        load_trace(path)
     except TraceError:
         print(f"recording the demo trace from the shipped model into {path} ...")
-        return load_trace(record_default_trace(path, n_prompt=args.prompt, n_decode=args.tokens - args.prompt))
+        record_default_trace(path, n_prompt=args.prompt, n_decode=args.tokens - args.prompt)
+    return TraceRef(str(path))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,12 +45,16 @@ def run(args: argparse.Namespace) -> int:
     from sim.store import ResultStore
     from sim.sweep import run_sweep, with_oracle_gap
 
+    from sim.executors import default_workers
+    from sim.specs import trace_id
+
     args.out.mkdir(parents=True, exist_ok=True)
-    trace = demo_trace(args)
+    ref = demo_trace(args)
+    trace = ref.open()[0]
     print(repr(trace))
     policies = [get_policy(n) for n in list_policies()]
-    df = run_sweep([trace], policies, args.budgets, ResultStore(args.out / "demo-results"))
-    df = with_oracle_gap(df[df.trace_id.isin(df.trace_id.unique()) & df.budget.isin(args.budgets)])
+    df = run_sweep([ref], policies, args.budgets, ResultStore(args.out / "demo-results"), workers=default_workers())
+    df = with_oracle_gap(df[(df.trace_id == trace_id(trace)) & df.budget.isin(args.budgets)])
     print_ranked(df, title="kvsim demo")
     png = plot_budget_curves(df, args.out / "demo.png")
     html = write_html(df, args.out / "demo.html")
