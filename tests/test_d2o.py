@@ -109,14 +109,21 @@ def test_layer_variances_match_numpy():
     assert layer_variances([(q, k)], s)[0] == pytest.approx(np.mean(vs), rel=1e-6)
 
 
-@settings(max_examples=60, deadline=None)
+def test_layer_allocation_cap():
+    # literal eq. 5 would give [12, 4]; capped at 10 the excess 2 goes to the other layer
+    np.testing.assert_array_equal(allocate_layers(8, np.array([0.0, math.log(3.0)]), 1, max_budget=10), [10, 6])
+
+
+@settings(max_examples=80, deadline=None)
 @given(budget=st.integers(1, 300), var=st.lists(st.floats(0, 30), min_size=1, max_size=12),
-       min_b=st.integers(1, 8), scale=st.floats(0.01, 10))
-def test_layer_budgets_sum_to_total(budget, var, min_b, scale):
+       min_b=st.integers(1, 8), scale=st.floats(0.01, 10), cap=st.none() | st.integers(1, 600))
+def test_layer_budgets_sum_to_total(budget, var, min_b, scale, cap):
     budget = max(budget, min_b)
-    out = allocate_layers(budget, np.array(var), min_b, scale)
+    out = allocate_layers(budget, np.array(var), min_b, scale, cap)
     assert out.sum() == budget * len(var)
     assert (out >= min_b).all()
+    if cap is not None:
+        assert (out <= max(cap, budget)).all()
     order = np.argsort(var, kind="stable")
     assert (np.diff(out[order]) <= 1).all()          # more variance never gets more (up to rounding)
 
@@ -179,3 +186,4 @@ def test_allocation_uses_prompt_and_is_exact():
     assert res.budgets.sum() == 10 * 2 * 2 and (res.budgets >= pol.min_budget()).all()
     assert (replay(TRACE, get_policy("d2o", layer_alloc=False), 10).budgets == 10).all()
     assert (replay(TRACE, pol, 32).budgets == 32).all()   # rho >= 1: no compression, no re-allocation
+    assert (replay(TRACE, pol, 20).budgets <= 32).all()   # capped at the prompt length
