@@ -1,0 +1,80 @@
+"""`kvsim record`: record an attention trace from a local HF decoder model (or kvsim's shipped model)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _index_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip() != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 0,2, got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("expected at least one index")
+    return vals
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {n}")
+    return n
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "record", help="record post-RoPE q/k/v traces from a HF decoder model",
+        description="Prefill N prompt tokens and decode M tokens (greedy or teacher-forced) with a local HF "
+                    "model, capture q/k/v of every (or the chosen) layer, check faithfulness, write a trace.")
+    p.add_argument("--model", required=True, help="local HF model folder, or 'default' (kvsim's shipped model)")
+    p.add_argument("--text", default="default", help="UTF-8 text file, or 'default' (held-out text of the model)")
+    p.add_argument("--prompt-tokens", type=_positive, default=512, help="prompt (prefill) length N")
+    p.add_argument("--decode-tokens", type=_positive, default=256, help="decoded tokens M")
+    p.add_argument("--out", type=Path, required=True, help="trace directory to create")
+    p.add_argument("--layers", type=_index_list, default=None, help="model layers to keep, e.g. 0,2 (default all)")
+    p.add_argument("--kv-heads", type=_index_list, default=None,
+                   help="KV heads to keep with their query groups, e.g. 0 (default all)")
+    p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="storage dtype of q/k/v")
+    p.add_argument("--model-dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="dtype to run the model in (default: as saved)")
+    p.add_argument("--teacher-forced", action="store_true", help="feed the text's tokens instead of greedy decode")
+    p.add_argument("--single-pass", action="store_true",
+                   help="with --teacher-forced: one causal forward over all tokens instead of token-by-token decode")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from traces.recorder import RecordError, load_model, record_trace
+
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        raise RecordError(f"--device must be cpu or cuda[:i], got {args.device!r}")
+    if args.prompt_tokens < 1:
+        raise RecordError("--prompt-tokens must be >= 1")
+    source = {}
+    if args.text == "default":
+        from traces.model import DEFAULT_TEXT_ID, default_text
+        text, source["text_id"] = default_text(), DEFAULT_TEXT_ID
+    else:
+        path = Path(args.text)
+        if not path.is_file():
+            raise RecordError(f"--text {args.text!r}: file not found")
+        text, source["text_id"] = path.read_text(encoding="utf-8", errors="replace"), path.name
+    model, tok = load_model(args.model, device=args.device, torch_dtype=args.model_dtype)
+    ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+    res = record_trace(model, ids, args.out, n_prompt=args.prompt_tokens, n_decode=args.decode_tokens,
+                       tokenizer=tok, layers=args.layers, kv_heads=args.kv_heads, dtype=args.dtype,
+                       teacher_forced=args.teacher_forced, model_id=Path(args.model).name if args.model != "default"
+                       else "kvsim-tiny-llama", source=source, progress=not args.no_progress,
+                       overwrite=args.overwrite, single_pass=args.single_pass)
+    worst = max(r.rel_err for r in res.faithfulness)
+    print(f"wrote {res.path}: {args.prompt_tokens}+{args.decode_tokens} tokens, {len(res.faithfulness)} layers, "
+          f"faithful (max rel err {worst:.1e}), mean decode NLL {res.mean_nll_decode:.3f}")
+    return 0

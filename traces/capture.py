@@ -1,0 +1,136 @@
+"""Capture post-RoPE q/k/v and the model's own attention output from HF decoder models.
+
+Method: a custom function registered in transformers' AttentionInterface (plus the matching sdpa mask
+in AttentionMaskInterface). Every attention module of Llama/Qwen2/Mistral/GPT-2-style models calls it
+with query/key/value exactly as the model attends: q after RoPE, k/v after RoPE and after the KV-cache
+update. The wrapper forwards to the model's sdpa kernel unchanged, so recording never alters outputs,
+and keeps the new positions' q/k/v and the attention output of the selected layers and KV heads.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+IMPL_NAME = "kvsim_record"
+_ACTIVE: list["Capture"] = []
+
+
+class CaptureError(ValueError):
+    """The model or the requested capture is not supported (message names the problem)."""
+
+
+@dataclass
+class ModelShape:
+    """Attention geometry read from a HF config."""
+    model_type: str
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope: str
+    sliding_window: int | None
+
+
+def model_shape(config: Any) -> ModelShape:
+    """Read layers/heads/head_dim/positional scheme from a HF decoder config (Llama, Qwen2, Mistral, GPT-2...)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
+    n_q = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    if not n_layers or not n_q:
+        raise CaptureError(f"config of model_type={cfg.model_type!r} has no layer/head counts")
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_q
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")
+    head_dim = getattr(cfg, "head_dim", None) or hidden // n_q
+    if n_q % n_kv:
+        raise CaptureError(f"num_attention_heads={n_q} is not a multiple of num_key_value_heads={n_kv}")
+    rope = "none" if cfg.model_type in ("gpt2", "gpt_neo", "opt") else "rope"
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    return ModelShape(cfg.model_type, int(n_layers), int(n_q), int(n_kv), int(head_dim), rope,
+                      int(window) if window else None)
+
+
+@dataclass
+class Capture:
+    """Per-layer buffers of the new positions' q [t, Hq', d], k/v [t, Hkv', d] and output o [t, Hq', d]."""
+    layer_ids: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    group: int
+    store_dtype: np.dtype
+    q: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    k: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    v: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    o: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    scaling: dict[int, float] = field(default_factory=dict)
+    seen: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def q_heads(self) -> list[int]:
+        return [h * self.group + j for h in self.kv_heads for j in range(self.group)]
+
+    def add(self, layer: int, query, key, value, out, scaling: float) -> None:
+        """Store one attention call: query [1,Hq,t,d], key/value [1,Hkv,S,d] (full cache), out [1,t,Hq,d]."""
+        if layer not in self.layer_ids:
+            return
+        if query.shape[0] != 1:
+            raise CaptureError(f"recording supports batch size 1, got {query.shape[0]}")
+        t, s = query.shape[2], key.shape[2]
+        if s != self.seen.get(layer, 0) + t:
+            raise CaptureError(f"layer {layer}: key length {s} != cached {self.seen.get(layer, 0)} + new {t}; "
+                               "the model must run with a growing KV cache (no sliding/static cache)")
+        self.seen[layer] = s
+        qh, kh = self.q_heads, list(self.kv_heads)
+        to_np = lambda x: x.detach().float().cpu().numpy()  # noqa: E731
+        self.q.setdefault(layer, []).append(to_np(query[0, qh].transpose(0, 1)).astype(self.store_dtype))
+        self.k.setdefault(layer, []).append(to_np(key[0, kh, s - t:].transpose(0, 1)).astype(self.store_dtype))
+        self.v.setdefault(layer, []).append(to_np(value[0, kh, s - t:].transpose(0, 1)).astype(self.store_dtype))
+        self.o.setdefault(layer, []).append(to_np(out[0][:, qh]))
+        self.scaling[layer] = float(scaling)
+
+    def arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Concatenated (q, k, v, model_o) of one layer over all recorded positions."""
+        if layer not in self.q:
+            raise CaptureError(f"layer {layer} was never called; is it an attention layer of this model?")
+        cat = lambda xs: np.ascontiguousarray(np.concatenate(xs, axis=0))  # noqa: E731
+        return cat(self.q[layer]), cat(self.k[layer]), cat(self.v[layer]), cat(self.o[layer])
+
+
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    scaling = kwargs.get("scaling")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    for cap in _ACTIVE:
+        cap.add(int(module.layer_idx), query, key, value, out, scaling)
+    return out, weights
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(IMPL_NAME, _recording_attention)
+    AttentionMaskInterface.register(IMPL_NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def capturing(model, capture: Capture) -> Iterator[Capture]:
+    """Route the model's attention through the recorder for the duration of the block, then restore it."""
+    _register()
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(IMPL_NAME)
+    except Exception as exc:  # transformers raises several types here
+        raise CaptureError(f"{type(model).__name__} does not support a pluggable attention function: {exc}") from exc
+    if model.config._attn_implementation != IMPL_NAME:
+        raise CaptureError(f"{type(model).__name__} does not dispatch attention through AttentionInterface")
+    _ACTIVE.append(capture)
+    try:
+        yield capture
+    finally:
+        _ACTIVE.remove(capture)
+        model.set_attn_implementation(previous)
