@@ -317,7 +317,7 @@ class CompressedRunner:
             if self.record_kept:
                 self.kept = np.full((self.n_layers, self.record_kept[1], self.n_kv, width), -1, np.int32)
             self.mode = "decode"
-            if self.policy.has_prefill:
+            if self.policy.has_prefill or self.policy.unbounded:   # the full cache keeps the prompt as it is
                 self._prefill(P)
             else:
                 for l, (dk, dv) in self.dense.items():   # the prompt is streamed again: start the dense copy empty
@@ -350,10 +350,10 @@ class CompressedRunner:
             budgets=budgets, kept=self.kept,
             kept_steps=None if self.kept is None else np.arange(self.record_kept[0],
                                                                   self.record_kept[0] + self.record_kept[1]),
-            logits=logits.cpu().numpy() if self.keep_logits else None)
+            logits=logits.cpu().numpy() if self.keep_logits else None, extra={"cache_elem_bytes": elem})
 
     def _prefill(self, P: int) -> None:
-        """The policy's prefill selector on the prompt's q/k/v, then the kept tokens loaded into each cache."""
+        """The policy's prefill selector on the prompt's q/k/v (none: keep all), then the kept tokens loaded."""
         for layer in range(self.n_layers):
             q = np.ascontiguousarray(self.prompt_q[layer], np.float32)
             k = np.ascontiguousarray(self.prompt_k[layer], np.float32)
@@ -361,7 +361,8 @@ class CompressedRunner:
             keep = np.ones((self.n_kv, P), np.uint8)
             pst = np.zeros((self.n_kv, P, self.policy.slot_fields))
             budget = self.budgets[layer]
-            self.prefill_fn(self.params, layer, budget, q, k, v, float(self.scale), keep, pst, self.head_state[layer])
+            if self.policy.has_prefill:
+                self.prefill_fn(self.params, layer, budget, q, k, v, float(self.scale), keep, pst, self.head_state[layer])
             kept_n = keep.sum(1).astype(np.int64)
             self._check_contract(layer, -1, np.full(self.n_kv, P), keep, np.full((self.n_kv, P), -1), kept_n, budget)
             dev = self.device
