@@ -317,7 +317,8 @@ class CompressedRunner:
             if self.record_kept:
                 self.kept = np.full((self.n_layers, self.record_kept[1], self.n_kv, width), -1, np.int32)
             self.mode = "decode"
-            if self.policy.has_prefill or self.policy.unbounded:   # the full cache keeps the prompt as it is
+            # an unscaled full cache keeps the prompt as the model computed it: no need to stream it
+            if self.policy.has_prefill or (self.policy.unbounded and self.policy.logit_scale_fn is None):
                 self._prefill(P)
             else:
                 for l, (dk, dv) in self.dense.items():   # the prompt is streamed again: start the dense copy empty

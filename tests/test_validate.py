@@ -14,7 +14,11 @@ import torch
 from gpu_validate.evaluate import kept_set_agreement, passkey_prompt, text_metrics
 from gpu_validate.fidelity import run_fidelity, spearman
 from gpu_validate.runner import CompressedRunner, ValidateError, full_model_logits
-from policies.base import PolicyError
+from numba import njit
+
+from policies.base import LOGIT_SCALE_SIG, PolicyError
+from policies.full import FullCache
+from policies.h2o import H2O
 from policies.registry import get_policy
 from sim.cli import main
 from traces.format import load_trace
@@ -98,6 +102,28 @@ def test_open_loop_kept_sets_equal_simulator(llama, llama_trace, policy, budget)
     out = kept_set_agreement(llama, llama_trace, get_policy(policy), budget, 24)
     assert out["n_compared"] == 2 * 2 * 24
     assert out["kept_agreement"] == 1.0
+
+
+@njit(LOGIT_SCALE_SIG)
+def _log_n_scale(params, n):
+    return 1.0 + 0.5 * np.log(n)
+
+
+class _ScaledH2O(H2O):
+    """H2O with a BUZZ-style log-n attention-logit multiplier (not registered)."""
+
+    logit_scale_fn = _log_n_scale
+
+
+def test_logit_scale_is_applied_as_in_the_simulator(llama, llama_trace, ids):
+    assert kept_set_agreement(llama, llama_trace, _ScaledH2O(), 8, 24)["kept_agreement"] == 1.0
+    plain = CompressedRunner(llama, get_policy("full"), 1, keep_logits=True).run(ids[:16], continuation=ids[16:24])
+    scaled = CompressedRunner(llama, _ScaledFull(), 1, keep_logits=True).run(ids[:16], continuation=ids[16:24])
+    assert np.abs(plain.logits[1:] - scaled.logits[1:]).max() > 1e-3   # decode steps attend with the multiplier
+
+
+class _ScaledFull(FullCache):
+    logit_scale_fn = _log_n_scale
 
 
 def test_open_loop_kept_sets_equal_simulator_on_shipped_model(tmp_path):
