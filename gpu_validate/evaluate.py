@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gpu_validate.runner import CompressedRunner, RunResult, ValidateError, full_model_logits
+from gpu_validate.runner import CompressedRunner, RunResult, ValidateError, full_model_logits, model_geometry
 from policies.base import Policy
 
 
@@ -30,7 +30,7 @@ def text_metrics(model, ids: Sequence[int], n_prompt: int, policy: Policy, budge
     nll_full = -logp[np.arange(len(tgt)), tgt]
     nll_pol = res.nll[1:]
     ppl_full, ppl_pol = math.exp(float(nll_full.mean())), math.exp(float(nll_pol.mean()))
-    full_bytes = sum_full_bytes(res, model, n_prompt, len(ids))
+    full_bytes = full_cache_bytes(res, model, n_prompt)
     return {
         "ppl_full": ppl_full, "ppl": ppl_pol, "delta_ppl": ppl_pol - ppl_full,
         "delta_nll": float(nll_pol.mean() - nll_full.mean()),
@@ -40,12 +40,10 @@ def text_metrics(model, ids: Sequence[int], n_prompt: int, policy: Policy, budge
     }
 
 
-def sum_full_bytes(res: RunResult, model, n_prompt: int, n_ids: int) -> float:
+def full_cache_bytes(res: RunResult, model, n_prompt: int) -> float:
     """Mean K+V bytes a full cache would hold over the same decode steps (same dtype and geometry)."""
     if res.n_decode_steps == 0 or res.kv_bytes.size == 0:
         return float("nan")
-    from gpu_validate.runner import model_geometry
-
     n_layers, _, n_kv, d = model_geometry(model)
     elem = res.extra["cache_elem_bytes"]
     seen = np.arange(n_prompt + 1, n_prompt + 1 + res.n_decode_steps)

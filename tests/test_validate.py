@@ -180,6 +180,7 @@ def test_fidelity_report_on_tiny_model(llama, ids):
     assert rep["skipped"] == ["oracle"] and len(rep["rows"]) == 4
     assert rep["kept_agreement"] == 1.0
     assert set(rep["spearman"]) >= {"err_mean", "kl_mean"} and "delta_nll" in rep["spearman"]["err_mean"]
+    assert set(rep["spearman_within_budget"]) == set(rep["spearman"])
     assert spearman([1, 2, 3, 4], [2, 4, 6, 9]) == pytest.approx(1.0)
     assert np.isnan(spearman([1, 1, 1], [1, 2, 3]))
 

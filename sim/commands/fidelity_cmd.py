@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"Spearman rho (sim err_mean vs ΔPPL): {report['rho_primary']:.3f}  (target >= 0.9)")
     for m, b in best.items():
         print(f"best simulated predictor of {m}: {b['metric']} (rho {b['rho']:.3f})")
+    within = report["spearman_within_budget"]["err_mean"]
+    print(f"within-budget rho among lossy policies (err_mean): ΔPPL {within['delta_nll']:.3f}, "
+          f"top-1 {within['top1_disagreement']:.3f}")
     print(f"open-loop kept-set agreement: {report['kept_agreement']:.4f}  (target >= 0.99)")
     print(f"wrote {out} and {png}")
     return 0
