@@ -2,7 +2,10 @@
 
 Scores per (layer, query head), averaged over queries at positions >= min_pos, from the stored q/k:
   sink   = attention on position 0;            local = attention on the last `window` positions (self incl.);
-  prev   = attention on position t-1;          induction = on a trace of a random token block repeated twice,
+  prev   = attention on position t-1; top_token = the token text most often holding a query's largest weight
+  (share of queries, mean distance), which exposes delimiter sinks such as newlines;
+          induction = on a trace of a token block repeated twice
+  (random vocabulary ids, or a held-out text passage with --induction-block text),
   attention of a second-copy query at t on t-L+1 (the token that followed the query's previous occurrence).
     PYTHONPATH=. python -m traces.model.analyze_heads --out traces/model/heads.json
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +43,19 @@ def pattern_scores(trace, min_pos: int = 32, window: int = 8) -> list[dict]:
         p = attention_rows(la.q, la.k, trace.meta.softmax_scale, rows)
         t = rows[:, None]
         local_mask = (np.arange(p.shape[2])[None, :] > t - window)              # [R, T]; causal part already 0
+        texts = trace.tokens["text"].tolist() if trace.tokens is not None else None
         for h in range(p.shape[1]):
             ph = p[:, h]
-            out.append({"layer": int(layer), "head": h, "sink": float(ph[:, 0].mean()),
-                        "local": float((ph * local_mask).sum(1).mean()),
-                        "prev": float(ph[np.arange(len(rows)), rows - 1].mean())})
+            rec = {"layer": int(layer), "head": h, "sink": float(ph[:, 0].mean()),
+                   "local": float((ph * local_mask).sum(1).mean()),
+                   "prev": float(ph[np.arange(len(rows)), rows - 1].mean())}
+            if texts is not None:
+                top = ph.argmax(1)
+                word, n = Counter(texts[j] for j in top).most_common(1)[0]
+                hit = np.array([texts[j] == word for j in top])
+                rec.update(top_token=word, top_token_share=float(hit.mean()),
+                           top_token_distance=float((rows - top)[hit].mean()))
+            out.append(rec)
     return out
 
 
@@ -69,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "heads.json")
     ap.add_argument("--tokens", type=int, default=1024, help="length of the natural-text trace")
-    ap.add_argument("--block", type=int, default=256, help="random block length for the induction test")
+    ap.add_argument("--block", type=int, default=256, help="block length for the induction test")
+    ap.add_argument("--induction-block", choices=("random", "text"), default="random",
+                    help="repeat random token ids, or a held-out text passage (from token 2048 on)")
     args = ap.parse_args(argv)
     import torch
 
@@ -84,10 +98,14 @@ def main(argv: list[str] | None = None) -> None:
         scores = pattern_scores(nat)
         model, tok = load_default_model()
         rng = np.random.default_rng(0)
-        blk = rng.integers(1, model.config.vocab_size, args.block).tolist()
+        if args.induction_block == "random":
+            blk = rng.integers(1, model.config.vocab_size, args.block).tolist()
+        else:
+            from traces.model import default_text
+            blk = tok(default_text(), verbose=False)["input_ids"][2048:2048 + args.block]
         rep = record_trace(model, blk + blk, Path(tmp) / "rep", n_prompt=args.block, n_decode=args.block,
                            teacher_forced=True, progress=False, model_id="kvsim-tiny-llama",
-                           source={"text_id": "random-block-x2"})
+                           source={"text_id": f"{args.induction_block}-block-x2"})
         ind = induction_scores(load_trace(rep.path), args.block)
         rep_tok = load_trace(rep.path).tokens
     nll1 = float(rep_tok["nll"][1:args.block].mean())
@@ -95,16 +113,19 @@ def main(argv: list[str] | None = None) -> None:
     for s in scores:
         s["induction"] = ind[(s["layer"], s["head"])]
         s["label"] = label(s)
-    res = {"natural_text_tokens": args.tokens, "random_block": args.block, "thresholds":
+    res = {"natural_text_tokens": args.tokens, "induction_block": args.induction_block, "block": args.block,
+           "thresholds":
            {"sink": SINK, "local": LOCAL, "prev": PREV, "induction": INDUCTION},
            "repeated_block_nll_first_copy": round(nll1, 3), "repeated_block_nll_second_copy": round(nll2, 3),
            "heads": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()} for s in scores]}
     args.out.write_text(json.dumps(res, indent=1) + "\n")
-    print("layer head  sink  local  prev  induction  label")
+    print("| layer | head | sink | local | prev | induction | top token (share, distance) | label |")
+    print("|---|---|---|---|---|---|---|---|")
     for s in res["heads"]:
-        print(f"{s['layer']:5d} {s['head']:4d} {s['sink']:5.2f} {s['local']:6.2f} {s['prev']:5.2f} "
-              f"{s['induction']:10.2f}  {s['label']}")
-    print(f"repeated random block NLL: first copy {nll1:.3f}, second copy {nll2:.3f}")
+        print(f"| {s['layer']} | {s['head']} | {s['sink']:.2f} | {s['local']:.2f} | {s['prev']:.2f} | "
+              f"{s['induction']:.2f} | {s['top_token']!r} ({s['top_token_share']:.2f}, {s['top_token_distance']:.0f}) "
+              f"| {s['label']} |")
+    print(f"repeated {args.induction_block} block NLL: first copy {nll1:.3f}, second copy {nll2:.3f}")
 
 
 if __name__ == "__main__":
