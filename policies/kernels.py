@@ -89,7 +89,7 @@ def hash_uniform(seed, a, b, c):
 
 
 @njit(cache=True)
-def _causal_row(q, k, scale, hq, h, r, row):
+def causal_row(q, k, scale, hq, h, r, row):
     """row[:r+1] = causal softmax attention of query ``r`` (head ``hq``) over KV head ``h``'s keys 0..r."""
     d = q.shape[2]
     mx = -np.inf
@@ -117,7 +117,7 @@ def causal_attention_rows(q, k, scale, hq, h, r0, r1):
     """
     out = np.zeros((r1 - r0, r1), np.float64)
     for r in range(r0, r1):
-        _causal_row(q, k, scale, hq, h, r, out[r - r0])
+        causal_row(q, k, scale, hq, h, r, out[r - r0])
     return out
 
 
@@ -131,7 +131,7 @@ def causal_column_sums(q, k, scale, hq, h, r0, r1):
     sums = np.zeros(r1, np.float64)
     row = np.zeros(r1, np.float64)
     for r in range(r0, r1):
-        _causal_row(q, k, scale, hq, h, r, row)
+        causal_row(q, k, scale, hq, h, r, row)
         for i in range(r + 1):
             sums[i] += row[i]
     return sums

@@ -1,0 +1,288 @@
+"""BumbleBee: the mixture objective is monotone submodular, greedy keeps its (1 - 1/e) bound, the streaming
+step discards the argmin conditional gain, and worked examples give exact selections."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies import get_policy
+from policies.base import PolicyError
+from policies.bumblebee import (CONCAVE, F_ACC, F_NN, F_NNPOS, SIMILARITY, _prefill, _step, concave, greedy_select,
+                                objective, prompt_importance, similarity_matrix)
+from policies.kernels import causal_column_sums
+from sim.replay import replay
+from traces.synthetic import make_synthetic_trace
+
+SETTINGS = settings(max_examples=40, deadline=None)
+
+
+@st.composite
+def instance(draw, n_min=2, n_max=7):
+    """Random keys (some near-duplicates, some zero-free), importances and objective parameters."""
+    n = draw(st.integers(n_min, n_max))
+    d = draw(st.integers(2, 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    keys = rng.normal(size=(n, d))
+    if n > 2 and draw(st.booleans()):
+        keys[1] = keys[0] + 1e-3 * rng.normal(size=d)        # a near-duplicate key
+    imp = rng.exponential(size=n) * draw(st.sampled_from([0.01, 1.0, 50.0]))
+    kw = dict(lam=draw(st.floats(0.0, 1.0)), concave_kind=draw(st.sampled_from(CONCAVE)),
+              alpha=draw(st.sampled_from([0.04, 0.2, 0.5])), beta=draw(st.sampled_from([0.0, 1.0])),
+              similarity=draw(st.sampled_from(SIMILARITY)))
+    return keys, imp, kw
+
+
+def _params(lam=0.3, concave_kind="power", alpha=0.04, beta=1.0, similarity="relu_cos", recent_ratio=0.0,
+            group_reduce="mean", greedy="lazy"):
+    return get_policy("bumblebee", lam=lam, concave=concave_kind, alpha=alpha, beta=beta, similarity=similarity,
+                      recent_ratio=recent_ratio, group_reduce=group_reduce, greedy=greedy).param_vector()
+
+
+def _greedy(keys, imp, budget, kw, lazy=True, forced=None):
+    S = similarity_matrix(np.ascontiguousarray(keys, dtype=np.float64), SIMILARITY.index(kw["similarity"]))
+    f = np.zeros(len(keys), np.uint8) if forced is None else forced
+    return greedy_select(S, imp, budget, f, kw["lam"], CONCAVE.index(kw["concave_kind"]), kw["alpha"], kw["beta"],
+                         lazy)
+
+
+# ---------------------------------------------------------------- objective
+
+
+@SETTINGS
+@given(inst=instance(), data=st.data())
+def test_objective_is_normalised_monotone_submodular(inst, data):
+    keys, imp, kw = inst
+    n = len(keys)
+    assert objective(keys, imp, [], **kw) == 0.0
+    assert objective(keys, imp, range(n), **kw) == pytest.approx(1.0, abs=1e-9)
+    B = set(data.draw(st.sets(st.integers(0, n - 1), max_size=n - 1)))
+    A = {i for i in B if data.draw(st.booleans())}
+    e = data.draw(st.sampled_from(sorted(set(range(n)) - B)))
+    gA = objective(keys, imp, A | {e}, **kw) - objective(keys, imp, A, **kw)
+    gB = objective(keys, imp, B | {e}, **kw) - objective(keys, imp, B, **kw)
+    assert gB >= -1e-12                       # monotone
+    assert gA >= gB - 1e-9                    # diminishing returns
+
+
+@settings(max_examples=60, deadline=None)
+@given(y=st.floats(1e-6, 1e3), alpha=st.sampled_from([0.04, 0.1, 0.5, 1.0]), beta=st.sampled_from([0.0, 1.0, 2.0]))
+def test_power_concave_inverts_its_generator(y, alpha, beta):
+    x = alpha * y ** (1 / alpha) + beta * y
+    if not math.isfinite(x) or x > 1e300:
+        return
+    assert concave(x, 0, alpha, beta) == pytest.approx(y, rel=1e-9)
+    assert concave(2 * x, 0, alpha, beta) >= concave(x, 0, alpha, beta)
+
+
+def test_log_concave():
+    assert concave(3.0, 1, 0.04, 1.0) == pytest.approx(math.log(4.0))
+    assert concave(0.0, 0, 0.04, 1.0) == 0.0
+
+
+# ---------------------------------------------------------------- Alg. 1 (offline greedy)
+
+
+@SETTINGS
+@given(inst=instance(n_max=8), data=st.data())
+def test_greedy_within_1_minus_1_over_e_of_brute_force(inst, data):
+    keys, imp, kw = inst
+    n = len(keys)
+    budget = data.draw(st.integers(1, min(4, n)))
+    sel, _ = _greedy(keys, imp, budget, kw)
+    assert len(sel) == budget and len(set(sel.tolist())) == budget
+    best = max(objective(keys, imp, c, **kw) for c in itertools.combinations(range(n), budget))
+    assert objective(keys, imp, sel, **kw) >= (1 - 1 / math.e) * best - 1e-9
+
+
+@SETTINGS
+@given(inst=instance(n_max=12), data=st.data())
+def test_lazy_greedy_equals_naive_greedy(inst, data):
+    keys, imp, kw = inst
+    n = len(keys)
+    budget = data.draw(st.integers(1, n))
+    forced = np.zeros(n, np.uint8)
+    forced[n - data.draw(st.integers(0, budget)):] = 1
+    lazy, ev_lazy = _greedy(keys, imp, budget, kw, True, forced)
+    naive, ev_naive = _greedy(keys, imp, budget, kw, False, forced)
+    np.testing.assert_array_equal(lazy, naive)
+    assert ev_lazy <= ev_naive
+    assert set(np.flatnonzero(forced).tolist()) <= set(lazy.tolist())
+    assert len(lazy) == min(budget, n)
+
+
+def test_greedy_worked_example_pure_diversity():
+    # e1, e1 (duplicate), e2, e3; lam = 1: gains 2/4, 2/4, 1/4, 1/4 -> 0 (earlier of the tie), then 2, then 3
+    keys = np.array([[1, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]], float)
+    sel, _ = _greedy(keys, np.ones(4), 3, dict(lam=1.0, concave_kind="log", alpha=0.04, beta=1.0,
+                                               similarity="relu_cos"))
+    assert sel.tolist() == [0, 2, 3]
+
+
+def test_greedy_worked_example_mixture():
+    # k0 = k1 = (1, 0), k2 = (0, 1), m = (2, 2, 1), lam = 0.5, log. Step 1: g(k0) = .5*2/3 + .5*log3/log6 = .640
+    # beats g(k2) = .5/3 + .5*log2/log6 = .360. Step 2: g(k1|k0) = .5*(log5-log3)/log6 = .143 < g(k2|k0) =
+    # .5/3 + .5*(log4-log3)/log6 = .247, so the duplicate loses; importance alone (lam = 0) keeps it.
+    keys = np.array([[1, 0], [1, 0], [0, 1]], float)
+    m = np.array([2.0, 2.0, 1.0])
+    kw = dict(lam=0.5, concave_kind="log", alpha=0.04, beta=1.0, similarity="relu_cos")
+    assert _greedy(keys, m, 2, kw)[0].tolist() == [0, 2]
+    assert _greedy(keys, m, 2, dict(kw, lam=0.0))[0].tolist() == [0, 1]
+    assert objective(keys, m, [0, 2], **kw) == pytest.approx(0.5 * 1.0 + 0.5 * math.log(4) / math.log(6))
+
+
+def test_prompt_importance_matches_column_sums():
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(9, 4, 5)).astype(np.float32)
+    k = rng.normal(size=(9, 2, 5)).astype(np.float32)
+    for h in range(2):
+        cols = [causal_column_sums(q, k, 0.4, 2 * h + g, h, 0, 9) for g in range(2)]
+        np.testing.assert_allclose(prompt_importance(q, k, 0.4, h, 0), (cols[0] + cols[1]) / 2, rtol=1e-12)
+        np.testing.assert_allclose(prompt_importance(q, k, 0.4, h, 1), cols[0] + cols[1], rtol=1e-12)
+
+
+def test_prefill_keeps_greedy_selection_and_slot_stats():
+    rng = np.random.default_rng(3)
+    P, d = 12, 4
+    q = rng.normal(size=(P, 2, d)).astype(np.float32)
+    k = rng.normal(size=(P, 1, d)).astype(np.float32)
+    k[5, 0] = k[2, 0]
+    params = _params()
+    keep = np.ones((1, P), np.uint8)
+    st_ = np.zeros((1, P, 4))
+    _prefill(params, 0, np.array([5]), q, k, k.copy(), 0.5, keep, st_, np.zeros((1, 0)))
+    m = prompt_importance(q, k, 0.5, 0, 0)
+    sel, _ = greedy_select(similarity_matrix(k[:, 0].astype(np.float64), 0), m, 5, np.zeros(P, np.uint8), 0.3, 0,
+                           0.04, 1.0, True)
+    assert sorted(sel.tolist()) == np.flatnonzero(keep[0]).tolist()
+    S = similarity_matrix(k[:, 0].astype(np.float64), 0)
+    for i in sel:
+        others = [j for j in sel if j != i]
+        assert st_[0, i, F_ACC] == m[i]
+        assert st_[0, i, F_NN] == pytest.approx(S[i, others].max())
+        assert st_[0, i, F_NNPOS] in others
+
+
+# ---------------------------------------------------------------- Alg. 2 (streaming)
+
+
+def _run_stream(keys, probs, budget, params, check):
+    """Drive the step kernel like the engine (append, step, compact) for one KV head; ``check`` sees each step."""
+    T, d = keys.shape
+    g_n = probs.shape[1]
+    cap = budget + 1
+    ck = np.zeros((1, cap, d), np.float32)
+    pos = np.full((1, cap), -1, np.int64)
+    sst = np.zeros((1, cap, 4))
+    n = 0
+    for t in range(T):
+        ck[0, n] = keys[t]
+        pos[0, n] = t
+        sst[0, n] = 0.0
+        n += 1
+        pr = np.zeros((1, g_n, cap))
+        pr[0, :, :n] = probs[t, :, :n] / probs[t, :, :n].sum(axis=1, keepdims=True)
+        before = sst[0, :n, F_ACC].copy() + pr[0, :, :n].mean(axis=0)
+        keep = np.ones((1, cap), np.uint8)
+        _step(params, 0, t, np.array([budget]), np.array([n]), pr, ck, ck.copy(), pos, sst, np.zeros((1, 0)), keep,
+              np.full((1, cap), -1, np.int64), np.ones((1, cap)))
+        check(t, n, ck[0, :n].astype(np.float64), before, pos[0, :n].copy(), keep[0, :n].copy(), pr)
+        idx = np.flatnonzero(keep[0, :n])
+        ck[0, :len(idx)] = ck[0, idx]
+        pos[0, :len(idx)] = pos[0, idx]
+        sst[0, :len(idx)] = sst[0, idx]
+        n = len(idx)
+        assert n <= budget
+        # the incremental nearest-neighbour state equals the brute-force one over the kept keys
+        S = similarity_matrix(ck[0, :n].astype(np.float64), int(params[4]))
+        for i in range(n):
+            if n > 1:
+                others = [j for j in range(n) if j != i]
+                assert sst[0, i, F_NN] == pytest.approx(S[i, others].max(), abs=1e-6)
+                assert S[i, list(pos[0, :n]).index(int(sst[0, i, F_NNPOS]))] == pytest.approx(sst[0, i, F_NN], abs=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), budget=st.integers(1, 6), T=st.integers(2, 14),
+       lam=st.floats(0.0, 1.0), kind=st.sampled_from(CONCAVE), sim=st.sampled_from(SIMILARITY), dup=st.booleans())
+def test_streaming_discards_argmin_conditional_gain(seed, budget, T, lam, kind, sim, dup):
+    """Alg. 2 line 10-11: the kept set S_t maximises g(S'_t minus one key) over V = S'_t, |S_t| <= budget."""
+    rng = np.random.default_rng(seed)
+    keys = rng.normal(size=(T, 3)).astype(np.float32)
+    if dup:
+        keys[1::3] = keys[0::3][:len(keys[1::3])]
+    probs = rng.exponential(size=(T, 2, T))
+    params = _params(lam=lam, concave_kind=kind, similarity=sim)
+    kw = dict(lam=lam, concave_kind=kind, similarity=sim)
+
+    def check(t, n, k, acc, pos, keep, pr):
+        gone = np.flatnonzero(keep == 0)
+        assert len(gone) == max(0, n - budget)
+        if len(gone):
+            values = [objective(k, acc, [j for j in range(n) if j != i], **kw) for i in range(n)]
+            assert values[gone[0]] >= max(values) - 1e-7
+
+    _run_stream(keys, probs, budget, params, check)
+
+
+def test_step_worked_example_drops_duplicate_not_lightest():
+    # cache k0 = (1,0) acc 1.0, k1 = (0,1) acc 0.2; new k2 = (1,0); probs (.3, .1, .6) -> acc (1.3, .3, .6), M = 2.2.
+    # lam = .5, log: gains k0 = .5*(log3.2 - log1.9)/log3.2 = .224, k1 = .5/3 + .5*(log3.2 - log2.9)/log3.2 = .209,
+    # k2 = .5*(log3.2 - log2.6)/log3.2 = .089 -> the duplicate k2 goes; H2O-style importance (lam = 0) drops k1.
+    keys = np.array([[[1, 0], [0, 1], [1, 0]]], np.float32)
+    pos = np.array([[0, 1, 2]], np.int64)
+    for lam, dropped in ((0.5, 2), (0.0, 1)):
+        sst = np.zeros((1, 3, 4))
+        sst[0, :2, F_ACC] = (1.0, 0.2)
+        sst[0, 0, F_NN], sst[0, 0, F_NNPOS] = 0.0, 1
+        sst[0, 1, F_NN], sst[0, 1, F_NNPOS] = 0.0, 0
+        sst[0, :, 3] = 1.0
+        sst[0, 2, 3] = 0.0
+        keep = np.ones((1, 3), np.uint8)
+        probs = np.array([[[0.3, 0.1, 0.6]]])
+        _step(_params(lam=lam, concave_kind="log"), 0, 2, np.array([2]), np.array([3]), probs, keys, keys.copy(), pos,
+              sst, np.zeros((1, 0)), keep, np.full((1, 3), -1, np.int64), np.ones((1, 3)))
+        assert np.flatnonzero(keep[0] == 0).tolist() == [dropped]
+    # lam = 0: k2 stays; its attention is renormalised over S_t (line 14): .6 / (1 - .1)
+    assert sst[0, 2, F_ACC] == pytest.approx(0.6 / 0.9)
+    assert sst[0, 0, F_NN] == 1.0 and sst[0, 0, F_NNPOS] == 2
+
+
+# ---------------------------------------------------------------- policy / registry
+
+
+def test_paper_defaults_and_bad_params():
+    p = get_policy("bumblebee")
+    assert p.params["lam"] == 0.3 and p.params["alpha"] == 0.04 and p.params["beta"] == 1.0
+    assert p.params["similarity"] == "relu_cos" and p.params["concave"] == "power"
+    with pytest.raises(PolicyError, match="lam"):
+        get_policy("bumblebee", lam=1.5)
+    with pytest.raises(PolicyError, match="similarity"):
+        get_policy("bumblebee", similarity="dot")
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), budget=st.integers(2, 30), ratio=st.sampled_from([0.0, 0.25, 1.0]),
+       greedy=st.sampled_from(["lazy", "naive"]), P=st.integers(0, 30))
+def test_replay_budget_and_window(seed, budget, ratio, greedy, P):
+    trace = make_synthetic_trace("mixed", n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=40, n_prompt=P,
+                                 seed=seed)
+    pol = get_policy("bumblebee", recent_ratio=ratio, greedy=greedy)
+    res = replay(trace, pol, budget, record_kept=(P, 40 - P))
+    assert (res.slots <= budget).all()
+    recent = pol.guarantees(budget).recent
+    for r, t in enumerate(res.kept_steps):
+        for h in range(2):
+            kept = set(res.kept[0, r, h][res.kept[0, r, h] >= 0].tolist())
+            assert set(range(max(0, t - recent + 1), t + 1)) <= kept
+
+
+def test_lazy_and_naive_policies_replay_identically():
+    trace = make_synthetic_trace("zipf", n_layers=1, n_tokens=80, n_prompt=50, head_dim=16, seed=2)
+    a = replay(trace, get_policy("bumblebee"), 12)
+    b = replay(trace, get_policy("bumblebee", greedy="naive"), 12)
+    np.testing.assert_array_equal(a.metrics, b.metrics)
