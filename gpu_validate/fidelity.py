@@ -126,12 +126,13 @@ def plot_fidelity(report: dict[str, Any], path: str | Path) -> Path:
     rows = report["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     labels = sorted({r["label"] for r in rows})
-    colours = plt.get_cmap("tab10")
+    colours = plt.get_cmap("tab20")
     for ax, (mkey, mname), ykey in zip(axes, MODEL_LOSSES.items(), ("delta_ppl", "top1_disagreement")):
         skey = report["best_sim_metric"][mkey]["metric"]
         for i, lab in enumerate(labels):
             pts = [r for r in rows if r["label"] == lab]
-            ax.scatter([r[skey] for r in pts], [r[ykey] for r in pts], color=colours(i % 10), label=lab, s=28)
+            ax.scatter([r[skey] for r in pts], [r[ykey] for r in pts], color=colours(i % 20), label=lab, s=28,
+                       marker="os^Dv"[i % 5])
             for r in pts:
                 ax.annotate(str(r["budget"]), (r[skey], r[ykey]), fontsize=6, xytext=(2, 2),
                             textcoords="offset points")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpu_validate.evaluate import kept_set_agreement, passkey_prompt, text_metrics
-from gpu_validate.fidelity import run_fidelity, spearman
+from gpu_validate.fidelity import plot_fidelity, run_fidelity, spearman
 from gpu_validate.runner import CompressedRunner, ValidateError, full_model_logits
 from numba import njit
 
@@ -202,13 +202,14 @@ def test_passkey_prompt_places_needle_at_depth():
         passkey_prompt(CharTok(), filler, 0.5, 20, "12345")
 
 
-def test_fidelity_report_on_tiny_model(llama, ids):
+def test_fidelity_report_on_tiny_model(llama, ids, tmp_path):
     rep = run_fidelity(llama, ids[:40], [get_policy("window"), get_policy("h2o"), get_policy("oracle")], [6, 10],
                        n_prompt=16, n_open_steps=8, log=lambda *_: None)
     assert rep["skipped"] == ["oracle"] and len(rep["rows"]) == 4
     assert rep["kept_agreement"] == 1.0
     assert set(rep["spearman"]) >= {"err_mean", "kl_mean"} and "delta_nll" in rep["spearman"]["err_mean"]
     assert set(rep["spearman_within_budget"]) == set(rep["spearman"])
+    assert plot_fidelity(rep, tmp_path / "f.png").stat().st_size > 1000
     assert spearman([1, 2, 3, 4], [2, 4, 6, 9]) == pytest.approx(1.0)
     assert np.isnan(spearman([1, 1, 1], [1, 2, 3]))
 
