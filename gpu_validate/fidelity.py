@@ -1,0 +1,147 @@
+"""Simulator fidelity: does the simulator's loss rank policies × budgets the way the real model does?
+
+For one model and text: record a teacher-forced trace, replay every policy × budget in the simulator, run
+the same configurations closed-loop through the model (`gpu_validate.runner`), and report Spearman's rho
+between each simulated loss and the model's ΔNLL (equivalently ΔPPL: same ranking) and top-1 disagreement,
+plus open-loop kept-set agreement on the first decode steps, and a sim-vs-model scatter plot.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpu_validate.evaluate import kept_set_agreement, text_metrics
+from gpu_validate.runner import ValidateError, full_model_logits
+from policies.base import Policy
+
+#: simulated losses (higher = worse) compared with the model's losses
+SIM_LOSSES = {"err_mean": "mean attention-output error", "err_p95": "p95 attention-output error",
+              "kl_mean": "mean KL(full || cache)", "l1_mean": "mean L1 output error",
+              "miss_mass": "1 - retained attention mass"}
+MODEL_LOSSES = {"delta_nll": "ΔNLL (ranks as ΔPPL)", "top1_disagreement": "top-1 disagreement with the full cache"}
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rho (scipy), NaN when either side is constant."""
+    from scipy.stats import spearmanr
+
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    return float(spearmanr(x, y).statistic)
+
+
+def correlations(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """rho[sim_loss][model_loss] over the rows."""
+    return {s: {m: spearman([r[s] for r in rows], [r[m] for r in rows]) for m in MODEL_LOSSES} for s in SIM_LOSSES}
+
+
+def within_budget_correlations(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Mean over budgets of rho among the lossy policies at one budget: does the simulator rank *policies*,
+    not just budgets (pooled rho is dominated by the budget)? NaN where no budget has 3 lossy policies."""
+    import warnings
+
+    lossy = [r for r in rows if r["policy"] != "full"]
+    budgets = sorted({r["budget"] for r in lossy})
+    out: dict[str, dict[str, float]] = {}
+    for s in SIM_LOSSES:
+        out[s] = {}
+        for m in MODEL_LOSSES:
+            vals = [spearman([r[s] for r in lossy if r["budget"] == b], [r[m] for r in lossy if r["budget"] == b])
+                    for b in budgets]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                out[s][m] = float(np.nanmean(vals)) if vals else float("nan")
+    return out
+
+
+def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets: Sequence[int], *,
+                 n_prompt: int, n_open_steps: int = 16, backend: str = "torch", model_id: str = "model",
+                 log=print) -> dict[str, Any]:
+    """All policies × budgets through the simulator and the model; returns the JSON-ready report."""
+    from sim.replay import replay
+    from traces.format import load_trace
+    from traces.recorder import record_trace
+
+    ids = [int(x) for x in ids]
+    n_decode = len(ids) - n_prompt
+    if n_prompt < 1 or n_decode < 2:
+        raise ValidateError(f"need n_prompt >= 1 and >= 2 tokens after it, got {n_prompt} of {len(ids)}")
+    skipped = [p.label() for p in policies if p.is_oracle]
+    for name in skipped:
+        log(f"skipping {name}: the oracle cannot run closed-loop (it needs future attention)")
+    policies = [p for p in policies if not p.is_oracle]
+    if not policies:
+        raise ValidateError("no policy left to compare after skipping the oracle")
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvsim-fidelity-") as tmp:
+        record_trace(model, ids, Path(tmp) / "trace", n_prompt=n_prompt, n_decode=n_decode, teacher_forced=True,
+                     single_pass=True, progress=False, model_id=model_id)
+        trace = load_trace(Path(tmp) / "trace")
+        full = full_model_logits(model, ids)
+        rows = []
+        for policy in policies:
+            for budget in budgets:
+                t0 = time.perf_counter()
+                res = replay(trace, policy, int(budget), record_kept=(n_prompt, n_open_steps), threads=1)
+                s = res.summary()
+                m = text_metrics(model, ids, n_prompt, policy, int(budget), backend=backend, full_logits=full)
+                a = kept_set_agreement(model, trace, policy, int(budget), n_open_steps, backend=backend,
+                                       sim_kept=res.kept)
+                row = {"policy": policy.name, "label": policy.label(), "budget": int(budget),
+                       **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean", "mass_mean", "slots_mean")},
+                       "miss_mass": 1.0 - s["mass_mean"], **m, "top1_disagreement": 1.0 - m["top1_agreement"],
+                       **a, "seconds": time.perf_counter() - t0}
+                rows.append(row)
+                log(f"{policy.label():>24s} @ {budget:>4d}: sim err {row['err_mean']:.4f}  ΔPPL "
+                    f"{row['delta_ppl']:+.3f}  top-1 {row['top1_agreement']:.3f}  kept-set {row['kept_agreement']:.3f}")
+    rho = correlations(rows)
+    best = {m: max(SIM_LOSSES, key=lambda s: -np.inf if np.isnan(rho[s][m]) else rho[s][m]) for m in MODEL_LOSSES}
+    n_cmp = sum(r["n_compared"] for r in rows)
+    agreement = sum(r["kept_agreement"] * r["n_compared"] for r in rows) / n_cmp
+    return {
+        "model": model_id, "backend": backend, "device": str(next(model.parameters()).device),
+        "n_prompt": n_prompt, "n_decode": n_decode, "n_open_steps": n_open_steps,
+        "policies": [p.label() for p in policies], "budgets": [int(b) for b in budgets], "skipped": skipped,
+        "spearman": rho, "spearman_within_budget": within_budget_correlations(rows), "best_sim_metric": {m: {"metric": best[m], "rho": rho[best[m]][m]} for m in MODEL_LOSSES},
+        "rho_primary": rho["err_mean"]["delta_nll"], "kept_agreement": agreement,
+        "target": {"rho": 0.9, "kept_agreement": 0.99}, "rows": rows,
+        "seconds": time.perf_counter() - t_start,
+    }
+
+
+def plot_fidelity(report: dict[str, Any], path: str | Path) -> Path:
+    """Scatter of the best simulated loss vs the model's ΔPPL and top-1 disagreement, one colour per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sim.report import _save
+
+    rows = report["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    labels = sorted({r["label"] for r in rows})
+    colours = plt.get_cmap("tab20")
+    for ax, (mkey, mname), ykey in zip(axes, MODEL_LOSSES.items(), ("delta_ppl", "top1_disagreement")):
+        skey = report["best_sim_metric"][mkey]["metric"]
+        for i, lab in enumerate(labels):
+            pts = [r for r in rows if r["label"] == lab]
+            ax.scatter([r[skey] for r in pts], [r[ykey] for r in pts], color=colours(i % 20), label=lab, s=28,
+                       marker="os^Dv"[i % 5])
+            for r in pts:
+                ax.annotate(str(r["budget"]), (r[skey], r[ykey]), fontsize=6, xytext=(2, 2),
+                            textcoords="offset points")
+        ax.set_xlabel(f"simulated {SIM_LOSSES[skey]} ({skey})")
+        ax.set_ylabel("ΔPPL vs full cache" if ykey == "delta_ppl" else MODEL_LOSSES[mkey])
+        ax.set_title(f"Spearman ρ = {report['spearman'][skey][mkey]:.3f}", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="best")
+    fig.suptitle(f"kvsim fidelity: simulator vs model ({report['model']}, {report['device']}, "
+                 f"backend {report['backend']}; numbers = budget)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)

@@ -1,0 +1,111 @@
+"""``kvsim validate``: run one policy at one budget closed-loop inside a real HF model and report its losses."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if any(not 0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"depths must lie in [0, 1], got {text!r}")
+    return values
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model/--text/--device/--backend/--prompt shared by validate and fidelity."""
+    p.add_argument("--model", default="default",
+                   help="local HF model folder (Llama/Qwen2/Mistral/GPT-2 style), or 'default' for the shipped model")
+    p.add_argument("--text", default=None, help="UTF-8 text file to score (default: the shipped held-out text)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--backend", choices=("torch", "triton"), default=None,
+                   help="cache kernels: triton (default on cuda) or the torch reference (default on cpu)")
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens (default 256)")
+    p.add_argument("--decode", type=int, default=128, help="teacher-forced continuation tokens scored (default 128)")
+
+
+def load_model_and_ids(args: argparse.Namespace):
+    """(model, tokenizer, token ids of the text, device, backend) from the shared arguments."""
+    from pathlib import Path
+
+    import torch
+
+    from traces.recorder import load_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = args.backend or ("triton" if device.startswith("cuda") else "torch")
+    if args.prompt < 1 or args.decode < 2:
+        raise ValueError(f"--prompt must be >= 1 and --decode >= 2, got {args.prompt} and {args.decode}")
+    model, tok = load_model(args.model, device=device)
+    if args.text:
+        path = Path(args.text)
+        if not path.is_file():
+            raise FileNotFoundError(f"--text {args.text}: no such file")
+        text = path.read_text(encoding="utf-8")
+    else:
+        from traces.model import default_text
+
+        text = default_text()
+    ids = tok(text, verbose=False)["input_ids"]
+    need = args.prompt + args.decode
+    if len(ids) < need:
+        raise ValueError(f"the text has {len(ids)} tokens; --prompt {args.prompt} + --decode {args.decode} needs {need}")
+    return model, tok, ids, device, backend
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="run a policy closed-loop inside a real model (GPU, or CPU for tiny models)",
+                       description="Greedy/teacher-forced decoding with the policy evicting from per-head varlen "
+                                   "caches (Triton kernels on GPU): perplexity delta and top-1 agreement vs the full "
+                                   "cache, passkey retrieval by depth, KV memory held, decode tokens/s.")
+    add_model_args(p)
+    p.add_argument("--policy", required=True, help="policy spec, e.g. h2o or h2o:recent_ratio=0.3")
+    p.add_argument("--budget", type=int, required=True, help="slots per KV head and layer")
+    p.add_argument("--passkey-depths", type=_floats, default=[0.1, 0.5, 0.9],
+                   help="relative depths of the pass key (default 0.1,0.5,0.9; empty string to skip)")
+    p.add_argument("--passkey-context", type=int, default=256, help="tokens of each passkey prompt (default 256)")
+    p.add_argument("--passkey-keys", type=int, default=2, help="keys tried per depth (default 2)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from gpu_validate.evaluate import passkey_accuracy, text_metrics
+    from gpu_validate.runner import check_run_args
+    from sim.specs import parse_policy
+
+    torch.set_grad_enabled(False)
+    policy = parse_policy(args.policy)
+    check_run_args(policy, args.budget, args.backend or "torch")
+    model, tok, ids, device, backend = load_model_and_ids(args)
+    res = {"model": args.model, "policy": policy.label(), "budget": args.budget, "device": device,
+           "backend": backend, "n_prompt": args.prompt, "n_decode": args.decode}
+    res.update(text_metrics(model, ids[:args.prompt + args.decode], args.prompt, policy, args.budget,
+                            backend=backend))
+    if args.passkey_depths:
+        filler = ids[args.prompt + args.decode:] or ids
+        kw = dict(depths=args.passkey_depths, n_context=args.passkey_context, n_keys=args.passkey_keys,
+                  backend=backend)
+        res["passkey"] = passkey_accuracy(model, tok, filler, policy, args.budget, **kw)
+        from policies.registry import get_policy
+
+        res["passkey_full_cache"] = passkey_accuracy(model, tok, filler, get_policy("full"), args.budget, **kw)
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{policy.label()} @ budget {args.budget} on {args.model} ({device}, {backend})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in res.items():
+        if k not in ("model", "policy", "budget", "device", "backend"):
+            table.add_row(k, f"{v:.5g}" if isinstance(v, float) else str(v))
+    Console().print(table)
+    return 0
