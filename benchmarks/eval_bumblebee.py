@@ -19,7 +19,7 @@ from traces.format import InMemoryTrace, LayerArrays, Trace
 from traces.reference import full_attention_reference
 from traces.synthetic import make_synthetic_trace
 
-POLICIES = [("bumblebee", {}), ("bumblebee", {"concave": "log", "lam": 0.2}), ("bumblebee", {"recent_ratio": 0.5}),
+POLICIES = [("bumblebee", {}), ("bumblebee", {"concave": "log", "lam": 0.2}), ("bumblebee", {"recent_ratio": 0.0}),
             ("bumblebee", {"lam": 0.0}), ("h2o", {}), ("snapkv", {})]
 FRACTIONS = (0.05, 0.1, 0.2, 0.3)
 

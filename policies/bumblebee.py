@@ -19,8 +19,11 @@ the paper's Appx. E.
 
 Choices the paper leaves open: GQA (the paper's LLaMA has none) reduces a group's probabilities with
 ``group_reduce``; the importance of the incoming key at the eviction decision is its attention over S' and,
-when it stays, is renormalised over S_t (line 14); ``recent_ratio`` protects a local window (Fig. 1 shows one,
-Alg. 2 has none: default 0); ties evict the older token / pick the earlier one.
+when it stays, is renormalised over S_t (line 14); ties evict the older token / pick the earlier one.
+``recent_ratio``: the paper "further combine[s] the global submodular summary with the most recent local context"
+(Sec. 1, Fig. 1) and compares against "+ Local" baselines, but gives no split and Alg. 2 alone has no window.
+Default 0.5 (the even split of its H2+Local baseline); 0 is Alg. 2 alone, which on a local-attention model
+(the shipped tiny Llama) evicts each new token at once and retains less attention than random eviction.
 """
 from __future__ import annotations
 
@@ -437,7 +440,7 @@ class BumbleBee(Policy):
         Param("alpha", 0.04, "float", 0.005, 1.0, log=True, doc="curvature of the power concave function"),
         Param("beta", 1.0, "float", 0.0, 10.0, doc="linear part of the power concave function"),
         Param("similarity", "relu_cos", "choice", choices=SIMILARITY, doc="facility-location kernel on keys"),
-        Param("recent_ratio", 0.0, "float", 0.0, 1.0, doc="share of the budget kept as local window (Fig. 1)"),
+        Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as local window (Fig. 1)"),
         Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query heads"),
         Param("greedy", "lazy", "choice", choices=GREEDY, searchable=False,
               doc="prompt greedy: lazy (Minoux) or naive; identical selections"),
