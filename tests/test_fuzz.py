@@ -51,4 +51,5 @@ def test_plugin_fixture(pytester):
         def test_user_policy(kvsim_fuzz):
             kvsim_fuzz("h2o", max_examples=20)
     """)
-    pytester.runpytest("-p", "sim.pytest_plugin").assert_outcomes(passed=1)
+    # "-p no:kvsim" skips the installed entry point so the explicit load works installed or not
+    pytester.runpytest("-p", "no:kvsim", "-p", "sim.pytest_plugin").assert_outcomes(passed=1)
