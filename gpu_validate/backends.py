@@ -29,15 +29,7 @@ class TorchVarlenKVCache(VarlenKVCache):
                 merge_w: torch.Tensor | None = None, *, k_new: torch.Tensor | None = None,
                 v_new: torch.Tensor | None = None, new_positions: torch.Tensor | None = None,
                 check: bool = True) -> None:
-        kn = vn = pn = None
-        if k_new is not None:
-            kn = self._per_head(k_new.to(self.dtype), "k_new")
-            vn = self._per_head(v_new.to(self.dtype), "v_new")
-            if new_positions is not None:
-                p = torch.as_tensor(new_positions, dtype=torch.int64, device=self.device)
-                if p.ndim == 2:
-                    p = p[:, None, :].expand(self.batch, self.n_kv_heads, p.shape[1])
-                pn = p.reshape(self.batch * self.n_kv_heads, kn.shape[1])
+        kn, vn, pn = self._new_tokens(k_new, v_new, new_positions)
         out = ref_compact(self.k, self.v, self.start, self.length, self.capacity, keep=keep, merge_to=merge_to,
                           merge_w=merge_w, k_new=kn, v_new=vn, positions=self.positions, new_positions=pn)
         self.k.copy_(out.k.to(self.device))

@@ -159,24 +159,31 @@ class VarlenKVCache:
 
         Merge semantics: `gpu_validate.reference.ref_compact`. New slots start with acc = ema = 0.
         """
-        kn = vn = pn = None
-        if k_new is not None or v_new is not None:
-            if k_new is None or v_new is None:
-                raise KernelInputError("k_new and v_new must be given together")
-            kn = self._per_head(k_new.to(self.dtype), "k_new")
-            vn = self._per_head(v_new.to(self.dtype), "v_new")
-            if new_positions is not None:
-                p = torch.as_tensor(new_positions, dtype=torch.int64, device=self.device)
-                if p.ndim == 2:
-                    p = p[:, None, :].expand(self.batch, self.n_kv_heads, p.shape[1])
-                if tuple(p.shape) != (self.batch, self.n_kv_heads, kn.shape[1]):
-                    raise KernelInputError(f"new_positions must be [B, n_new] or [B, Hkv, n_new], got {tuple(p.shape)}")
-                pn = p.reshape(self.batch * self.n_kv_heads, kn.shape[1])
+        kn, vn, pn = self._new_tokens(k_new, v_new, new_positions)
         varlen_compact(
             self.k, self.v, self.start, self.length, self.capacity, keep=keep, merge_to=merge_to,
             merge_w=merge_w, slot_owner=self.slot_owner, k_new=kn, v_new=vn, positions=self.positions,
             new_positions=pn, acc=self.acc, ema=self.ema, check=check,
         )
+
+    def _new_tokens(self, k_new: torch.Tensor | None, v_new: torch.Tensor | None,
+                    new_positions: torch.Tensor | None) -> tuple:
+        """Validate tokens to append and lay them out per (batch, KV head) row: (k, v, positions) or Nones."""
+        if k_new is None and v_new is None:
+            return None, None, None
+        if k_new is None or v_new is None:
+            raise KernelInputError("k_new and v_new must be given together")
+        kn = self._per_head(k_new.to(self.dtype), "k_new")
+        vn = self._per_head(v_new.to(self.dtype), "v_new")
+        pn = None
+        if new_positions is not None:
+            p = torch.as_tensor(new_positions, dtype=torch.int64, device=self.device)
+            if p.ndim == 2:
+                p = p[:, None, :].expand(self.batch, self.n_kv_heads, p.shape[1])
+            if tuple(p.shape) != (self.batch, self.n_kv_heads, kn.shape[1]):
+                raise KernelInputError(f"new_positions must be [B, n_new] or [B, Hkv, n_new], got {tuple(p.shape)}")
+            pn = p.reshape(self.batch * self.n_kv_heads, kn.shape[1])
+        return kn, vn, pn
 
     def prefill(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> None:
