@@ -83,21 +83,15 @@ class AdaPyramidKV(AdaSnapKV):
     allocate = PyramidKV.allocate
 
 
-@njit(cache=True)
-def _h2o_recent(budget, ratio):
-    """H2O's recent window for a per-head budget (same rounding as policies.h2o)."""
-    return min(budget, max(1, int(round(budget * ratio))))
-
-
 @njit(PREFILL_SIG, cache=True)
 def _ada_h2o_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
     ratio = params[0]
     mode = int(params[1])
     P = q.shape[0]
     hkv = k.shape[1]
-    w_e = _h2o_recent(budget[0], ratio)
+    w_e = recent_slots(budget[0], ratio)
     for h in range(1, hkv):
-        w_e = min(w_e, _h2o_recent(budget[h], ratio))
+        w_e = min(w_e, recent_slots(budget[h], ratio))
     scores = np.zeros((hkv, P), np.float64)
     ring = np.zeros((1, 1), np.float64)
     for h in range(hkv):
@@ -121,7 +115,7 @@ def _ada_h2o_step(params, layer, t, budget, lengths, probs, keys, values, positi
         n = lengths[h]
         for i in range(n):
             slot_state[h, i, 0] += group_score(probs, h, i, mode)
-        recent = _h2o_recent(budget[h], ratio)
+        recent = recent_slots(budget[h], ratio)
         hi[h] = t - recent + 1
         floors[h] = recent + int(params[2] * (budget[h] - recent))
         target = target_size(budget, head_state, h)

@@ -64,11 +64,19 @@ _TAG0 = 2.0
 _N_SINKS, _N_CASC, _BASE, _GAMMA, _TARGET, _REDUCE, _WARMUP, _CLOCK = range(8)
 
 
-def sub_cache_sizes(budget: int, n_sinks: int, n_cascades: int) -> list[int]:
+@njit(cache=True)
+def _sizes(budget, n_sinks, n_cascades):
     """Sizes of C_0..C_{N-1}: ``(budget - n_sinks) // N`` each, the remainder to the newest ones."""
     c = budget - n_sinks
-    base, rem = divmod(c, n_cascades)
-    return [base + (1 if k < rem else 0) for k in range(n_cascades)]
+    sizes = np.empty(n_cascades, np.int64)
+    for k in range(n_cascades):
+        sizes[k] = c // n_cascades + (1 if k < c % n_cascades else 0)
+    return sizes
+
+
+def sub_cache_sizes(budget: int, n_sinks: int, n_cascades: int) -> list[int]:
+    """Sizes of C_0..C_{N-1}: ``(budget - n_sinks) // N`` each, the remainder to the newest ones."""
+    return [int(x) for x in _sizes(budget, n_sinks, n_cascades)]
 
 
 def paper_gamma(budget: int, n_sinks: int, n_cascades: int, target: float = 100.0) -> float:
@@ -136,10 +144,7 @@ def _window_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, hea
     P = k.shape[0]
     n_sinks = int(params[_N_SINKS])
     n_casc = int(params[_N_CASC])
-    c = budget[0] - n_sinks
-    sizes = np.empty(n_casc, np.int64)
-    for k_ in range(n_casc):
-        sizes[k_] = c // n_casc + (1 if k_ < c % n_casc else 0)
+    sizes = _sizes(budget[0], n_sinks, n_casc)
     held = np.empty(min(P, budget[0]), np.int64)
     for i in range(min(P, n_sinks)):
         held[i] = i
@@ -164,9 +169,7 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
     n_sinks = int(params[_N_SINKS])
     n_casc = int(params[_N_CASC])
     c = budget[0] - n_sinks
-    sizes = np.empty(n_casc, np.int64)
-    for k in range(n_casc):
-        sizes[k] = c // n_casc + (1 if k < c % n_casc else 0)
+    sizes = _sizes(budget[0], n_sinks, n_casc)
     gamma = params[_GAMMA]
     if gamma <= 0.0:
         gamma = np.exp(-n_casc * np.log(params[_TARGET]) / c)

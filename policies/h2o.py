@@ -6,6 +6,7 @@ from policies.kernels import GROUP_REDUCE, evict_lowest, group_score
 from policies.registry import register
 
 
+@njit(cache=True)
 def recent_slots(budget: int, recent_ratio: float) -> int:
     """Recent-window size for a budget: at least the newest token, at most the whole budget."""
     return min(budget, max(1, int(round(budget * recent_ratio))))
@@ -21,7 +22,7 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
         for i in range(n):
             slot_state[h, i, 0] += group_score(probs, h, i, mode)
         if n > budget[h]:
-            recent = min(budget[h], max(1, int(round(budget[h] * ratio))))
+            recent = recent_slots(budget[h], ratio)
             evict_lowest(slot_state[h, :, 0], positions[h], n, n - budget[h], 0, t - recent + 1, keep[h])
 
 
@@ -43,4 +44,4 @@ class H2O(Policy):
     step_fn = _step
 
     def guarantees(self, budget: int) -> Guarantees:
-        return Guarantees(recent=recent_slots(budget, self.params["recent_ratio"]))
+        return Guarantees(recent=int(recent_slots(budget, self.params["recent_ratio"])))
