@@ -18,6 +18,7 @@ Step contract (per layer, called after the new token ``t`` was appended at slot 
 """
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
@@ -111,6 +112,20 @@ class Param:
     def encode(self, value: Any) -> float:
         """The float a jitted kernel reads for this parameter (choices by index)."""
         return float(self.choices.index(value)) if self.kind == "choice" else float(value)
+
+
+def param_indices(schema: Sequence[Param]) -> tuple:
+    """Named positions of a schema's parameters in the kernels' ``params`` vector, e.g. ``P.recent_ratio``.
+
+    Build it once per module from the same schema the policy class declares (``P = param_indices(SCHEMA)``)
+    and read parameters in kernels as ``params[P.recent_ratio]``: numba freezes the named tuple as a
+    constant, so reordering the schema re-indexes every kernel and cannot feed one the wrong value.
+    ``@register`` checks that a class's ``P`` matches its ``schema``.
+    """
+    names = [p.name for p in schema]
+    if len(set(names)) != len(names):
+        raise PolicyError(f"duplicate parameter names in schema: {names}")
+    return namedtuple("ParamIndex", names, rename=False)(*range(len(names))) if names else ()
 
 
 class Guarantees(NamedTuple):

@@ -1,9 +1,16 @@
 """H2O (Zhang et al., 2023): heavy hitters by accumulated attention plus a recent window."""
 from numba import njit
 
-from policies.base import STEP_SIG, Guarantees, Param, Policy
+from policies.base import STEP_SIG, Guarantees, Param, Policy, param_indices
 from policies.kernels import GROUP_REDUCE, evict_lowest, group_score
 from policies.registry import register
+
+
+SCHEMA = (
+    Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as recent window"),
+    Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query heads"),
+)
+P = param_indices(SCHEMA)
 
 
 @njit(cache=True)
@@ -15,8 +22,8 @@ def recent_slots(budget: int, recent_ratio: float) -> int:
 @njit(STEP_SIG, cache=True)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
-    ratio = params[0]
-    mode = int(params[1])
+    ratio = params[P.recent_ratio]
+    mode = int(params[P.group_reduce])
     for h in range(lengths.shape[0]):
         n = lengths[h]
         for i in range(n):
@@ -36,10 +43,8 @@ class H2O(Policy):
 
     name = "h2o"
     summary = "accumulated attention + recent window"
-    schema = (
-        Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as recent window"),
-        Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query heads"),
-    )
+    schema = SCHEMA
+    P = P
     slot_fields = 1
     step_fn = _step
 

@@ -16,6 +16,10 @@ def register(cls: type[Policy]) -> type[Policy]:
     """Class decorator: make a policy available by its ``name`` to the CLI, sweeps and tests."""
     if not (isinstance(cls, type) and issubclass(cls, Policy)) or not cls.name:
         raise PolicyError(f"{cls!r} must be a Policy subclass with a non-empty name")
+    index = getattr(cls, "P", None)
+    if index is not None and tuple(index._fields if index else ()) != tuple(p.name for p in cls.schema):
+        raise PolicyError(f"{cls.name}: its parameter index P names {list(index._fields if index else ())} but its "
+                          f"schema is {[p.name for p in cls.schema]}; build P with param_indices(schema)")
     other = _REGISTRY.get(cls.name)
     if other is not None and other is not cls and other.__qualname__ != cls.__qualname__:
         raise PolicyError(f"policy name {cls.name!r} is already registered by {other.__module__}.{other.__qualname__}")
