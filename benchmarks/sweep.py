@@ -17,14 +17,14 @@ from benchmarks._util import machine, write_result  # noqa: E402
 from policies import list_policies  # noqa: E402
 from sim.executors import TraceRef, default_workers  # noqa: E402
 from sim.store import ResultStore  # noqa: E402
-from sim.sweep import parse_policy_list, plan, run_sweep  # noqa: E402
+from sim.sweep import parse_policy_grid, plan, run_sweep  # noqa: E402
 
 BUDGETS = [16, 32, 64, 128, 256, 512, 1024, 2048]
 
 
 def timed_sweep(workers: int) -> tuple[float, int]:
     ref = TraceRef("synthetic:mixed", n_tokens=4096, n_prompt=512, n_layers=4, seed=0)
-    policies = parse_policy_list("all")
+    policies = parse_policy_grid("all")
     with tempfile.TemporaryDirectory() as tmp:
         store = ResultStore(tmp)
         n = sum(len(j.budgets) for j in plan([ref], policies, BUDGETS))

@@ -150,7 +150,8 @@ class Policy:
     head_fields: ClassVar[int] = 0
     head_adaptive: ClassVar[bool] = False   # budget is shared by the heads of a layer
     unbounded: ClassVar[bool] = False       # keeps everything (the full cache)
-    is_oracle: ClassVar[bool] = False       # replayed by the oracle path, not by step
+    is_oracle: ClassVar[bool] = False       # needs future attention: cannot run closed-loop in a model
+    replay_strategy: ClassVar[str] = "step"  # how sim.replay replays it (sim.replay.STRATEGIES)
     step_fn: ClassVar[Any] = None
     prefill_fn: ClassVar[Any] = None
     logit_scale_fn: ClassVar[Any] = None

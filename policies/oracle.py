@@ -18,6 +18,7 @@ class Oracle(Policy):
     summary = "top-k of the true attention row (upper bound)"
     schema = (Param("scope", "head", "choice", choices=("head", "layer"), doc="budget per head or per layer"),)
     is_oracle = True
+    replay_strategy = "oracle"     # sim.replay's exact one-pass path; it has no step kernel
 
     def validate(self) -> None:
         # with scope='layer' the budget is shared by the heads of a layer, like Ada-KV's

@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     for mod in sorted(pkgutil.iter_modules(sim.commands.__path__), key=lambda m: m.name):
         if not mod.name.startswith("_"):
             importlib.import_module(f"sim.commands.{mod.name}").register(sub)
+    from sim.commands._common import DefaultsHelpFormatter
+
+    for command in sub.choices.values():
+        command.formatter_class = DefaultsHelpFormatter   # every option's help shows its real default
     return parser
 
 

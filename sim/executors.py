@@ -17,30 +17,32 @@ _TRACE_CACHE: dict[tuple, Any] = {}
 
 @dataclass(frozen=True)
 class TraceRef:
-    """How to (re)open a trace in any process: a directory or ``synthetic:KIND`` plus generator sizes."""
+    """How to (re)open a trace in any process: a directory or ``synthetic:KIND`` plus generator sizes, and
+    whether to verify the files' checksums and finiteness (``--no-verify`` travels with the work)."""
 
     spec: str
     n_tokens: int = 1024
     n_prompt: int = 128
     n_layers: int = 2
     seed: int = 0
+    verify: bool = True
 
     def open(self):
         from sim.replay import load_layers
         from sim.specs import open_trace
 
-        key = (self.spec, self.n_tokens, self.n_prompt, self.n_layers, self.seed)
+        key = (self.spec, self.n_tokens, self.n_prompt, self.n_layers, self.seed, self.verify)
         if key not in _TRACE_CACHE:
             _TRACE_CACHE.clear()             # one trace per worker at a time bounds memory
             trace = open_trace(self.spec, n_tokens=self.n_tokens, n_prompt=self.n_prompt, n_layers=self.n_layers,
-                               seed=self.seed)
+                               seed=self.seed, verify=self.verify)
             _TRACE_CACHE[key] = (trace, load_layers(trace))
         return _TRACE_CACHE[key]
 
 
 @dataclass(frozen=True)
 class Job:
-    """One unit of work: a policy at one or more budgets (several only for the oracle's one-pass curve)."""
+    """One unit of work: a policy at one or more budgets (several for one-pass strategies such as the oracle's)."""
 
     trace: TraceRef
     policy: str
@@ -54,18 +56,14 @@ def run_job(job: Job) -> list[dict[str, Any]]:
     """Evaluate a job and return one result row per budget (pure function of the job)."""
     import time
 
-    from sim.replay import replay, replay_oracle
+    from sim.replay import replay_budgets
     from sim.specs import trace_id, trace_name
 
     trace, inputs = job.trace.open()
     policy = get_policy(job.policy, **dict(job.params))
     t0 = time.perf_counter()
     threads = int(os.environ.get("KVSIM_THREADS", "1"))
-    if policy.is_oracle:
-        results = replay_oracle(trace, list(job.budgets), scope=policy.params["scope"], inputs=inputs,
-                                threads=threads, label=policy.label())
-    else:
-        results = [replay(trace, policy, b, inputs=inputs, threads=threads) for b in job.budgets]
+    results = replay_budgets(trace, policy, job.budgets, inputs=inputs, threads=threads)
     per = (time.perf_counter() - t0) / len(results)
     rows = []
     for key, budget, res in zip(job.keys, job.budgets, results):

@@ -1,10 +1,16 @@
-"""Replay a policy over a trace at a budget and collect its metrics (the Python face of the engine)."""
+"""Replay a policy over a trace at a budget and collect its metrics (the Python face of the engine).
+
+A policy is replayed by its *strategy* (``Policy.replay_strategy``): ``"step"`` streams the trace through the
+policy's numba kernels (the engine), ``"oracle"`` computes the future-attention oracle exactly from the full
+attention rows, every budget in one pass. ``replay`` and ``replay_budgets`` dispatch on it, so callers
+(executors, sweeps, reports) never special-case a policy.
+"""
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -143,17 +149,59 @@ def load_layers(trace: Trace, layers: Sequence[int] | None = None) -> list[Layer
     return [LayerInputs.from_arrays(trace.layer(i), trace.meta.softmax_scale) for i in idx]
 
 
+@dataclass(frozen=True)
+class ReplayStrategy:
+    """How a family of policies is replayed.
+
+    ``run(trace, policy, budgets, inputs=, record_kept=, threads=)`` returns one ``ReplayResult`` per budget,
+    in the given order; ``one_pass`` says it evaluates all budgets in one pass (so callers hand it every
+    budget at once rather than one job per budget).
+    """
+
+    name: str
+    run: Callable[..., list[ReplayResult]]
+    one_pass: bool = False
+
+
+def strategy_of(policy: Policy) -> ReplayStrategy:
+    """The strategy that replays ``policy`` (its class's ``replay_strategy``)."""
+    try:
+        return STRATEGIES[policy.replay_strategy]
+    except KeyError:
+        raise PolicyError(f"{policy.name}: unknown replay strategy {policy.replay_strategy!r}; "
+                          f"known: {sorted(STRATEGIES)}") from None
+
+
+def replay_budgets(trace: Trace, policy: Policy, budgets: Sequence[int], *,
+                   inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
+                   threads: int | None = None) -> list[ReplayResult]:
+    """Replay ``policy`` at each of ``budgets`` by its strategy; one result per budget, in order."""
+    return strategy_of(policy).run(trace, policy, list(budgets), inputs=inputs, record_kept=record_kept,
+                                   threads=threads)
+
+
 def replay(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInputs] | None = None,
            record_kept: tuple[int, int] | None = None, threads: int | None = None) -> ReplayResult:
     """Replay ``policy`` over every layer of ``trace`` with ``budget`` slots per KV head.
 
-    Steps from the trace's prompt length on are measured; policies with a prefill selector compress the
-    prompt first, the others stream it through ``step``. ``record_kept=(start, n)`` records the cached
-    positions of steps start..start+n-1 (for occupancy maps and fidelity checks).
+    Steps from the trace's prompt length on are measured. ``record_kept=(start, n)`` records the cached
+    positions of steps start..start+n-1 (for occupancy maps and fidelity checks), for every strategy.
     """
-    if policy.is_oracle:
-        return replay_oracle(trace, [budget], scope=policy.params["scope"], inputs=inputs, threads=threads,
-                             label=policy.label())[0]
+    return replay_budgets(trace, policy, [budget], inputs=inputs, record_kept=record_kept, threads=threads)[0]
+
+
+def _replay_steps(trace: Trace, policy: Policy, budgets: Sequence[int], *,
+                  inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
+                  threads: int | None = None) -> list[ReplayResult]:
+    """The step strategy: one engine replay per budget over the same prepared inputs."""
+    inputs = inputs if inputs is not None else load_layers(trace)
+    return [replay_step(trace, policy, b, inputs=inputs, record_kept=record_kept, threads=threads) for b in budgets]
+
+
+def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInputs] | None = None,
+                record_kept: tuple[int, int] | None = None, threads: int | None = None) -> ReplayResult:
+    """Stream ``trace`` through ``policy``'s kernels at ``budget``: policies with a prefill selector compress
+    the prompt first, the others stream it through ``step``."""
     _check_budget(trace, policy, budget)
     meta = trace.meta
     inputs = inputs if inputs is not None else load_layers(trace)
@@ -205,10 +253,23 @@ def replay(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInput
     )
 
 
+def _replay_oracle_policy(trace: Trace, policy: Policy, budgets: Sequence[int], *,
+                          inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
+                          threads: int | None = None) -> list[ReplayResult]:
+    """The oracle strategy: its ``scope`` parameter is read here, and only here."""
+    return replay_oracle(trace, budgets, scope=policy.params["scope"], inputs=inputs, threads=threads,
+                         label=policy.label(), record_kept=record_kept)
+
+
 def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
                   inputs: list[LayerInputs] | None = None, threads: int | None = None,
-                  label: str = "oracle") -> list[ReplayResult]:
-    """The oracle at several budgets from one pass over the full attention rows (a budget curve)."""
+                  label: str = "oracle", record_kept: tuple[int, int] | None = None) -> list[ReplayResult]:
+    """The oracle at several budgets from one pass over the full attention rows (a budget curve).
+
+    ``record_kept=(start, n)`` records, for steps start..start+n-1, the positions the oracle attends at that
+    step: the newest token plus the top-``budget`` past tokens of each KV head (``scope='layer'``: the top
+    ``budget * Hkv`` across the layer's heads), ranked as ``sim.oracle.oracle_layer`` ranks them.
+    """
     from policies.registry import get_policy
 
     oracle = get_policy("oracle", scope=scope)
@@ -231,11 +292,60 @@ def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
 
     with ThreadPoolExecutor(_threads(threads, len(inputs))) as pool:
         outs = list(pool.map(run, range(len(inputs))))
+    rec_start, n_rec = record_kept if record_kept else (0, 0)
+    n_rec = max(0, min(n_rec, T - rec_start))
     results: list[ReplayResult] = [None] * nb  # type: ignore[list-item]
     for j, b in enumerate(sorted_b):
+        kept = None
+        if n_rec:
+            kept = np.stack([oracle_kept(li, float(meta.softmax_scale), int(b), rec_start, n_rec, scope == "layer")
+                             for li in inputs])
         results[int(order[j])] = ReplayResult(
             trace=str(trace.path), policy="oracle", label=label, params={"scope": scope}, budget=int(b),
             budgets=np.full((len(inputs), hkv), int(b), np.int64), steps=np.arange(P, T),
             metrics=np.stack([o[0][j] for o in outs]), slots=np.stack([o[1][j] for o in outs]),
-            head_dim=meta.model.head_dim)
+            head_dim=meta.model.head_dim, kept=kept,
+            kept_steps=np.arange(rec_start, rec_start + n_rec) if n_rec else None)
     return results
+
+
+def oracle_kept(li: LayerInputs, scale: float, budget: int, start: int, n: int, layer_scope: bool) -> np.ndarray:
+    """Positions the oracle attends at steps start..start+n-1 of one layer: [n, Hkv, width], -1 padded,
+    ascending per head (the layout of ``ReplayResult.kept``); width = min(T, budget [* Hkv]) + 1.
+
+    The ranking is the one ``oracle_layer`` uses: the float64 full-attention probability summed over a KV
+    head's query heads, descending, ties to the older token (then the lower head, with ``layer_scope``).
+    """
+    T, hq, _ = li.q.shape
+    hkv = li.k.shape[1]
+    g = hq // hkv
+    width = min(T, budget * hkv if layer_scope else budget) + 1
+    out = np.full((n, hkv, width), -1, np.int32)
+    k64 = li.k.astype(np.float64)
+    for r in range(n):
+        t = start + r
+        if t == 0:
+            out[r, :, 0] = 0
+            continue
+        q = li.q[t].astype(np.float64).reshape(hkv, g, -1)
+        logits = np.einsum("hgd,ihd->hgi", q, k64[: t + 1]) * scale
+        p = np.exp(logits - logits.max(axis=2, keepdims=True))
+        p /= p.sum(axis=2, keepdims=True)
+        mass = p[:, :, :t].sum(axis=1)                                     # [Hkv, t] past tokens
+        if layer_scope:
+            top = np.argsort(-mass.reshape(-1), kind="stable")[: min(budget * hkv, hkv * t)]
+            heads, pos = np.divmod(top, t)
+        else:
+            top = np.argsort(-mass, axis=1, kind="stable")[:, : min(budget, t)]
+            heads, pos = np.repeat(np.arange(hkv), top.shape[1]), top.reshape(-1)
+        for h in range(hkv):
+            mine = np.sort(np.append(pos[heads == h], t))
+            out[r, h, : mine.size] = mine
+    return out
+
+
+#: replay strategies by name (``Policy.replay_strategy``)
+STRATEGIES: dict[str, ReplayStrategy] = {
+    "step": ReplayStrategy("step", _replay_steps),
+    "oracle": ReplayStrategy("oracle", _replay_oracle_policy, one_pass=True),
+}

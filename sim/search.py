@@ -51,10 +51,29 @@ def _suggest(trial: Any, p: Param) -> Any:
     return trial.suggest_float(p.name, float(p.low), float(p.high), log=p.log and p.low > 0)
 
 
-def search_space(policy: str) -> list[Param]:
-    """The searchable parameters of a policy (bounded numeric ones and choices)."""
+def search_space(policy: str, fixed: Sequence[str] = ()) -> list[Param]:
+    """The searchable parameters of a policy (bounded numeric ones and choices), less those held ``fixed``."""
     return [p for p in policy_class(policy).schema
-            if p.searchable and (p.kind in ("choice", "bool") or (p.low is not None and p.high is not None))]
+            if p.searchable and p.name not in fixed
+            and (p.kind in ("choice", "bool") or (p.low is not None and p.high is not None))]
+
+
+def split_search_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME`` or ``NAME:param=value,...`` -> (name, the parameters held fixed during the search).
+
+    The same spec grammar as everywhere; the values are validated by the policy's schema. Wrapper specs
+    (``ada(...)``) have no flat schema to search and are refused.
+    """
+    from policies import PolicyError
+    from sim.specs import parse_policy
+
+    spec = spec.strip()
+    if "(" in spec:
+        raise PolicyError(f"search --policy {spec!r}: search a plain NAME[:param=value,...] spec, not a wrapper")
+    base = parse_policy(spec)              # validates name and values
+    name, _, rest = spec.partition(":")
+    given = [item.partition("=")[0].strip() for item in rest.split(",") if item.strip()]
+    return name.strip(), {k: base.params[k] for k in given}
 
 
 @dataclass
@@ -68,6 +87,7 @@ def run_search(trace: TraceRef, policy: str, budgets: Sequence[int], store: Resu
                workers: int = 1, ray_address: str | None = None, seed: int = 0, progress: bool = True) -> SearchResult:
     """TPE search of ``policy``'s hyperparameters on one trace.
 
+    ``policy`` is a spec: ``NAME`` searches every searchable parameter, ``NAME:p=v,...`` holds ``p`` fixed.
     Single objective: minimise the loss averaged over ``budgets``. Multi-objective: the budget is searched
     too (among ``budgets``) and the study minimises (loss, KV bytes held), returning the Pareto front.
     """
@@ -77,10 +97,11 @@ def run_search(trace: TraceRef, policy: str, budgets: Sequence[int], store: Resu
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; choose from {OBJECTIVES}")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    space = search_space(policy)
+    policy, fixed = split_search_spec(policy)
+    space = search_space(policy, fixed)
     tr, _ = trace.open()
     tid = trace_id(tr)
-    budgets = [b for b in budgets if get_policy(policy).min_budget() <= b <= tr.meta.n_tokens]
+    budgets = [b for b in budgets if get_policy(policy, **fixed).min_budget() <= b <= tr.meta.n_tokens]
     if not budgets:
         raise ValueError(f"no budget in {list(budgets)} is valid for {policy} on a {tr.meta.n_tokens}-token trace")
     sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True)
@@ -96,7 +117,7 @@ def run_search(trace: TraceRef, policy: str, budgets: Sequence[int], store: Resu
         batch = [study.ask() for _ in range(min(max(1, workers), n_trials - len(records)))]
         plans = []
         for trial in batch:
-            params = {p.name: _suggest(trial, p) for p in space}
+            params = {**fixed, **{p.name: _suggest(trial, p) for p in space}}
             pol = get_policy(policy, **params)
             bset = [trial.suggest_categorical("budget", budgets)] if multi_objective else budgets
             if pol.min_budget() > min(bset):

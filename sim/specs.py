@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from policies import Policy, PolicyError, get_policy
+from policies import Policy, PolicyError, get_policy, list_policies
 from traces.format import Trace, load_trace
 from traces.synthetic import KINDS, make_synthetic_trace
 
@@ -23,15 +23,70 @@ def parse_policy(spec: str) -> Policy:
     return get_policy(name.strip(), **params)
 
 
+def split_policy_list(text: str) -> list[str]:
+    """Split a policy LIST at its top-level ``;`` (never inside parentheses) into single policy specs.
+
+    ``"h2o:recent_ratio=0.3,group_reduce=max;decoding(snapkv:window_size=64, every=64)"`` gives two specs;
+    unbalanced parentheses are an error. Empty items are dropped.
+    """
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                raise PolicyError(f"policy list {text!r}: ')' at character {i + 1} closes nothing")
+        elif ch == ";" and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise PolicyError(f"policy list {text!r}: {depth} unclosed '('")
+    parts.append(text[start:])
+    return [s.strip() for s in parts if s.strip()]
+
+
+def parse_policy_list(text: str, *, exclude: tuple[str, ...] = ()) -> list[Policy]:
+    """A ``;``-separated list of full policy specs -> policies (duplicates removed, order kept).
+
+    ``all`` (alone, or as one item) stands for every registered policy at its paper defaults, except the
+    names in ``exclude``.
+    """
+    seen: dict[str, Policy] = {}
+    for spec in split_policy_list(text):
+        pols = ([get_policy(n) for n in list_policies() if n not in exclude] if spec == "all"
+                else [parse_policy(spec)])
+        for pol in pols:
+            seen.setdefault(pol.label(), pol)
+    if not seen:
+        raise PolicyError(f"no policy in {text!r}")
+    return list(seen.values())
+
+
+#: the exact prefix that asks for a trace generated in memory
+SYNTHETIC_PREFIX = "synthetic:"
+
+
 def open_trace(spec: str, *, n_tokens: int = 1024, n_prompt: int = 128, n_layers: int = 2, seed: int = 0,
                verify: bool = True) -> Trace:
-    """A trace directory, or ``synthetic:KIND`` generated in memory with the given size."""
-    if spec.startswith("synthetic"):
-        kind = spec.partition(":")[2] or "mixed"
+    """A trace directory, or ``synthetic:KIND`` generated in memory with the given size.
+
+    An existing path always wins (a directory may well be called ``synthetic_zipf_run``). Only a spec
+    starting with exactly ``synthetic:`` names a generated trace; a missing path that merely starts with
+    ``synthetic`` is ambiguous and refused with an error that says so.
+    """
+    path = Path(spec)
+    if path.exists():
+        return load_trace(path, verify=verify)
+    if spec.startswith(SYNTHETIC_PREFIX):
+        kind = spec[len(SYNTHETIC_PREFIX):]
         if kind not in KINDS:
             raise ValueError(f"unknown synthetic kind {kind!r}; choose from {', '.join(KINDS)}")
         return make_synthetic_trace(kind, n_tokens=n_tokens, n_prompt=n_prompt, n_layers=n_layers, seed=seed)
-    return load_trace(Path(spec), verify=verify)
+    if spec.lower().startswith("synthetic"):
+        raise ValueError(f"ambiguous trace {spec!r}: no such trace directory exists, and a generated trace is "
+                         f"written {SYNTHETIC_PREFIX}KIND (KIND one of {', '.join(KINDS)})")
+    return load_trace(path, verify=verify)
 
 
 def trace_id(trace: Trace) -> str:

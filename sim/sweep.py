@@ -9,15 +9,24 @@ from tqdm.auto import tqdm
 
 from policies import Policy, PolicyError, get_policy, list_policies
 from sim.executors import Job, TraceRef, consume, execute
-from sim.specs import trace_id
+from sim.specs import parse_policy, split_policy_list, trace_id
 from sim.store import ResultStore, config_key
 
 
 def expand_grid(spec: str) -> list[Policy]:
-    """``name:p=a|b,q=c`` -> one policy per combination of alternatives (``all`` = every registered policy)."""
+    """``name:p=a|b,q=c`` -> one policy per combination of alternatives (``all`` = every registered policy).
+
+    A spec without ``|`` is one full policy spec (wrappers such as ``ada(snapkv)`` included); grids are
+    written on the parameters of a plain ``NAME:...`` spec.
+    """
     spec = spec.strip()
     if spec == "all":
         return [get_policy(n) for n in list_policies()]
+    if "|" not in spec:
+        return [parse_policy(spec)]
+    if "(" in spec:
+        raise PolicyError(f"policy spec {spec!r}: '|' alternatives are only read in NAME:param=a|b specs, "
+                          f"not inside a wrapper; list the combinations separated by ';'")
     name, _, rest = spec.partition(":")
     axes: list[tuple[str, list[str]]] = []
     for item in filter(None, (s.strip() for s in rest.split(","))):
@@ -29,18 +38,24 @@ def expand_grid(spec: str) -> list[Policy]:
     return [get_policy(name.strip(), **{k: v for (k, _), v in zip(axes, combo)}) for combo in combos]
 
 
-def parse_policy_list(text: str) -> list[Policy]:
-    """';'-separated grid specs -> policies (duplicates removed, order kept)."""
+def parse_policy_grid(text: str) -> list[Policy]:
+    """A ``;``-separated policy list whose specs may hold ``|`` grids -> policies (duplicates removed, order
+    kept). The list is split by ``sim.specs.split_policy_list``, the one grammar every command shares."""
     seen: dict[str, Policy] = {}
-    for part in filter(None, (s.strip() for s in text.split(";"))):
+    for part in split_policy_list(text):
         for pol in expand_grid(part):
             seen.setdefault(pol.label(), pol)
+    if not seen:
+        raise PolicyError(f"no policy in {text!r}")
     return list(seen.values())
 
 
 def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequence[int],
          done: set[str] = frozenset()) -> list[Job]:
-    """Jobs for every valid configuration not in ``done``; the oracle gets one job per trace for all budgets."""
+    """Jobs for every valid configuration not in ``done``; a one-pass strategy (the oracle's) gets one job per
+    trace for all its budgets, the others one job per budget."""
+    from sim.replay import strategy_of
+
     jobs: list[Job] = []
     for ref in traces:
         trace, _ = ref.open()
@@ -52,7 +67,7 @@ def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequen
             if not todo:
                 continue
             params = tuple(sorted(pol.params.items()))
-            if pol.is_oracle:
+            if strategy_of(pol).one_pass:
                 jobs.append(Job(ref, pol.name, params, tuple(b for b, _ in todo), tuple(k for _, k in todo)))
             else:
                 jobs.extend(Job(ref, pol.name, params, (b,), (k,)) for b, k in todo)

@@ -58,7 +58,7 @@ def test_cli_records_subset_fp16_from_file(tmp_path):
     text.write_text(default_text()[:4000], encoding="utf-8")
     out = tmp_path / "t"
     assert _cli(["record", "--model", "default", "--text", str(text), "--prompt-tokens", "20", "--decode-tokens",
-                 "6", "--out", str(out), "--layers", "0,2", "--kv-heads", "1", "--dtype", "float16",
+                 "6", "--out", str(out), "--keep-layers", "0,2", "--keep-kv-heads", "1", "--dtype", "float16",
                  "--no-progress"]) == 0
     tr = load_trace(out)
     assert tr.meta.model.layer_ids == (0, 2) and tr.meta.model.n_kv_heads == 1 and tr.meta.dtype == "float16"
@@ -71,7 +71,7 @@ def test_cli_records_subset_fp16_from_file(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [
-    ["--layers", "a,b"], ["--layers", ","], ["--prompt-tokens", "-3"], ["--dtype", "int8"], ["--decode-tokens", "x"],
+    ["--keep-layers", "a,b"], ["--keep-layers", ","], ["--prompt-tokens", "-3"], ["--dtype", "int8"], ["--decode-tokens", "x"],
 ])
 def test_cli_rejects_malformed_arguments(tmp_path, argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -84,7 +84,7 @@ def test_cli_rejects_malformed_arguments(tmp_path, argv, capsys):
     (["--model", "default", "--text", "/nonexistent.txt"], "file not found"),
     (["--model", "default", "--prompt-tokens", "0"], "prompt-tokens"),
     (["--model", "default", "--device", "tpu"], "--device"),
-    (["--model", "default", "--layers", "9"], r"layers \[9\] out of range"),
+    (["--model", "default", "--keep-layers", "9"], r"layers \[9\] out of range"),
     (["--model", "default", "--prompt-tokens", "2000", "--decode-tokens", "100"], "context of 2048"),
 ])
 def test_cli_reports_bad_values(tmp_path, argv, match):

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("policies.registry")
 
 from policies import PolicyError  # noqa: E402
-from sim.commands import serve_sim  # noqa: E402
+from sim.commands import serve_sim_cmd as serve_sim  # noqa: E402
 from sim.serving import ServingConfigError, WorkloadError  # noqa: E402
 
 

@@ -17,7 +17,7 @@ from sim.cli import main
 from sim.executors import Job, TraceRef, execute
 from sim.search import run_search
 from sim.store import ResultStore
-from sim.sweep import expand_grid, parse_policy_list, plan, run_sweep
+from sim.sweep import expand_grid, parse_policy_grid, plan, run_sweep
 
 REF = TraceRef("synthetic:mixed", n_tokens=96, n_prompt=16, n_layers=2, seed=1)
 COLUMNS = ["key", "label", "budget", "mass_mean", "err_mean", "kl_mean", "slots_mean"]
@@ -30,18 +30,18 @@ def _sorted(df: pd.DataFrame) -> pd.DataFrame:
 def test_grid_expansion():
     labels = [p.label() for p in expand_grid("h2o:recent_ratio=0.1|0.5,group_reduce=mean|max")]
     assert len(labels) == 4 and "h2o(recent_ratio=0.1, group_reduce=max)" in labels
-    assert len(parse_policy_list("h2o;h2o;tova")) == 2
+    assert len(parse_policy_grid("h2o;h2o;tova")) == 2
     with pytest.raises(PolicyError, match="expected param=value"):
         expand_grid("h2o:recent_ratio")
 
 
 def test_oracle_budget_curve_is_one_job():
-    jobs = plan([REF], parse_policy_list("oracle;h2o"), [8, 16, 32])
+    jobs = plan([REF], parse_policy_grid("oracle;h2o"), [8, 16, 32])
     assert sorted(len(j.budgets) for j in jobs) == [1, 1, 1, 3]
 
 
 def test_processes_equal_in_process(tmp_path):
-    pols = parse_policy_list("h2o;window;oracle")
+    pols = parse_policy_grid("h2o;window;oracle")
     a = run_sweep([REF], pols, [8, 16], ResultStore(tmp_path / "a"), workers=1, progress=False)
     b = run_sweep([REF], pols, [8, 16], ResultStore(tmp_path / "b"), workers=2, progress=False)
     pd.testing.assert_frame_equal(_sorted(a), _sorted(b))
@@ -49,7 +49,7 @@ def test_processes_equal_in_process(tmp_path):
 
 def test_ray_local_equals_local_processes(tmp_path):
     ray = pytest.importorskip("ray")
-    pols = parse_policy_list("tova;streaming_llm;oracle")
+    pols = parse_policy_grid("tova;streaming_llm;oracle")
     a = run_sweep([REF], pols, [8, 16], ResultStore(tmp_path / "a"), workers=2, progress=False)
     try:
         b = run_sweep([REF], pols, [8, 16], ResultStore(tmp_path / "b"), ray_address="local", progress=False)
@@ -60,10 +60,10 @@ def test_ray_local_equals_local_processes(tmp_path):
 
 def test_resume_skips_finished_rows(tmp_path):
     store = ResultStore(tmp_path / "s")
-    run_sweep([REF], parse_policy_list("h2o"), [8], store, progress=False)
-    assert plan([REF], parse_policy_list("h2o;window"), [8, 16], store.keys()) == \
-        plan([REF], parse_policy_list("h2o;window"), [8, 16], store.keys())
-    todo = plan([REF], parse_policy_list("h2o;window"), [8, 16], store.keys())
+    run_sweep([REF], parse_policy_grid("h2o"), [8], store, progress=False)
+    assert plan([REF], parse_policy_grid("h2o;window"), [8, 16], store.keys()) == \
+        plan([REF], parse_policy_grid("h2o;window"), [8, 16], store.keys())
+    todo = plan([REF], parse_policy_grid("h2o;window"), [8, 16], store.keys())
     assert sorted((j.policy, j.budgets) for j in todo) == [("h2o", (16,)), ("window", (8,)), ("window", (16,))]
 
 
@@ -71,9 +71,9 @@ _KILL_SCRIPT = """
 import sys
 from sim.executors import TraceRef
 from sim.store import ResultStore
-from sim.sweep import parse_policy_list, run_sweep
+from sim.sweep import parse_policy_grid, run_sweep
 ref = TraceRef("synthetic:mixed", n_tokens=160, n_prompt=16, n_layers=2, seed=2)
-run_sweep([ref], parse_policy_list("h2o:recent_ratio=0.1|0.3|0.5|0.7;window;tova;random;streaming_llm"),
+run_sweep([ref], parse_policy_grid("h2o:recent_ratio=0.1|0.3|0.5|0.7;window;tova;random;streaming_llm"),
           [8, 16, 32, 48], ResultStore(sys.argv[1]), workers=1, progress=False)
 """
 

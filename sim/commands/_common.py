@@ -1,35 +1,42 @@
-"""Arguments shared by several subcommands."""
+"""Options shared by several subcommands: one name, one type, one default and one help text each.
+
+Every command that takes a policy takes ``--policy SPEC`` (one full spec, e.g. ``h2o:recent_ratio=0.3`` or
+``ada(snapkv)``); every command that takes several takes ``--policies LIST`` (full specs separated by ``;``
+at the top level, see ``sim.specs.split_policy_list``). ``--layers`` is always a COUNT of layers (of a
+generated trace); layer indices are ``--keep-layers``.
+"""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Sequence
 
 from sim.specs import open_trace
 from traces.format import Trace
 
 
-def add_trace_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
-    """TRACE positional(s) plus the sizes used when a trace is ``synthetic:KIND``."""
-    p.add_argument("traces" if many else "trace", nargs="+" if many else None, metavar="TRACE",
-                   help="trace directory, or synthetic:KIND (mixed, sinks, zipf, local, recall, topic_shift, "
-                        "adversarial, passkey, random) generated in memory")
-    g = p.add_argument_group("synthetic traces")
-    g.add_argument("--tokens", type=int, default=1024, help="tokens of a synthetic trace (default 1024)")
-    g.add_argument("--prompt", type=int, default=128, help="prompt tokens of a synthetic trace (default 128)")
-    g.add_argument("--layers", type=int, default=2, help="layers of a synthetic trace (default 2)")
-    g.add_argument("--seed", type=int, default=0, help="seed of a synthetic trace (default 0)")
-    p.add_argument("--no-verify", action="store_true", help="skip checksum/NaN verification of trace files")
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends each option's real default to its help, so the help cannot disagree with the parser."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "%(default)" in text or default in (None, False, argparse.SUPPRESS)
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
 
 
-def trace_refs(args: argparse.Namespace) -> list:
-    """The TRACE arguments as references every worker process can reopen."""
-    from sim.executors import TraceRef
-
-    return [TraceRef(spec, args.tokens, args.prompt, args.layers, args.seed) for spec in args.traces]
-
-
-def load(args: argparse.Namespace, spec: str) -> Trace:
-    return open_trace(spec, n_tokens=args.tokens, n_prompt=args.prompt, n_layers=args.layers, seed=args.seed,
-                      verify=not args.no_verify)
+def positive_int(text: str) -> int:
+    """An integer >= 1 (budgets, counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def int_list(text: str) -> list[int]:
@@ -41,3 +48,95 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def add_synthetic_size_args(p: argparse.ArgumentParser) -> None:
+    """``--tokens/--prompt/--layers/--seed``: the size and seed of a generated ``synthetic:KIND`` trace."""
+    g = p.add_argument_group("synthetic traces (synthetic:KIND)")
+    g.add_argument("--tokens", type=positive_int, default=1024, help="tokens of a synthetic trace")
+    g.add_argument("--prompt", type=positive_int, default=128, help="prompt tokens of a synthetic trace")
+    g.add_argument("--layers", type=positive_int, default=2, help="number of layers of a synthetic trace")
+    g.add_argument("--seed", type=int, default=0, help="seed of a synthetic trace")
+
+
+def add_verify_option(p: argparse.ArgumentParser) -> None:
+    """``--no-verify``: skip the checksum/NaN pass over trace files (in every worker too)."""
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip checksum/NaN verification of trace files (also in worker processes)")
+
+
+def add_trace_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
+    """TRACE positional(s), the sizes used when a trace is ``synthetic:KIND``, and ``--no-verify``."""
+    p.add_argument("traces" if many else "trace", nargs="+" if many else None, metavar="TRACE",
+                   help="trace directory (an existing path always wins), or synthetic:KIND (mixed, sinks, zipf, "
+                        "local, recall, topic_shift, adversarial, passkey, random) generated in memory")
+    add_synthetic_size_args(p)
+    add_verify_option(p)
+
+
+def add_policy_option(p: argparse.ArgumentParser, *, required: bool = True, default: str | None = None,
+                      extra: str = "") -> None:
+    """``--policy SPEC``: one full policy spec."""
+    p.add_argument("--policy", required=required, default=default, metavar="SPEC",
+                   help="policy spec: NAME, NAME:param=value,..., or WRAPPER(SPEC, k=v); see `kvsim policies`"
+                        + extra)
+
+
+def add_policies_option(p: argparse.ArgumentParser, *, default: str | None, extra: str = "") -> None:
+    """``--policies LIST``: full policy specs separated by ``;`` (``all`` = every registered policy)."""
+    p.add_argument("--policies", default=default, required=default is None, metavar="LIST",
+                   help="';'-separated policy specs, e.g. 'h2o:recent_ratio=0.3,group_reduce=max;tova;"
+                        "streaming_llm:n_sinks=8'; 'all' = every registered policy at paper defaults" + extra)
+
+
+def add_budget_option(p: argparse.ArgumentParser, *, default: int | None = None) -> None:
+    """``--budget B``: slots per KV head and layer (required when there is no default)."""
+    p.add_argument("--budget", type=positive_int, required=default is None, default=default,
+                   help="slots per KV head and layer")
+
+
+def add_budgets_option(p: argparse.ArgumentParser, *, default: Sequence[int] | None = None,
+                       required: bool = False, extra: str = "") -> None:
+    """``--budgets B,B,...``: comma-separated slots per KV head and layer."""
+    p.add_argument("--budgets", type=int_list, required=required, default=list(default) if default else None,
+                   help="comma-separated budgets (slots per KV head and layer)" + extra)
+
+
+def add_out_option(p: argparse.ArgumentParser, default: Path | str | None, what: str) -> None:
+    """``--out PATH``: where the command writes (``what`` says what is written there)."""
+    p.add_argument("--out", type=Path, required=default is None, default=None if default is None else Path(default),
+                   help=what)
+
+
+def add_executor_options(p: argparse.ArgumentParser) -> None:
+    """``--workers N`` and ``--ray ADDRESS``: where the replays run."""
+    from sim.executors import default_workers
+
+    p.add_argument("--workers", type=positive_int, default=default_workers(),
+                   help="local worker processes (the default is one per core)")
+    p.add_argument("--ray", metavar="ADDRESS", default=None,
+                   help="run on Ray: a cluster address (ray://host:10001, auto) or 'local' (needs kvsim[ray])")
+
+
+def add_quiet_option(p: argparse.ArgumentParser) -> None:
+    """``--quiet``: no progress bar."""
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def trace_ref(args: argparse.Namespace, spec: str):
+    """One TRACE argument as a reference every worker process can reopen (with the command's --no-verify)."""
+    from sim.executors import TraceRef
+
+    return TraceRef(spec, args.tokens, args.prompt, args.layers, args.seed, verify=not args.no_verify)
+
+
+def trace_refs(args: argparse.Namespace) -> list:
+    """The TRACE arguments as references every worker process can reopen."""
+    return [trace_ref(args, spec) for spec in args.traces]
+
+
+def load(args: argparse.Namespace, spec: str) -> Trace:
+    """Open one TRACE argument in this process with the command's synthetic sizes and --no-verify."""
+    return open_trace(spec, n_tokens=args.tokens, n_prompt=args.prompt, n_layers=args.layers, seed=args.seed,
+                      verify=not args.no_verify)
+

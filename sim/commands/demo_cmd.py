@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sim.commands._common import int_list
+from sim.commands._common import add_budgets_option, add_out_option, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,10 +14,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "the ranked table and write a loss-vs-budget plot.")
     p.add_argument("--synthetic", metavar="KIND", default=None,
                    help="use a synthetic trace of this kind instead of the shipped model (e.g. mixed)")
-    p.add_argument("--tokens", type=int, default=1024, help="tokens in the demo trace (default 1024)")
-    p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
-    p.add_argument("--budgets", type=int_list, default=[32, 64, 128, 256], help="default 32,64,128,256")
-    p.add_argument("--out", type=Path, default=Path("kvsim-out"), help="output directory (default kvsim-out)")
+    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens in the demo trace")
+    p.add_argument("--prompt", type=positive_int, default=512, help="prompt tokens of the demo trace")
+    add_budgets_option(p, default=[32, 64, 128, 256])
+    add_out_option(p, "kvsim-out", "output directory")
     p.set_defaults(func=run)
 
 

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from sim.commands._common import int_list
+from sim.commands._common import add_budgets_option, add_policies_option
 from sim.commands.validate_cmd import add_model_args, load_model_and_ids
 
 
@@ -15,11 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "agreement, and a scatter plot. The oracle is skipped (it cannot run closed-loop).")
     add_model_args(p)
     p.set_defaults(prompt=128, decode=64)
-    p.add_argument("--policies", default=None,
-                   help="comma-separated policy specs (default: every registered policy except the oracle)")
-    p.add_argument("--budgets", type=int_list, default=[16, 32, 64], help="budgets (default 16,32,64)")
-    p.add_argument("--open-steps", type=int, default=16, help="decode steps compared in open loop (default 16)")
-    p.add_argument("--out", default=None,
+    add_policies_option(p, default="all", extra=" (the oracle is skipped: it cannot run closed-loop)")
+    add_budgets_option(p, default=[16, 32, 64])
+    p.add_argument("--open-steps", type=int, default=16, help="decode steps compared in open loop")
+    p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default benchmarks/results/fidelity_<device>.json; the PNG goes beside it)")
     p.set_defaults(func=run)
 
@@ -27,17 +27,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
     import os
-    from pathlib import Path
-
     import torch
 
     from gpu_validate.fidelity import plot_fidelity, run_fidelity
-    from policies.registry import list_policies
-    from sim.specs import parse_policy
+    from sim.specs import parse_policy_list
 
     torch.set_grad_enabled(False)
-    specs = args.policies.split(",") if args.policies else [n for n in list_policies() if n != "oracle"]
-    policies = [parse_policy(s.strip()) for s in specs if s.strip()]
+    policies = parse_policy_list(args.policies, exclude=("oracle",))
     if any(b > args.prompt + args.decode for b in args.budgets):
         raise ValueError(f"budgets {args.budgets} must not exceed --prompt + --decode = {args.prompt + args.decode}")
     model, _, ids, device, backend = load_model_and_ids(args)

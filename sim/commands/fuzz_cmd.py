@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from sim.commands._common import add_policies_option
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from sim.fuzz import PROFILES
@@ -13,12 +15,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "[0,1], determinism) on generated traces: random, sinks, Zipf, exact ties, "
                                    "one-hot, logits of 1e-30 and 1e30, length 1, budget 1 and budget >= length. "
                                    "Failing cases are shrunk and saved as trace directories you can replay.")
-    p.add_argument("policies", nargs="+", help="policy specs (name or name:param=value,...), or 'all'")
+    p.add_argument("specs", nargs="*", metavar="SPEC",
+                   help="policy specs as positionals (the same as --policies, kept for existing scripts)")
+    add_policies_option(p, default="all", extra="; positional SPECs, when given, replace it")
     p.add_argument("--profile", choices=sorted(PROFILES), default="ci",
                    help=f"cases per policy: {', '.join(f'{k}={v}' for k, v in PROFILES.items())}")
     p.add_argument("--examples", type=int, default=None, help="cases per policy (overrides --profile)")
     p.add_argument("--save-failures", type=Path, default=Path("kvsim-out/fuzz-failures"),
-                   help="where shrunk failing traces are written")
+                   help="directory where shrunk failing traces are written")
     p.add_argument("--plugin", action="append", default=[],
                    help="import this module first (registers your own policies), e.g. mypkg.policies")
     p.set_defaults(func=run)
@@ -32,11 +36,12 @@ def run(args: argparse.Namespace) -> int:
 
     from policies import list_policies
     from sim.fuzz import PROFILES, fuzz_policy
-    from sim.specs import parse_policy
+    from sim.specs import parse_policy, split_policy_list
 
     for mod in args.plugin:
         importlib.import_module(mod)
-    specs = list_policies() if args.policies == ["all"] else args.policies
+    text = ";".join(args.specs) if args.specs else args.policies
+    specs = [s for item in split_policy_list(text) for s in (list_policies() if item == "all" else [item])]
     n = args.examples or PROFILES[args.profile]
     table = Table(title=f"kvsim fuzz ({n} cases per policy)")
     for col in ("policy", "cases", "clean rejections", "result"):

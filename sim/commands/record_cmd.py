@@ -35,9 +35,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=_positive, default=512, help="prompt (prefill) length N")
     p.add_argument("--decode-tokens", type=_positive, default=256, help="decoded tokens M")
     p.add_argument("--out", type=Path, required=True, help="trace directory to create")
-    p.add_argument("--layers", type=_index_list, default=None, help="model layers to keep, e.g. 0,2 (default all)")
-    p.add_argument("--kv-heads", type=_index_list, default=None,
-                   help="KV heads to keep with their query groups, e.g. 0 (default all)")
+    p.add_argument("--keep-layers", dest="layers", type=_index_list, default=None,
+                   help="indices of the model layers to keep, e.g. 0,2 (default all)")
+    p.add_argument("--keep-kv-heads", dest="kv_heads", type=_index_list, default=None,
+                   help="indices of the KV heads to keep with their query groups, e.g. 0 (default all)")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="storage dtype of q/k/v")
     p.add_argument("--model-dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="dtype to run the model in (default: as saved)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sim.commands._common import add_trace_args, load
+from sim.commands._common import add_budget_option, add_policy_option, add_trace_args, load
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -12,8 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Replay a policy over a trace and report retained attention mass, attention-"
                                    "output error, KL, the Ada-KV L1 bound and memory held.")
     add_trace_args(p)
-    p.add_argument("--policy", required=True, help="policy spec, e.g. h2o or h2o:recent_ratio=0.3")
-    p.add_argument("--budget", type=int, required=True, help="slots per KV head and layer")
+    add_policy_option(p)
+    add_budget_option(p)
     p.add_argument("--per-head", action="store_true", help="also print metrics per layer and query head")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)

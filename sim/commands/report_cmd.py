@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from sim.commands._common import (add_budget_option, add_policies_option, add_synthetic_size_args,
+                                  add_verify_option, load)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="tables and plots from a results store (+ cache occupancy maps)",
@@ -12,13 +15,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "given policies and draw which positions each one holds over time.")
     p.add_argument("results", type=Path, help="results store directory (from kvsim sweep / search / demo)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: RESULTS/../report)")
-    p.add_argument("--metric", default="err_mean", help="ranking metric column (default err_mean)")
-    p.add_argument("--occupancy", metavar="TRACE", default=None, help="trace for occupancy maps")
-    p.add_argument("--policies", default="window;streaming_llm;h2o;tova",
-                   help="';'-separated policy specs for the occupancy maps")
-    p.add_argument("--budget", type=int, default=64, help="budget of the occupancy maps")
-    for flag, default in (("--tokens", 1024), ("--prompt", 128), ("--layers", 2), ("--seed", 0)):
-        p.add_argument(flag, type=int, default=default, help=f"synthetic occupancy trace size (default {default})")
+    p.add_argument("--metric", default="err_mean", help="ranking metric column")
+    p.add_argument("--occupancy", metavar="TRACE", default=None,
+                   help="trace directory or synthetic:KIND for occupancy maps")
+    g = p.add_argument_group("occupancy maps (--occupancy)")
+    add_policies_option(g, default="window;streaming_llm;h2o;tova",
+                        extra="; policies that keep everything (full) are skipped")
+    add_budget_option(g, default=64)
+    add_synthetic_size_args(p)
+    add_verify_option(p)
     p.set_defaults(func=run)
 
 
@@ -48,18 +53,19 @@ def run(args: argparse.Namespace) -> int:
 def _occupancy(args: argparse.Namespace, out: Path) -> Path:
     from sim.replay import load_layers, replay
     from sim.report import plot_occupancy
-    from sim.specs import open_trace
-    from sim.sweep import parse_policy_list
+    from sim.specs import parse_policy_list
 
-    trace = open_trace(args.occupancy, n_tokens=args.tokens, n_prompt=args.prompt, n_layers=args.layers,
-                       seed=args.seed)
+    trace = load(args, args.occupancy)
     inputs = load_layers(trace)
     P, T = trace.meta.n_prompt, trace.meta.n_tokens
-    panels, titles = [], []
-    for pol in parse_policy_list(args.policies):
-        if pol.is_oracle or pol.unbounded:
-            continue
+    drawn = [pol for pol in parse_policy_list(args.policies) if not pol.unbounded]
+    if not drawn:
+        raise ValueError(f"--policies {args.policies!r}: no policy to draw (policies that keep every token, "
+                         f"such as full, have no occupancy map)")
+    panels, titles, steps = [], [], None
+    for pol in drawn:
         res = replay(trace, pol, args.budget, inputs=inputs, record_kept=(P, T - P))
         panels.append(res.kept)
         titles.append(f"{pol.label()} @ {args.budget}")
-    return plot_occupancy(panels, res.kept_steps, T, titles, out / "occupancy.png")
+        steps = res.kept_steps
+    return plot_occupancy(panels, steps, T, titles, out / "occupancy.png")

@@ -4,11 +4,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sim.commands._common import add_trace_args, int_list, trace_refs
+from sim.commands._common import (add_budgets_option, add_executor_options, add_out_option, add_policy_option,
+                                  add_quiet_option, add_trace_args, trace_ref)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from sim.executors import default_workers
     from sim.search import OBJECTIVES
 
     p = sub.add_parser("search", help="search a policy's hyperparameters with optuna (TPE, Pareto front)",
@@ -16,20 +16,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "--pareto the budget is searched too and loss vs KV memory held gives a Pareto "
                                    "front. Evaluations go to the results store: reruns reuse them.")
     add_trace_args(p)
-    p.add_argument("--policy", required=True, help="registered policy name")
-    p.add_argument("--budgets", type=int_list, required=True, help="budgets: averaged over, or searched with --pareto")
+    add_policy_option(p, extra="; parameters given in the spec are held fixed, the others are searched")
+    add_budgets_option(p, required=True, extra=": averaged over, or searched with --pareto")
     p.add_argument("--objective", choices=OBJECTIVES, default="err",
                    help="err: attention-output error; mass: 1 - retained mass; kl; l1; gap: error minus oracle's")
     p.add_argument("--layer-weights", type=lambda s: [float(x) for x in s.split(",")], default=None,
                    help="comma-separated weights per layer for err/mass (default: equal)")
-    p.add_argument("--trials", type=int, default=40)
+    p.add_argument("--trials", type=int, default=40, help="trials of the study")
     p.add_argument("--pareto", action="store_true", help="multi-objective: loss vs memory")
     p.add_argument("--sampler-seed", dest="search_seed", type=int, default=0, help="TPE sampler seed")
-    p.add_argument("--out", type=Path, default=Path("kvsim-out/results"), help="results store directory")
-    p.add_argument("--workers", type=int, default=default_workers())
-    p.add_argument("--ray", metavar="ADDRESS", default=None, help="Ray cluster address or 'local'")
+    add_out_option(p, "kvsim-out/results", "results store directory")
+    add_executor_options(p)
     p.add_argument("--plot", type=Path, default=None, help="write the trials (and Pareto front) to this PNG")
-    p.add_argument("--quiet", action="store_true")
+    add_quiet_option(p)
     p.set_defaults(func=run)
 
 
@@ -40,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from sim.search import run_search
     from sim.store import ResultStore
 
-    ref = trace_refs(argparse.Namespace(**{**vars(args), "traces": [args.trace]}))[0]
+    ref = trace_ref(args, args.trace)
     res = run_search(ref, args.policy, args.budgets, ResultStore(args.out), objective=args.objective,
                      n_trials=args.trials, multi_objective=args.pareto, layer_weights=args.layer_weights,
                      workers=args.workers, ray_address=args.ray, seed=args.search_seed, progress=not args.quiet)

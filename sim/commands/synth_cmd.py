@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from sim.commands._common import add_out_option, add_synthetic_size_args, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -11,16 +12,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("synth", help="generate a synthetic trace directory",
                        description="Generate a trace whose attention has a known structure (sinks, Zipf heavy "
                                    "hitters, local windows, periodic recall, topic shifts, adversarial, passkey).")
-    p.add_argument("kind", choices=KINDS)
-    p.add_argument("--out", type=Path, required=True, help="output trace directory (must not exist)")
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--q-heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    p.add_argument("kind", choices=KINDS, help="attention structure of the generated trace")
+    add_out_option(p, None, "output trace directory (must not exist)")
+    add_synthetic_size_args(p)
+    p.add_argument("--q-heads", type=positive_int, default=4, help="query heads per layer")
+    p.add_argument("--kv-heads", type=positive_int, default=2, help="number of KV heads per layer")
+    p.add_argument("--head-dim", type=positive_int, default=32, help="head dimension")
+    p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="storage dtype of q/k/v")
     p.set_defaults(func=run)
 
 

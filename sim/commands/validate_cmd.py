@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from sim.commands._common import add_budget_option, add_policy_option
+
 
 def _floats(text: str) -> list[float]:
     try:
@@ -23,8 +25,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--backend", choices=("torch", "triton"), default=None,
                    help="cache kernels: triton (default on cuda) or the torch reference (default on cpu)")
-    p.add_argument("--prompt", type=int, default=256, help="prompt tokens (default 256)")
-    p.add_argument("--decode", type=int, default=128, help="teacher-forced continuation tokens scored (default 128)")
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens")
+    p.add_argument("--decode", type=int, default=128, help="teacher-forced continuation tokens scored")
 
 
 def load_model_and_ids(args: argparse.Namespace):
@@ -62,12 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "caches (Triton kernels on GPU): perplexity delta and top-1 agreement vs the full "
                                    "cache, passkey retrieval by depth, KV memory held, decode tokens/s.")
     add_model_args(p)
-    p.add_argument("--policy", required=True, help="policy spec, e.g. h2o or h2o:recent_ratio=0.3")
-    p.add_argument("--budget", type=int, required=True, help="slots per KV head and layer")
+    add_policy_option(p)
+    add_budget_option(p)
     p.add_argument("--passkey-depths", type=_floats, default=[0.1, 0.5, 0.9],
-                   help="relative depths of the pass key (default 0.1,0.5,0.9; empty string to skip)")
-    p.add_argument("--passkey-context", type=int, default=256, help="tokens of each passkey prompt (default 256)")
-    p.add_argument("--passkey-keys", type=int, default=2, help="keys tried per depth (default 2)")
+                   help="relative depths of the pass key (empty string to skip)")
+    p.add_argument("--passkey-context", type=int, default=256, help="tokens of each passkey prompt")
+    p.add_argument("--passkey-keys", type=int, default=2, help="keys tried per depth")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=run)
 

@@ -1,15 +1,31 @@
-"""Serving-level discrete-event simulation: what each policy's KV footprint buys in throughput and latency."""
-from sim.serving.costs import CostModel
-from sim.serving.fit import KernelFit, KernelTimingError, fit_kernel_timings, load_kernel_timings
-from sim.serving.footprint import MemoryTables, memory_tables, policy_footprint, tabulate_footprint
-from sim.serving.hardware import GPUS, MODELS, GPUProfile, ModelMemory, ServingConfigError, get_gpu, get_model
-from sim.serving.metrics import latencies, summarize
-from sim.serving.scheduler import SchedulerConfig, ServingResult, kv_pool_bytes, simulate
-from sim.serving.workload import (Workload, WorkloadError, bursty_workload, load_csv_workload,
-                                  poisson_workload)
+"""Serving-level discrete-event simulation: what each policy's KV footprint buys in throughput and latency.
 
-__all__ = ["CostModel", "GPUProfile", "GPUS", "KernelFit", "KernelTimingError", "MODELS", "MemoryTables",
-           "ModelMemory", "SchedulerConfig", "ServingConfigError", "ServingResult", "Workload", "WorkloadError",
-           "bursty_workload", "fit_kernel_timings", "get_gpu", "get_model", "kv_pool_bytes", "latencies",
-           "load_csv_workload", "load_kernel_timings", "memory_tables", "policy_footprint", "poisson_workload",
-           "simulate", "summarize", "tabulate_footprint"]
+Names are imported lazily (PEP 562): ``kvsim`` builds its parser on every call and needs only a few constants,
+so importing this package must not pull in the scheduler, plots or workload generators.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "CostModel": "costs",
+    **dict.fromkeys(("KernelFit", "KernelTimingError", "fit_kernel_timings", "load_kernel_timings"), "fit"),
+    **dict.fromkeys(("MemoryTables", "memory_tables", "policy_footprint", "tabulate_footprint"), "footprint"),
+    **dict.fromkeys(("GPUS", "MODELS", "GPUProfile", "ModelMemory", "ServingConfigError", "get_gpu", "get_model"),
+                    "hardware"),
+    **dict.fromkeys(("latencies", "summarize"), "metrics"),
+    **dict.fromkeys(("SchedulerConfig", "ServingResult", "kv_pool_bytes", "simulate"), "scheduler"),
+    **dict.fromkeys(("Workload", "WorkloadError", "bursty_workload", "load_csv_workload", "poisson_workload"),
+                    "workload"),
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

@@ -9,30 +9,22 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pandas as pd
-
-from sim.commands._common import int_list
-from sim.serving.costs import CostModel
-from sim.serving.fit import KERNEL_VARIANTS, KernelTimingError, fit_kernel_timings, load_kernel_timings
-from sim.serving.footprint import ACCOUNTING, PREFILL_PEAK, policy_footprint
-from sim.serving.grid import ServingCase, run_grid
-from sim.serving.hardware import GPUS, MODELS, ServingConfigError, get_gpu, get_model
-from sim.serving.plots import latency_cdf, throughput_vs_budget
-from sim.serving.quality import QUALITY_COLUMNS, join_quality, load_quality
-from sim.serving.scheduler import SchedulerConfig, kv_pool_bytes
-from sim.serving.workload import bursty_workload, load_csv_workload, poisson_workload
+from sim.commands._common import (DefaultsHelpFormatter, add_budgets_option, add_out_option, add_policies_option,
+                                  add_quiet_option)
 
 DEFAULT_KERNEL_TIMINGS = Path("benchmarks/results/kernels.json")
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``serve-sim`` subcommand; its handler is ``args.func(args) -> int``."""
+    from sim.serving.fit import KERNEL_VARIANTS      # small constant tables only: the simulator loads in main()
+    from sim.serving.footprint import ACCOUNTING, PREFILL_PEAK
+    from sim.serving.hardware import GPUS, MODELS
+
     p = subparsers.add_parser("serve-sim", help="serving DES: throughput/latency per policy and budget",
-                              description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--policies", default="full;streaming_llm",
-                   help="';'-separated policy specs, e.g. 'full;h2o;streaming_llm:n_sinks=8'")
-    p.add_argument("--budgets", type=int_list, default=[256, 1024], help="comma-separated KV budgets (slots per head)")
+                              description=__doc__, formatter_class=DefaultsHelpFormatter)
+    add_policies_option(p, default="full;streaming_llm")
+    add_budgets_option(p, default=[256, 1024])
     p.add_argument("--model", default="llama-2-7b", choices=sorted(MODELS), help="model memory preset")
     p.add_argument("--gpu", default="h100-sxm", choices=sorted(GPUS), help="GPU profile preset")
     p.add_argument("--arrivals", default="poisson", choices=("poisson", "bursty", "csv"),
@@ -66,18 +58,21 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--aggregate-steps", type=int, default=1024,
                    help="max decode iterations per event while the batch is unchanged (1 = one per iteration)")
     p.add_argument("--quality", type=Path, help="sweep results store (directory) or Parquet to join on policy+budget")
-    p.add_argument("--out", type=Path, default=Path("kvsim-out/serve-sim"), help="output directory")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_out_option(p, "kvsim-out/serve-sim", "output directory")
+    add_quiet_option(p)
     p.set_defaults(func=main)
     return p
 
 
-def build_cases(policies: str, budgets: list[int]) -> list[ServingCase]:
+def build_cases(policies: str, budgets: list[int]) -> list:
     """Cross ';'-separated policy specs with budgets; an unbounded policy appears once."""
-    from sim.specs import parse_policy
+    from sim.serving.footprint import policy_footprint
+    from sim.serving.grid import ServingCase
+    from sim.serving.hardware import ServingConfigError
+    from sim.specs import parse_policy, split_policy_list
 
     cases = []
-    for spec in filter(None, (x.strip() for x in policies.split(";"))):
+    for spec in split_policy_list(policies):
         policy = parse_policy(spec)
         for b in budgets:
             fp, label, used = policy_footprint(policy, b)
@@ -89,9 +84,11 @@ def build_cases(policies: str, budgets: list[int]) -> list[ServingCase]:
     return cases
 
 
-def _kernel_costs(args: argparse.Namespace, cost: CostModel, n_layers: int) -> tuple[CostModel, dict | None]:
+def _kernel_costs(args: argparse.Namespace, cost, n_layers: int) -> tuple[Any, dict | None]:
     """Fit attention costs to measured kernel timings: an explicit file must be usable; the default file, when
     present but unusable (e.g. no timings for ``--kernel-device``), is reported and the profile is kept."""
+    from sim.serving.fit import KernelTimingError, fit_kernel_timings, load_kernel_timings
+
     explicit = args.kernel_timings is not None
     timings = args.kernel_timings if explicit else DEFAULT_KERNEL_TIMINGS
     if not explicit and not timings.exists():
@@ -117,6 +114,14 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the grid, print a table, write CSV/JSON and PNG plots under ``--out``."""
+    from sim.serving.costs import CostModel
+    from sim.serving.grid import run_grid
+    from sim.serving.hardware import ServingConfigError, get_gpu, get_model
+    from sim.serving.plots import latency_cdf, throughput_vs_budget
+    from sim.serving.quality import QUALITY_COLUMNS, join_quality, load_quality
+    from sim.serving.scheduler import SchedulerConfig, kv_pool_bytes
+    from sim.serving.workload import bursty_workload, load_csv_workload, poisson_workload
+
     model, gpu = get_model(args.model), get_gpu(args.gpu)
     if args.arrivals == "csv":
         if args.trace_csv is None:
@@ -162,7 +167,9 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(df: pd.DataFrame, quality_col: str | None) -> None:
+def _print_table(df, quality_col: str | None) -> None:
+    import numpy as np
+    import pandas as pd
     from rich.console import Console
     from rich.table import Table
 
