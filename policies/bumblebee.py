@@ -32,6 +32,7 @@ from numba import njit
 
 from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy
 from policies.kernels import GROUP_REDUCE, causal_row, group_score
+from policies.h2o import recent_slots
 from policies.registry import register
 
 CONCAVE = ("power", "log")
@@ -42,11 +43,6 @@ GREEDY = ("lazy", "naive")
 P_LAM, P_CONCAVE, P_ALPHA, P_BETA, P_SIM, P_RECENT, P_GROUP, P_GREEDY = range(8)
 # slot_state fields
 F_ACC, F_NN, F_NNPOS, F_NORM = range(4)
-
-
-def recent_slots(budget: int, recent_ratio: float) -> int:
-    """Local-window size for a budget (may be 0: Alg. 2 itself has no window)."""
-    return min(budget, max(0, int(round(budget * recent_ratio))))
 
 
 @njit(cache=True, inline="always")
@@ -281,7 +277,7 @@ def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state
     for h in range(k.shape[1]):
         m = prompt_importance(q, k, scale, h, int(params[P_GROUP]))
         S = similarity_matrix(k[:, h, :], mode)
-        recent = min(budget[h], max(0, int(round(budget[h] * params[P_RECENT]))))
+        recent = recent_slots(budget[h], params[P_RECENT])
         forced = np.zeros(P, np.uint8)
         forced[max(0, P - recent):] = 1
         sel, _ = greedy_select(S, m, budget[h], forced, lam, kind, alpha, beta, params[P_GREEDY] == 0.0)
@@ -358,7 +354,7 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
         excess = n - budget[h]
         if excess <= 0:
             continue
-        recent = min(budget[h], max(0, int(round(budget[h] * params[P_RECENT]))))
+        recent = recent_slots(budget[h], params[P_RECENT])
         hi_pos = t - recent + 1
         for g in range(g_n):
             gone[g] = 0.0
@@ -450,4 +446,4 @@ class BumbleBee(Policy):
     prefill_fn = _prefill
 
     def guarantees(self, budget: int) -> Guarantees:
-        return Guarantees(recent=recent_slots(budget, self.params["recent_ratio"]))
+        return Guarantees(recent=int(recent_slots(budget, self.params["recent_ratio"])))

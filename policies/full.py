@@ -8,6 +8,12 @@ from policies.registry import register
 @njit(STEP_SIG, cache=True)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
+    """Keep every slot (the engine sizes the buffer for the whole trace).
+
+    Shapes (the engine's step contract, policies/base.py): budget, lengths [Hkv]; probs [Hkv, G, cap] the step's
+    attention over the cached slots; keys, values [Hkv, cap, d]; positions [Hkv, cap]; slot_state [Hkv, cap, 0];
+    head_state [Hkv, 0]; keep, merge_to, merge_w [Hkv, cap]; params [0] (no parameters).
+    """
     return
 
 

@@ -15,13 +15,25 @@ P = param_indices(SCHEMA)
 
 @njit(cache=True)
 def recent_slots(budget: int, recent_ratio: float) -> int:
-    """Recent-window size for a budget: at least the newest token, at most the whole budget."""
-    return min(budget, max(1, int(round(budget * recent_ratio))))
+    """Recent-window size for a budget: ``round(budget * recent_ratio)`` within [0, budget].
+
+    The one definition of a recent window (H2O, Ada-H2O and Bumblebee use it): ``recent_ratio = 0`` is no
+    window at all, the heavy-hitter-only ablation of the H2O paper and Bumblebee's Alg. 2 alone. Rounding is
+    Python's (half to even), so budget 1 at the default 0.5 has no window.
+    """
+    return min(budget, max(0, int(round(budget * recent_ratio))))
 
 
 @njit(STEP_SIG, cache=True)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
+    """Add each slot's attention to its accumulated score (slot_state[..., 0]), then evict the lowest-scored
+    slots outside the recent window.
+
+    Shapes (the engine's step contract, policies/base.py): budget, lengths [Hkv]; probs [Hkv, G, cap] the step's
+    attention over the cached slots; keys, values [Hkv, cap, d]; positions [Hkv, cap]; slot_state [Hkv, cap, 1];
+    head_state [Hkv, 0]; keep, merge_to, merge_w [Hkv, cap]; params [2] read by name through ``P``.
+    """
     ratio = params[P.recent_ratio]
     mode = int(params[P.group_reduce])
     for h in range(lengths.shape[0]):

@@ -1,16 +1,29 @@
 """Random eviction: a floor any useful policy must beat."""
 from numba import njit
 
-from policies.base import STEP_SIG, Guarantees, Param, Policy
+from policies.base import STEP_SIG, Guarantees, Param, Policy, param_indices
 from policies.kernels import hash_uniform
 from policies.registry import register
+
+SCHEMA = (
+    Param("seed", 0, "int", 0, 2**31 - 1, doc="random seed", searchable=False),
+    Param("protect_recent", 1, "int", 1, 1024, doc="newest tokens never evicted"),
+)
+P = param_indices(SCHEMA)
 
 
 @njit(STEP_SIG, cache=True)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
-    seed = int(params[0])
-    protect = int(params[1])
+    """Evict uniformly chosen slots older than the protected newest ones, as a pure function of
+    (seed, layer, head, step, draw).
+
+    Shapes (the engine's step contract, policies/base.py): budget, lengths [Hkv]; probs [Hkv, G, cap] the step's
+    attention over the cached slots; keys, values [Hkv, cap, d]; positions [Hkv, cap]; slot_state [Hkv, cap, 0];
+    head_state [Hkv, 0]; keep, merge_to, merge_w [Hkv, cap]; params [2] read by name through ``P``.
+    """
+    seed = int(params[P.seed])
+    protect = int(params[P.protect_recent])
     for h in range(lengths.shape[0]):
         n = lengths[h]
         for r in range(max(0, n - budget[h])):
@@ -36,10 +49,8 @@ class RandomEviction(Policy):
 
     name = "random"
     summary = "uniform random eviction"
-    schema = (
-        Param("seed", 0, "int", 0, 2**31 - 1, doc="random seed", searchable=False),
-        Param("protect_recent", 1, "int", 1, 1024, doc="newest tokens never evicted"),
-    )
+    schema = SCHEMA
+    P = P
     step_fn = _step
 
     def min_budget(self) -> int:

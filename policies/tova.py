@@ -1,16 +1,30 @@
 """TOVA (Oren et al., 2024): evict the token with the lowest attention from the current query."""
 from numba import njit
 
-from policies.base import STEP_SIG, Param, Policy
+from policies.base import STEP_SIG, Param, Policy, param_indices
 from policies.kernels import GROUP_REDUCE, group_score
 from policies.registry import register
+
+SCOPES = ("layer", "head")
+SCHEMA = (
+    Param("scope", "layer", "choice", choices=SCOPES, doc="one decision per layer (paper) or per head"),
+    Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation when scope='head'"),
+)
+P = param_indices(SCHEMA)
+_LAYER_SCOPE = float(SCOPES.index("layer"))     # how the kernel sees scope='layer' (choices encode by index)
 
 
 @njit(STEP_SIG, cache=True)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
-    per_layer = params[0] == 0.0
-    mode = int(params[1])
+    """Evict the slots the current query attends to least (summed over the layer, or per head).
+
+    Shapes (the engine's step contract, policies/base.py): budget, lengths [Hkv]; probs [Hkv, G, cap] the step's
+    attention over the cached slots; keys, values [Hkv, cap, d]; positions [Hkv, cap]; slot_state [Hkv, cap, 0];
+    head_state [Hkv, 0]; keep, merge_to, merge_w [Hkv, cap]; params [2] read by name through ``P``.
+    """
+    per_layer = params[P.scope] == _LAYER_SCOPE
+    mode = int(params[P.group_reduce])
     hkv = lengths.shape[0]
     if per_layer:
         # one decision for the whole layer: heads hold the same positions (same appends, same evictions)
@@ -52,8 +66,6 @@ class TOVA(Policy):
 
     name = "tova"
     summary = "lowest current attention"
-    schema = (
-        Param("scope", "layer", "choice", choices=("layer", "head"), doc="one decision per layer (paper) or per head"),
-        Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation when scope='head'"),
-    )
+    schema = SCHEMA
+    P = P
     step_fn = _step
