@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sim.commands._common import add_budget_option, add_policy_option
+from sim.commands._common import add_budget_option, add_policy_option, positive_int
 
 
 def _floats(text: str) -> list[float]:
@@ -25,7 +25,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--backend", choices=("torch", "triton"), default=None,
                    help="cache kernels: triton (default on cuda) or the torch reference (default on cpu)")
-    p.add_argument("--prompt", type=int, default=256, help="prompt tokens")
+    p.add_argument("--prompt", type=positive_int, default=256, help="prompt tokens")
     p.add_argument("--decode", type=int, default=128, help="teacher-forced continuation tokens scored")
 
 
