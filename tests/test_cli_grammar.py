@@ -181,7 +181,8 @@ def test_help_shows_the_real_defaults():
         assert p.formatter_class is DefaultsHelpFormatter, name
         text = " ".join(p.format_help().split())
         for a in p._actions:
-            if a.option_strings and a.default not in (None, False, argparse.SUPPRESS) and a.help:
+            if a.option_strings and a.default is not None and a.default is not False and a.help \
+                    and a.default != argparse.SUPPRESS:
                 shown = ",".join(map(str, a.default)) if isinstance(a.default, list) else str(a.default)
                 assert f"(default: {shown})" in text, f"kvsim {name} {a.option_strings[0]}"
     fid = " ".join(_subparsers()["fidelity"].format_help().split())
@@ -283,3 +284,29 @@ def test_policies_cli_shows_booleans_and_every_choice(capsys, monkeypatch):
     assert "inclusive_bounds=true (true | false)" in out
     assert "similarity=relu_cos (relu_cos | one_plus_cos | abs_cos)" in out
 
+
+
+def test_every_kvsim_command_in_the_readme_parses():
+    """The README's CLI tour and examples match the parser (names, types, list syntax)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    lines = re.findall(r"`(kvsim [^`]+)`", readme)
+    lines += [ln.split("  #")[0] for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+              for ln in block.replace("\\\n", " ").splitlines() if ln.startswith("kvsim ")]
+    commands = {name for name in _subparsers()}
+    checked, bad = 0, []
+    for line in lines:
+        argv = shlex.split(line)[1:]
+        if len(argv) < 2 or argv[0] not in commands or "..." in argv or any(a.startswith("[") for a in argv):
+            continue                       # a bare command name in prose, or an elided example
+        argv = [re.sub(r"^(PATH\|default|M)$", "default", a) for a in argv]
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit:
+            bad.append(line)
+        checked += 1
+    assert not bad, bad
+    assert checked >= 15, checked

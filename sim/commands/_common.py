@@ -21,8 +21,8 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (not action.option_strings or "%(default)" in text or default in (None, False, argparse.SUPPRESS)
-                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+        if (not action.option_strings or "%(default)" in text or default is None or default is False
+                or default == argparse.SUPPRESS or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
             return text
         shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})"
@@ -113,7 +113,7 @@ def add_executor_options(p: argparse.ArgumentParser) -> None:
     from sim.executors import default_workers
 
     p.add_argument("--workers", type=positive_int, default=default_workers(),
-                   help="local worker processes (the default is one per core)")
+                   help="local worker processes (one per core on this machine)")
     p.add_argument("--ray", metavar="ADDRESS", default=None,
                    help="run on Ray: a cluster address (ray://host:10001, auto) or 'local' (needs kvsim[ray])")
 
