@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -185,6 +186,8 @@ def test_help_shows_the_real_defaults():
                     and a.default != argparse.SUPPRESS:
                 shown = ",".join(map(str, a.default)) if isinstance(a.default, list) else str(a.default)
                 assert f"(default: {shown})" in text, f"kvsim {name} {a.option_strings[0]}"
+                # no hand-written default beside the real one: it is the text that went stale before
+                assert not re.search(r"\(default \w", a.help), f"kvsim {name} {a.option_strings[0]}: {a.help}"
     fid = " ".join(_subparsers()["fidelity"].format_help().split())
     assert "prompt tokens (default: 128)" in fid and "256" not in fid
 
@@ -270,7 +273,7 @@ def test_model_commands_parse_the_same_specs(cmd, monkeypatch):
 
 def test_kvsim_start_does_not_import_the_serving_simulator():
     code = ("import sys; from sim.cli import build_parser; build_parser(); "
-            "print(sorted(m for m in sys.modules if m.startswith('sim.serving')))")
+            "print(sorted(m for m in sys.modules if m.startswith(('sim.serving', 'hypothesis', 'pytest', 'ray'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     loaded = set(eval(out))
     assert loaded <= {"sim.serving", "sim.serving.fit", "sim.serving.footprint", "sim.serving.hardware"}, loaded
