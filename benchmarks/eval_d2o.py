@@ -36,6 +36,8 @@ VARIANTS = {
     "d2o_no_layer_no_merge": ("d2o", {"layer_alloc": False, "merge": False}),   # the eviction-only ablation
     "d2o_literal": ("d2o", {"alloc": "literal"}),
     "d2o_reference": ("d2o", {"preset": "reference"}),
+    # the released token level at equal memory (every layer compressed)
+    "d2o_reference_equal_mem": ("d2o", {"preset": "reference", "exempt_layers": False}),
 }
 #: variants whose per-layer budgets are plotted
 ALLOC_PLOT = {"d2o": "normalized (default, released code)", "d2o_literal": "literal eq. 4-5",
@@ -112,12 +114,14 @@ def plot(rows: list[dict], grid: list[dict], path: Path) -> None:
 
 
 def plot_layer_budgets(rows: list[dict], path: Path) -> None:
-    """Per-layer budgets of each allocation reading, one panel per (trace, budget); uncompressed layers at the top."""
+    """Per-layer budgets of each allocation reading, one panel per budget (of the real-model trace if any);
+    uncompressed layers (``exempt_layers``) are marked at the top."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted({(r["trace"], r["budget"]) for r in rows})
+    real = [r for r in rows if r["trace"].startswith("real:")]
+    keys = sorted({(r["trace"], r["budget"]) for r in (real or rows)})   # the real model's when there is one
     fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.6 * len(keys)), squeeze=False)
     for ax, (tr, b) in zip(axes[:, 0], keys):
         top = 0
