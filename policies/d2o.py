@@ -146,8 +146,8 @@ def prompt_column_sums(q: np.ndarray, k: np.ndarray, scale: float, tile: int = 1
     """Column sums of every query head's causal prompt attention: float64 [Hq, S].
 
     Column i is the attention token i receives from all prompt queries. Computed in query tiles with one
-    matrix product per (KV head, tile) over the query heads of its group (BLAS-sized blocks, O(tile * S) memory
-    per head).
+    float32 matrix product per (KV head, tile) over the query heads of its group (BLAS-sized blocks, O(G * tile
+    * S) memory); only the tile's diagonal block needs the causal mask. Sums accumulate in float64.
     """
     q = np.asarray(q, np.float32)
     k = np.asarray(k, np.float32)
@@ -157,18 +157,19 @@ def prompt_column_sums(q: np.ndarray, k: np.ndarray, scale: float, tile: int = 1
         raise ValueError(f"prompt q {q.shape} and k {k.shape} do not match")
     g = hq // hkv
     out = np.zeros((hq, s), np.float64)
+    upper = np.triu(np.full((tile, tile), -np.inf, np.float32), 1)
     for h in range(hkv):
-        qg = np.ascontiguousarray(q[:, h * g:(h + 1) * g].transpose(1, 0, 2), np.float64)   # [G, S, d]
-        kh = np.ascontiguousarray(k[:, h], np.float64)
+        qg = np.ascontiguousarray(q[:, h * g:(h + 1) * g].transpose(1, 0, 2))      # [G, S, d]
+        kt = np.ascontiguousarray(k[:, h].T)                                       # [d, S]
         for r0 in range(0, s, tile):
             r1 = min(s, r0 + tile)
-            logits = (qg[:, r0:r1] @ kh[:r1].T) * scale                                # [G, tile, r1]
-            rows = np.arange(r0, r1)[:, None]
-            logits[:, np.arange(r1)[None, :] > rows] = -np.inf
+            logits = qg[:, r0:r1] @ kt[:, :r1]                                       # [G, r1 - r0, r1]
+            logits *= np.float32(scale)
+            logits[:, :, r0:r1] += upper[:r1 - r0, :r1 - r0]
             logits -= logits.max(axis=2, keepdims=True)
             np.exp(logits, out=logits)
             logits /= logits.sum(axis=2, keepdims=True)
-            out[h * g:(h + 1) * g, :r1] += logits.sum(axis=1)
+            out[h * g:(h + 1) * g, :r1] += logits.sum(axis=1, dtype=np.float64)
     return out
 
 

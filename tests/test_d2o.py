@@ -261,7 +261,7 @@ def test_prompt_column_sums_blocked_matches_rows():
     k = rng.normal(size=(45, 2, 8)).astype(np.float32)
     got = prompt_column_sums(q, k, 0.4, tile=16)
     want = np.stack([causal_column_sums(q, k, 0.4, j, j // 2, 0, 45) for j in range(4)])
-    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)     # float32 blocks, float64 sums
     np.testing.assert_allclose(got.sum(axis=1), np.full(4, 45.0))   # every row sums to 1
 
 
@@ -281,7 +281,7 @@ def test_normalized_variance_is_released_statistic():
         var.append(a.sum(axis=0).var(ddof=1))
     var = np.array(var)
     want = ((var - var.min()) / (var.max() - var.min() + 1e-6)).mean()
-    assert layer_variances([(q, k)], 0.3, "normalized")[0] == pytest.approx(want, rel=1e-9)
+    assert layer_variances([(q, k)], 0.3, "normalized")[0] == pytest.approx(want, rel=1e-5)
     assert 0.0 <= want < 1.0
 
 
@@ -311,7 +311,7 @@ def test_prompt_once_selects_by_full_column_sums():
     _prefill_once(pol.param_vector(), 0, np.array([10, 10], np.int64), q, k, k.copy(), 0.5, keep, st_,
                   np.zeros((2, 2)))
     sums = prompt_column_sums(q, k, 0.5).reshape(2, 2, s).mean(axis=1)     # group mean per KV head
-    np.testing.assert_allclose(st_[:, :, 0], sums, rtol=1e-9)
+    np.testing.assert_allclose(st_[:, :, 0], sums, rtol=1e-5)
     for h in range(2):
         # budget 10: recent 5 (19..23), sinks 0, 1 and the 3 heaviest of 2..18
         heavy = 2 + np.argsort(-sums[h, 2:19], kind="stable")[:3]
