@@ -37,19 +37,17 @@ Ambiguities, chosen and parameterised:
     KV head decides on its own from its query group's scores reduced by ``head_reduce``.
 
 The authors' released code (jeffwillette/cascading_cache_2, ``cascade/models/cascading_cache.py``) differs
-from the paper in six places; ``preset=reference`` sets all of them (``REFERENCE``; explicit values win):
+from the paper in five places; ``preset=reference`` sets them (``REFERENCE``; explicit values win):
   - ``decision="head"``: its cache state is per (batch, head), so every KV head decides on its own;
   - ``clock_phase="sinks"``: sub-cache k accepts when (t - n_sinks) % base^k == 0;
   - ``eager_fill``: every sub-cache accepts while t <= n_sinks + |C|, i.e. also at the first overflow step
     (the cache shifts as a FIFO once);
   - ``ema_gamma=0.9999`` (the paper's formula is commented out there);
   - ``ties="incoming"``: the incoming token wins equal scores (``>=``);
-  - ``score_timing="previous"``: its cache is updated before the step's attention, so placements read the EMA
-    through the previous step (the step's attention then updates the held tokens). The engine's attention
-    at a step covers the slot about to be dropped, so the probabilities of the other slots are renormalised
-    over one more token than in the released code: kept sets match when given the same scores (tested
-    against a step-by-step reading of the code), the simulated probabilities differ by that renormalisation.
-  - RoPE indices are re-assigned consecutively over the cache (``pe_indices``; closed loop only).
+  - not a parameter: RoPE indices are re-assigned consecutively over the cache (``pe_indices``; closed loop).
+Like kvsim's engine, the released attention of step t covers the cached tokens and the new one before the
+cache update, and the EMA (new token included) takes that step's scores before the placement, so the preset
+keeps the released sets at every step given the same scores (tested against a step-by-step reading).
 The paper's reading stays the default: it is what the paper states and evaluates, and layer-level decisions
 keep one position per token across heads (Appendix C).
 
@@ -79,14 +77,13 @@ PREFILL = ("stream", "window")
 DECISION = ("layer", "head")
 CLOCK_PHASE = ("t", "sinks")
 TIES = ("resident", "incoming")
-SCORE_TIMING = ("current", "previous")
 PRESETS = ("paper", "reference")
 MAX_CASCADES = 16
 _SINK = 1.0
 _TAG0 = 2.0
 #: the released code's values, applied by ``preset=reference`` to every parameter not given explicitly
 REFERENCE = dict(ema_gamma=0.9999, decision="head", clock="step", clock_phase="sinks", eager_fill=True,
-                 ties="incoming", score_timing="previous", warmup="keep_all")
+                 ties="incoming", warmup="keep_all")
 
 SCHEMA = (
     Param("n_sinks", 4, "int", 0, 1024, doc="initial tokens always kept (attention sinks)"),
@@ -107,8 +104,6 @@ SCHEMA = (
           doc="step clock counts t or t - n_sinks (released code)"),
     Param("eager_fill", False, "bool", doc="every sub-cache accepts up to the first overflow step (released code)"),
     Param("ties", "resident", "choice", choices=TIES, doc="equal EMA scores keep the resident or the incoming token"),
-    Param("score_timing", "current", "choice", choices=SCORE_TIMING,
-          doc="decisions read the EMA with this step's attention, or through the previous step (released code)"),
     Param("preset", "paper", "choice", choices=PRESETS, searchable=False,
           doc="reference: the released code's values for every parameter not given"),
 )
@@ -279,19 +274,16 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
         gamma = np.exp(-n_casc * np.log(params[P.ema_target]) / (budget[0] - int(params[P.n_sinks])))
     mode = int(params[P.head_reduce])
     per_head = int(params[P.decision]) == 1
-    previous = int(params[P.score_timing]) == 1
     buf = np.empty(probs.shape[0] * probs.shape[1], np.float64)
     for u in range(hkv if per_head else 1):
         n = lengths[u]
         tags = np.empty(n, np.float64)
         ema = np.empty(n, np.float64)
-        seen = np.empty(n, np.float64)
         h0, h1 = (u, u + 1) if per_head else (0, hkv)
         for i in range(n):
-            seen[i] = slot_state[u, i, 1]
-            ema[i] = gamma * seen[i] + (1.0 - gamma) * _reduced_score(probs, h0, h1, i, mode, buf)
+            ema[i] = gamma * slot_state[u, i, 1] + (1.0 - gamma) * _reduced_score(probs, h0, h1, i, mode, buf)
             tags[i] = slot_state[u, i, 0]
-        drop = _place(params, head_state, u, budget[u], t, tags, seen if previous else ema, n)
+        drop = _place(params, head_state, u, budget[u], t, tags, ema, n)
         for h in range(u, u + 1) if per_head else range(hkv):
             for i in range(n):
                 slot_state[h, i, 0] = tags[i]

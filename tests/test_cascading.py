@@ -270,9 +270,9 @@ def released_port(n_sinks, sub, n_casc, scores, gamma=0.9999):
     """A plain step-by-step reading of the released per-head cascade (written from the code, for these tests):
     per KV head, sinks first; every sub-cache accepts while t <= n_sinks + |C| (eager fill), afterwards
     sub-cache i accepts when (t - n_sinks) % 2^i == 0; an accepting full sub-cache takes the token and passes its
-    oldest on; a non-accepting one overwrites its newest token when the incoming EMA is >= (ties: incoming);
-    placement reads the EMA through the previous step, then every held token's EMA takes this step's score
-    scores[t][h][position]. Returns per step and head the sorted held positions."""
+    oldest on; a non-accepting one overwrites its newest token when the incoming EMA is >= (ties: incoming).
+    As in the released attention, every cached token's EMA and the new token's take this step's score
+    scores[t][h][position] before the placement. Returns per step and head the sorted held positions."""
     T, H = len(scores), len(scores[0])
     cap = sub * n_casc
     out = []
@@ -281,6 +281,8 @@ def released_port(n_sinks, sub, n_casc, scores, gamma=0.9999):
         row = []
         for h, s in enumerate(state):
             s["ema"][t] = 0.0
+            for p in s["sinks"] + [p for c in s["casc"] for p in c] + [t]:
+                s["ema"][p] = gamma * s["ema"][p] + (1 - gamma) * scores[t][h][p]
             if len(s["sinks"]) < n_sinks:
                 s["sinks"].append(t)
             else:
@@ -298,10 +300,7 @@ def released_port(n_sinks, sub, n_casc, scores, gamma=0.9999):
                         if s["ema"][item] >= s["ema"][s["casc"][i][-1]]:
                             s["casc"][i][-1] = item
                         break
-            held = s["sinks"] + [p for c in s["casc"] for p in c]
-            for p in held:
-                s["ema"][p] = gamma * s["ema"][p] + (1 - gamma) * scores[t][h][p]
-            row.append(sorted(held))
+            row.append(sorted(s["sinks"] + [p for c in s["casc"] for p in c]))
         out.append(row)
     return out
 
@@ -360,23 +359,22 @@ def test_reference_pieces_each_matter():
     scores = rng.integers(0, 4, size=(90, 2, 90)).astype(np.float64) / 4
     want = released_port(2, 2, 3, scores)
     base = dict(preset="reference", n_sinks=2, n_cascades=3)
-    for change in (dict(decision="layer"), dict(clock_phase="t"), dict(eager_fill=False), dict(ties="resident"),
-                   dict(score_timing="current")):
+    for change in (dict(decision="layer"), dict(clock_phase="t"), dict(eager_fill=False), dict(ties="resident")):
         assert drive_heads(get_policy("cascading", **{**base, **change}), 8, scores) != want, change
 
 
 def test_reference_worked_example_clock_phase_and_ties():
-    # 1 sink, 2 sub-caches of 1 slot (budget 3), one KV head; every token gets the same score, so EMAs of
-    # tokens cached for the same time tie. t = 0: sink. t = 1, 2: fill C0, C1. t = 3 (= budget, first overflow):
+    # 1 sink, 2 sub-caches of 1 slot (budget 3), one KV head; every token gets the same score, so the token
+    # cached longer has the higher EMA. t = 0: sink. t = 1, 2: fill C0, C1. t = 3 (= budget, first overflow):
     # eager, all accept: 3 -> C0, 2 -> C1, 1 dropped. t = 4: C0 takes 4, C1 accepts when (4 - 1) % 2 == 0:
-    # no, so 3 (EMA after one step) competes with C1's 2 (after two steps): 2 stays. t = 5: (5 - 1) % 2 == 0:
+    # no, so 3 (scored at t = 3, 4) competes with C1's 2 (scored at t = 2, 3, 4): 2 stays. t = 5: (5 - 1) % 2 == 0:
     # C1 accepts 4, drops 2.
     flat = np.ones((8, 1, 8))
     got = [row[0] for row in drive_heads(get_policy("cascading", preset="reference", n_sinks=1, n_cascades=2),
                                          3, flat)]
     assert got[:6] == [[0], [0, 1], [0, 1, 2], [0, 2, 3], [0, 2, 4], [0, 4, 5]]
-    # an exact tie at t = 4 with gamma = 0.5: token 2 scores 0 at t = 2 and 1 at t = 3 (EMA .25 * 0 + .5 * 1),
-    # token 3 scores 1 at t = 3 (EMA .5): the incoming 3 wins the tie (released `>=`), the resident 2 otherwise
+    # an exact tie at t = 4 with gamma = 0.5: token 2 scores 0 at t = 2, then 1 (EMA .5 (.5 * .5 * 0 + .5) + .5),
+    # token 3 scores 1 at t = 3, 4 (EMA .5 * .5 + .5): both .75; the incoming 3 wins (released `>=`)
     tie = np.ones((8, 1, 8))
     tie[2, 0, 2] = 0.0
     ref = dict(preset="reference", n_sinks=1, n_cascades=2, ema_gamma=0.5)
