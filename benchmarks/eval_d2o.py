@@ -1,11 +1,14 @@
-"""D2O evaluation: D2O vs H2O vs D2O without merging (and without layer allocation) at several budgets, then a
-grid search of the EMA beta per budget, on a real-model trace (if given or recordable) and a synthetic trace.
+"""D2O evaluation: D2O vs H2O vs its ablations (no merging, no layer allocation, eviction only), the literal
+eq. 4-5 allocation and the released-code preset at several budgets, then a grid search of the EMA beta per
+budget, on a real-model trace (if given or recordable) and a synthetic trace.
 
-Budgets are the paper's compression ratios rho = budget / prompt length (0.2, 0.4, 0.8) plus a tight one. The
-question (paper Section 4.2.2): does merging reduce the attention-output error ||o_full - o_cache|| / ||o_full||
-compared with dropping the same tokens? Writes benchmarks/results/eval_d2o.json and .png.
+Synthetic budgets are the paper's compression ratios rho = budget / prompt length (0.2, 0.4, 0.8) plus a tight
+one; the real trace uses ``--budgets`` (default the same ratios). The questions (paper Section 4.2.2): does
+merging reduce the attention-output error ||o_full - o_cache|| / ||o_full|| compared with dropping the same
+tokens, and does the layer allocation help? Writes benchmarks/results/eval_d2o.json and .png, and the per-layer
+budgets of each allocation reading to d2o_layer_budgets.png.
 
-    PYTHONPATH=. python benchmarks/eval_d2o.py [--trace DIR] [--quick]
+    PYTHONPATH=. python benchmarks/eval_d2o.py [--trace DIR] [--budgets 64,128,256] [--quick]
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from policies import get_policy
+from policies.d2o import UNCOMPRESSED
 from sim.replay import load_layers, replay
 from traces.format import Trace, load_trace
 from traces.synthetic import make_synthetic_trace
@@ -29,24 +33,34 @@ VARIANTS = {
     "d2o": ("d2o", {}),
     "d2o_no_merge": ("d2o", {"merge": False}),
     "d2o_no_layer": ("d2o", {"layer_alloc": False}),
-    "d2o_no_layer_no_merge": ("d2o", {"layer_alloc": False, "merge": False}),
+    "d2o_no_layer_no_merge": ("d2o", {"layer_alloc": False, "merge": False}),   # the eviction-only ablation
+    "d2o_literal": ("d2o", {"alloc": "literal"}),
+    "d2o_reference": ("d2o", {"preset": "reference"}),
+    # the released token level at equal memory (every layer compressed)
+    "d2o_reference_equal_mem": ("d2o", {"preset": "reference", "exempt_layers": False}),
 }
+#: variants whose per-layer budgets are plotted
+ALLOC_PLOT = {"d2o": "normalized (default, released code)", "d2o_literal": "literal eq. 4-5",
+              "d2o_reference": "preset=reference (layers 0, 1, L-1 uncompressed)"}
 BETAS = (0.5, 0.6, 0.7, 0.8, 0.9)
 RHOS = (0.05, 0.2, 0.4, 0.8)
 
 
-def evaluate(name: str, trace: Trace) -> tuple[list[dict], list[dict]]:
+def evaluate(name: str, trace: Trace, budgets: list[int] | None = None) -> tuple[list[dict], list[dict]]:
     """Rows for every variant and budget, and the beta grid per budget (merging on, paper defaults otherwise)."""
     inputs = load_layers(trace)
     P = trace.meta.n_prompt
-    budgets = sorted({max(8, int(round(r * P))) for r in RHOS})
+    budgets = budgets or sorted({max(8, int(round(r * P))) for r in RHOS})
     rows, grid = [], []
     for b in budgets:
         for var, (pname, params) in VARIANTS.items():
             pol = get_policy(pname, **params)
-            s = replay(trace, pol, b, inputs=inputs).summary()
+            res = replay(trace, pol, b, inputs=inputs)
+            s = res.summary()
+            layer_budgets = [None if x >= UNCOMPRESSED else int(x) for x in res.budgets[:, 0]]
             rows.append(dict(trace=name, budget=b, rho=b / P, variant=var, err=s["err_mean"], err_p95=s["err_p95"],
-                             mass=s["mass_mean"], kl=s["kl_mean"], err_by_layer=s["err_by_layer"]))
+                             mass=s["mass_mean"], kl=s["kl_mean"], err_by_layer=s["err_by_layer"],
+                             layer_budgets=layer_budgets))
             print(f"{name:>22} B={b:>4} {var:>22} err {s['err_mean']:.4f} mass {s['mass_mean']:.4f} "
                   f"kl {s['kl_mean']:.4f}", flush=True)
         for layer_alloc in (True, False):
@@ -99,9 +113,42 @@ def plot(rows: list[dict], grid: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def plot_layer_budgets(rows: list[dict], path: Path) -> None:
+    """Per-layer budgets of each allocation reading, one panel per budget (of the real-model trace if any);
+    uncompressed layers (``exempt_layers``) are marked at the top."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    real = [r for r in rows if r["trace"].startswith("real:")]
+    keys = sorted({(r["trace"], r["budget"]) for r in (real or rows)})   # the real model's when there is one
+    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.6 * len(keys)), squeeze=False)
+    for ax, (tr, b) in zip(axes[:, 0], keys):
+        top = 0
+        for var, label in ALLOC_PLOT.items():
+            sel = [r for r in rows if (r["trace"], r["budget"], r["variant"]) == (tr, b, var)]
+            if not sel:
+                continue
+            lb = sel[0]["layer_budgets"]
+            y = np.array([np.nan if x is None else x for x in lb], float)
+            top = max(top, np.nanmax(y))
+            ax.plot(np.arange(len(y)), y, "o-", ms=3, label=f"{label}: err {sel[0]['err']:.3f}")
+            full = [i for i, x in enumerate(lb) if x is None]
+            if full:
+                ax.plot(full, [top] * len(full), "k^", ms=6, label="uncompressed")
+        ax.axhline(b, color="gray", ls=":", lw=1, label=f"uniform {b}")
+        ax.set(yscale="log", xlabel="layer", ylabel="slots per KV head", title=f"{tr}, budget {b}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", help="a recorded real-model trace directory (default: the shipped model's, if any)")
+    ap.add_argument("--budgets", help="comma-separated budgets for the real trace (default: the rho grid)")
     ap.add_argument("--quick", action="store_true", help="shorter synthetic trace")
     args = ap.parse_args()
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
@@ -124,8 +171,9 @@ def main() -> None:
         tr = load_trace(real)
         traces["real:" + tr.meta.model.model_id] = tr
     rows, grid = [], []
+    real_budgets = [int(x) for x in args.budgets.split(",")] if args.budgets else None
     for name, tr in traces.items():
-        r, g = evaluate(name, tr)
+        r, g = evaluate(name, tr, real_budgets if name.startswith("real:") else None)
         rows += r
         grid += g
     best = best_betas(grid)
@@ -142,6 +190,7 @@ def main() -> None:
         json.dump(payload, f, indent=1)
     os.replace(f.name, out)
     plot(rows, grid, RESULTS / "eval_d2o.png")
+    plot_layer_budgets(rows, RESULTS / "d2o_layer_budgets.png")
     print(f"wrote {out} in {time.time() - t0:.0f} s")
     if tmpdir is not None:
         tmpdir.cleanup()

@@ -1,10 +1,13 @@
 """Shared kernels of SnapKV, PyramidKV and Ada-KV: observation-window scores, pooling, Ada-KV head-budget
 allocation (Algorithm 2 with the safeguard), per-head top-k prompt selection (Algorithm 1) and the decode rule.
 
-Scores of a KV head are always ``sum over query steps r of reduce_g p_r[g, i]`` (reduce = mean/sum/max over the
-query heads sharing the KV head), so prefill and decode rank tokens on the same scale. The protected recent
+Scores of a KV head are ``sum over query steps r of reduce_g p_r[g, i]`` (reduce = mean/sum/row max over the
+query heads sharing the KV head), or, for ``max`` (the Ada-KV code's GQA ``max``), ``max_g sum_r p_r[g, i]``:
+the largest window-summed score of the group's heads. The decode ring holds one reduced value per query row, so
+at decode ``max`` ranks by the row max (the released code never evicts during decode). The protected recent
 window of a per-head budget ``b`` is ``min(window, b - 1)`` tokens: budgets at or below the window keep one
-selected slot instead of degenerating into a sliding window.
+selected slot instead of degenerating into a sliding window; ``window_only`` keeps just the last ``b`` tokens
+there, as the released code does at ``b = window``.
 """
 from __future__ import annotations
 
@@ -14,11 +17,30 @@ from numba import njit
 from policies.kernels import causal_row, evict_lowest, evict_lowest_sorted, group_score
 
 POOLING = ("max", "avg")
+#: GQA reduction of the observation-window policies; kernel modes (``group_rows_scores``): mean 0, sum 1, max 3,
+#: rowmax 2 (``window_mode``)
+WINDOW_REDUCE = ("mean", "sum", "max", "rowmax")
+#: rounding of Ada-KV's safeguard mixture: exact total by largest remainder, or the released code's
+#: int() floor, round-half-even, no total correction (``ada_allocate``)
+ROUNDING = ("largest_remainder", "released")
 
 
 @njit(cache=True)
-def protected_window(window, budget):
-    """Recent tokens a head with ``budget`` slots always keeps: the SnapKV window, leaving one selected slot."""
+def window_mode(choice):
+    """Kernel mode of a ``WINDOW_REDUCE`` choice index: max of the heads' window sums is mode 3, row max 2."""
+    if choice == 2:
+        return 3
+    if choice == 3:
+        return 2
+    return choice
+
+
+@njit(cache=True)
+def protected_window(window, budget, window_only=False):
+    """Recent tokens a head with ``budget`` slots always keeps: the SnapKV window, leaving one selected slot
+    (``window_only``: the whole budget when it is at most the window, as the released code)."""
+    if window_only and budget <= window:
+        return max(0, budget)
     return max(0, min(window, budget - 1))
 
 
@@ -26,21 +48,34 @@ def protected_window(window, budget):
 def group_rows_scores(q, k, scale, h, r0, r1, mode, scores, ring, ring_w):
     """Add, for every query row r in [r0, r1), the group-reduced causal attention of KV head h to ``scores[:r1]``.
 
-    mode: 0 mean, 1 sum, 2 max over the G query heads of the group. When ``ring_w > 0`` each row's reduced
-    probabilities also go to ``ring[:, 1 + r % ring_w]`` (the decode-time observation-window ring).
+    mode: 0 mean, 1 sum, 2 max over the G query heads of each row; 3 the max over the group's heads of their
+    sums over the rows (the ring then gets the row max). When ``ring_w > 0`` each row's reduced probabilities
+    also go to ``ring[:, 1 + r % ring_w]`` (the decode-time observation-window ring).
     O((r1 - r0) * r1 * G * d) time, O(G * r1) memory.
     """
     hkv = k.shape[1]
     g_n = q.shape[1] // hkv
     p = np.zeros((1, g_n, r1), np.float64)
+    row_mode = 2 if mode == 3 else mode
+    head_sums = np.zeros((g_n, r1), np.float64)
     for r in range(r0, r1):
         for g in range(g_n):
             causal_row(q, k, scale, h * g_n + g, h, r, p[0, g])
+            if mode == 3:
+                for i in range(r + 1):
+                    head_sums[g, i] += p[0, g, i]
         for i in range(r + 1):
-            s = group_score(p, 0, i, mode)
-            scores[i] += s
+            s = group_score(p, 0, i, row_mode)
+            if mode != 3:
+                scores[i] += s
             if ring_w > 0:
                 ring[i, 1 + r % ring_w] = s
+    if mode == 3:
+        for i in range(r1):
+            m = head_sums[0, i]
+            for g in range(1, g_n):
+                m = max(m, head_sums[g, i])
+            scores[i] += m
 
 
 @njit(cache=True)
@@ -68,7 +103,7 @@ def pool_scores(scores, n, kernel, pooling, out):
 
 
 @njit(cache=True)
-def ada_allocate(scores, base, alpha):
+def ada_allocate(scores, base, alpha, released=False):
     """Ada-KV head budgets for one layer: int64 [H] summing exactly to ``sum(base)``.
 
     scores [H, C]: observed (pooled) scores of each head's C candidate tokens; base [H]: the uniform per-head
@@ -80,6 +115,10 @@ def ada_allocate(scores, base, alpha):
     slots; here the mixture is rounded by largest remainder (ties: larger n_h, then lower head), so the sum is
     exact and each budget stays between ``n_h`` and ``base_h`` -- which keeps Theorem 4 (the adaptive
     bound is never above the uniform one) true for every alpha. Flattened ties go to the lower head index.
+    ``released``: the released rounding, ``round_half_even((1 - alpha) * n_h + int(alpha * base_h))``, whose
+    total can fall short of ``sum(base)`` (left short) or exceed it by up to H / 2 slots; an excess would break
+    the layer budget, so it is taken back one slot at a time from the heads that rounded up the most (ties:
+    the higher head), the one deviation from the released code.
     """
     h_n, c_n = scores.shape
     total = 0
@@ -94,6 +133,22 @@ def ada_allocate(scores, base, alpha):
     for j in range(min(total, h_n * c_n)):
         counts[order[j] // c_n] += 1
     out = np.zeros(h_n, np.int64)
+    if released:
+        gain = np.zeros(h_n, np.float64)
+        got = 0
+        for h in range(h_n):
+            x = (1.0 - alpha) * counts[h] + np.float64(np.int64(alpha * base[h]))
+            out[h] = np.int64(np.round(x))
+            gain[h] = out[h] - x
+            got += out[h]
+        for _ in range(got - total):
+            best = 0
+            for h in range(1, h_n):
+                if gain[h] >= gain[best]:
+                    best = h
+            out[best] -= 1
+            gain[best] -= 1.0
+        return out
     rem = np.zeros(h_n, np.float64)
     given = 0
     for h in range(h_n):
@@ -113,7 +168,7 @@ def ada_allocate(scores, base, alpha):
 
 
 @njit(cache=True)
-def select_prompt(scores, budget, w_e, alpha, keep, head_state):
+def select_prompt(scores, budget, w_e, alpha, keep, head_state, released_rounding=False):
     """Keep, per KV head, the last ``w_e`` prompt tokens plus its top candidates (positions < P - w_e) by
     ``scores[h]`` (Algorithm 1; ties evict the older token). Candidate budgets are ``budget[h] - w_e``
     (uniform) or, when ``alpha >= 0``, Ada-KV's allocation over the flattened candidate scores. Heads whose
@@ -135,7 +190,7 @@ def select_prompt(scores, budget, w_e, alpha, keep, head_state):
     for h in range(h_n):
         base[h] = min(max(budget[h] - w_e, 0), c_n)
     if alpha >= 0.0:
-        alloc = ada_allocate(np.ascontiguousarray(scores[:, :c_n]), base, alpha)
+        alloc = ada_allocate(np.ascontiguousarray(scores[:, :c_n]), base, alpha, released_rounding)
     else:
         alloc = base
     pos = np.arange(P)
@@ -184,15 +239,17 @@ def evict_flat(scores, positions, lengths, hi_pos, floors, head_state, keep):
 
 
 @njit(cache=True)
-def window_step(window, kernel, pooling, mode, flat_alpha, t, budget, lengths, probs, positions, slot_state,
-                head_state, keep):
+def window_step(window, kernel, pooling, mode, window_only, flat_alpha, t, budget, lengths, probs, positions,
+                slot_state, head_state, keep):
     """SnapKV at decode: the observation window is the last ``window`` queries (a ring of their reduced
     probabilities in ``slot_state[:, :, 1:]``, running sum in ``slot_state[:, :, 0]``); a head over its target
     size evicts its candidate (outside the protected window) with the lowest pooled window score. Pooling runs
     over cached candidates whose positions lie within kernel // 2 of each other (uncached positions have no
     observed score, like padding). With ``flat_alpha >= 0`` the layer re-allocates instead (``evict_flat``),
-    each head keeping its window plus ``floor(flat_alpha * (budget - window))`` slots."""
+    each head keeping its window plus ``floor(flat_alpha * (budget - window))`` slots. ``mode`` is a kernel mode
+    (``window_mode``); the ring holds row reductions, so mode 3 ranks by the row max here."""
     col = 1 + t % window
+    row_mode = 2 if mode == 3 else mode
     r = kernel // 2
     hkv = lengths.shape[0]
     pooled = np.zeros((hkv, probs.shape[2]), np.float64)
@@ -202,10 +259,10 @@ def window_step(window, kernel, pooling, mode, flat_alpha, t, budget, lengths, p
     for h in range(hkv):
         n = lengths[h]
         for i in range(n):
-            s = group_score(probs, h, i, mode)
+            s = group_score(probs, h, i, row_mode)
             slot_state[h, i, 0] += s - slot_state[h, i, col]
             slot_state[h, i, col] = s
-        w_e = protected_window(window, budget[h])
+        w_e = protected_window(window, budget[h], window_only)
         hi[h] = t - w_e + 1
         floors[h] = w_e + int(flat_alpha * (budget[h] - w_e))
         target = target_size(budget, head_state, h)
@@ -243,15 +300,16 @@ def window_step(window, kernel, pooling, mode, flat_alpha, t, budget, lengths, p
 
 
 @njit(cache=True)
-def snap_prefill(window, kernel, pooling, mode, alpha, budget, q, k, scale, keep, slot_state, head_state):
+def snap_prefill(window, kernel, pooling, mode, window_only, alpha, released_rounding, budget, q, k, scale, keep,
+                 slot_state, head_state):
     """SnapKV prefill (Ada-KV when ``alpha >= 0``): score the candidates with the last ``window`` prompt queries,
-    pool them, select per head; kept slots carry the window ring for decode."""
+    pool them, select per head; kept slots carry the window ring for decode. ``mode`` is a kernel mode."""
     P = q.shape[0]
     hkv = k.shape[1]
     w_obs = min(window, P)
-    w_e = protected_window(window, budget[0])
+    w_e = protected_window(window, budget[0], window_only)
     for h in range(1, hkv):
-        w_e = min(w_e, protected_window(window, budget[h]))
+        w_e = min(w_e, protected_window(window, budget[h], window_only))
     raw = np.zeros((hkv, P), np.float64)
     pooled = np.zeros((hkv, P), np.float64)
     for h in range(hkv):
@@ -260,7 +318,7 @@ def snap_prefill(window, kernel, pooling, mode, alpha, budget, q, k, scale, keep
         pool_scores(raw[h], c_n, kernel, pooling, pooled[h])
         for i in range(P):
             slot_state[h, i, 0] = raw[h, i]
-    select_prompt(pooled, budget, w_e, alpha, keep, head_state)
+    select_prompt(pooled, budget, w_e, alpha, keep, head_state, released_rounding)
 
 
 def pyramid_layer_budgets(budget: int, n_layers: int, n_prompt: int, window: int, beta: float) -> np.ndarray:

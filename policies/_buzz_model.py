@@ -36,6 +36,7 @@ class CountRule:
     threshold_on_new: bool = False   # False: old + new tokens count toward T (eq. 10); True: new only (Alg. 1)
     inclusive: bool = True           # pass fires when the count exceeds T (Alg. 1's `<=` loops) vs reaches it
     drop_tail: bool = False          # a partial hive is evicted instead of yielding its local max
+    one_pass_prefill: bool = False   # the prompt gets one local-max pass whatever it leaves (released code)
 
     @property
     def fire(self) -> int:
@@ -57,7 +58,7 @@ class CountRule:
         if m <= self.limit:
             return 0, max(m, 0)
         old = kept(m, self.s, self.drop_tail)
-        while old > self.limit:
+        while old > self.limit and not self.one_pass_prefill:
             old = kept(old, small_stride(self.s), self.drop_tail)
         return old, 0
 

@@ -24,15 +24,21 @@ scorer's own decode rule (SnapKV: lowest pooled score over a sliding observation
 accumulated attention). ``decode_alloc='flat'`` carries Algorithm 2 into decode: each step the layer evicts
 its Hkv lowest-scored candidates over the flattened scores of all heads, every head keeping its window plus
 ``floor(floor_alpha * (budget - window))`` slots, so head sizes keep adapting.
+
+Against the released code (FFY0/AdaKV, ``adaptive_snapkv/monkeypatch/snapkv_utils.py``, GQA path): with
+``group_reduce=mean, floor_alpha=0`` the prefill selection is the released one apart from equal-score ties.
+``group_reduce=max`` is the released max (over a group's heads of the window-averaged scores); the released
+rounding of the safeguard is ``rounding=released`` (default: largest remainder, exact total); at budgets <= the
+window the released code keeps only the window: ``window_only=true``.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from policies._adakv_core import (evict_flat, group_rows_scores, select_prompt, snap_prefill, target_size,
-                                  window_step)
-from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy
+from policies._adakv_core import (ROUNDING, evict_flat, group_rows_scores, select_prompt, snap_prefill, target_size,
+                                  window_mode, window_step)
+from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, param_indices
 from policies.h2o import recent_slots
 from policies.kernels import GROUP_REDUCE, evict_lowest, group_score
 from policies.registry import register
@@ -42,20 +48,27 @@ FLOOR_ALPHA = Param("floor_alpha", 0.5, "float", 0.0, 1.0,
                     doc="safeguard: head budget = (1-a) * adaptive + a * uniform (0: pure Algorithm 2, 1: uniform)")
 DECODE_ALLOC = Param("decode_alloc", "fixed", "choice", choices=("fixed", "flat"),
                      doc="decode: heads keep their prefill allocation (authors) or re-allocate over flattened scores")
+ROUNDING_P = Param("rounding", "largest_remainder", "choice", choices=ROUNDING, searchable=False,
+                   doc="safeguard rounding: exact total, or the released int() floor + round-half-even")
+ADA_WINDOW_SCHEMA = WINDOW_SCHEMA + (FLOOR_ALPHA, DECODE_ALLOC, ROUNDING_P)
+ADA_PYRAMID_SCHEMA = ADA_WINDOW_SCHEMA + (BETA,)
+PA = param_indices(ADA_WINDOW_SCHEMA)      # a prefix of ADA_PYRAMID_SCHEMA: the kernels serve both
 
 
 @njit(PREFILL_SIG, cache=True)
 def _ada_window_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
-    snap_prefill(int(params[0]), int(params[1]), int(params[2]), int(params[3]), params[4], budget, q, k, scale,
-                 keep, slot_state, head_state)
+    snap_prefill(int(params[PA.window_size]), int(params[PA.kernel_size]), int(params[PA.pooling]),
+                 window_mode(int(params[PA.group_reduce])), params[PA.window_only] != 0.0, params[PA.floor_alpha],
+                 params[PA.rounding] == 1.0, budget, q, k, scale, keep, slot_state, head_state)
 
 
 @njit(STEP_SIG, cache=True)
 def _ada_window_step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep,
                      merge_to, merge_w):
-    flat_alpha = params[4] if params[5] == 1.0 else -1.0
-    window_step(int(params[0]), int(params[1]), int(params[2]), int(params[3]), flat_alpha, t, budget, lengths,
-                probs, positions, slot_state, head_state, keep)
+    flat_alpha = params[PA.floor_alpha] if params[PA.decode_alloc] == 1.0 else -1.0
+    window_step(int(params[PA.window_size]), int(params[PA.kernel_size]), int(params[PA.pooling]),
+                window_mode(int(params[PA.group_reduce])), params[PA.window_only] != 0.0, flat_alpha, t, budget,
+                lengths, probs, positions, slot_state, head_state, keep)
 
 
 @register
@@ -67,7 +80,8 @@ class AdaSnapKV(WindowPolicy):
 
     name = "ada_snapkv"
     summary = "SnapKV with Ada-KV head-wise budget allocation"
-    schema = WINDOW_SCHEMA + (FLOOR_ALPHA, DECODE_ALLOC)
+    schema = ADA_WINDOW_SCHEMA
+    P = PA
     head_adaptive = True
     step_fn = _ada_window_step
     prefill_fn = _ada_window_prefill
@@ -79,14 +93,25 @@ class AdaPyramidKV(AdaSnapKV):
 
     name = "ada_pyramidkv"
     summary = "PyramidKV with Ada-KV head-wise budget allocation"
-    schema = WINDOW_SCHEMA + (FLOOR_ALPHA, DECODE_ALLOC, BETA)
+    schema = ADA_PYRAMID_SCHEMA
+    P = param_indices(ADA_PYRAMID_SCHEMA)
     allocate = PyramidKV.allocate
+
+
+ADA_H2O_SCHEMA = (
+    Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as recent window (H2O)"),
+    Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query heads"),
+    FLOOR_ALPHA,
+    DECODE_ALLOC,
+    ROUNDING_P,
+)
+PH = param_indices(ADA_H2O_SCHEMA)
 
 
 @njit(PREFILL_SIG, cache=True)
 def _ada_h2o_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
-    ratio = params[0]
-    mode = int(params[1])
+    ratio = params[PH.recent_ratio]
+    mode = int(params[PH.group_reduce])
     P = q.shape[0]
     hkv = k.shape[1]
     w_e = recent_slots(budget[0], ratio)
@@ -98,15 +123,16 @@ def _ada_h2o_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, he
         group_rows_scores(q, k, scale, h, 0, P, mode, scores[h], ring, 0)
         for i in range(P):
             slot_state[h, i, 0] = scores[h, i]
-    select_prompt(scores, budget, w_e, params[2], keep, head_state)
+    select_prompt(scores, budget, w_e, params[PH.floor_alpha], keep, head_state, params[PH.rounding] == 1.0)
 
 
 @njit(STEP_SIG, cache=True)
 def _ada_h2o_step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep,
                   merge_to, merge_w):
-    ratio = params[0]
-    mode = int(params[1])
-    flat = params[3] == 1.0
+    ratio = params[PH.recent_ratio]
+    mode = int(params[PH.group_reduce])
+    alpha = params[PH.floor_alpha]
+    flat = params[PH.decode_alloc] == 1.0
     hkv = lengths.shape[0]
     hi = np.empty(hkv, np.int64)
     floors = np.empty(hkv, np.int64)
@@ -117,7 +143,7 @@ def _ada_h2o_step(params, layer, t, budget, lengths, probs, keys, values, positi
             slot_state[h, i, 0] += group_score(probs, h, i, mode)
         recent = recent_slots(budget[h], ratio)
         hi[h] = t - recent + 1
-        floors[h] = recent + int(params[2] * (budget[h] - recent))
+        floors[h] = recent + int(alpha * (budget[h] - recent))
         target = target_size(budget, head_state, h)
         if n > target:
             over = True
@@ -141,12 +167,8 @@ class AdaH2O(Policy):
 
     name = "ada_h2o"
     summary = "H2O accumulated scores with Ada-KV head-wise budget allocation"
-    schema = (
-        Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as recent window (H2O)"),
-        Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query heads"),
-        FLOOR_ALPHA,
-        DECODE_ALLOC,
-    )
+    schema = ADA_H2O_SCHEMA
+    P = PH
     slot_fields = 1
     head_fields = 2
     head_adaptive = True

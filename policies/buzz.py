@@ -12,12 +12,37 @@ import numpy as np
 from numba import njit
 
 from policies._buzz_model import CountRule, held_after_prefill, held_trajectory
-from policies.base import LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError
+from typing import Sequence
+
+from policies.base import (LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError,
+                           param_indices)
 from policies.kernels import GROUP_REDUCE, causal_attention_rows, group_score
 from policies.registry import register
 
-# parameter vector indices (schema order)
-_K, _S, _RATIO, _W, _T, _ON, _INCL, _TAIL, _ALIGN, _SCOPE, _REDUCE, _LOG_BASE, _LOG_CLAMP = range(13)
+PREFILL = ("fit", "one_pass")
+SCHEMA = (
+    Param("n_sinks", 4, "int", 0, 1024, doc="attention-sink tokens k always kept"),
+    Param("stride", 5, "int", 3, 64, doc="hive stride s for new tokens (s_hat = (s+1)//2 for old; s>=3 so "
+                                        "old tokens are thinned)"),
+    Param("t_over_w", 0.0, "float", 0.0, 32.0, doc="T/w when deriving from the budget; 0 = Theorem 3.1's value"),
+    Param("window", 0, "int", 0, 1 << 20, doc="sliding window w; 0 = derive from the budget", searchable=False),
+    Param("threshold", 0, "int", 0, 1 << 20, doc="threshold T; 0 = derive from the budget", searchable=False),
+    Param("threshold_on", "total", "choice", choices=("total", "new"),
+          doc="tokens counted toward T: old+new (eq. 10, Fig. 3, Remark 2) or new only (Algorithm 1)"),
+    Param("inclusive_bounds", True, "bool", doc="pass fires when the count exceeds T (Alg. 1 `<=`) vs reaches T"),
+    Param("hive_tail", "keep", "choice", choices=("keep", "drop"), doc="partial hive keeps its max or is evicted"),
+    Param("hive_align", "left", "choice", choices=("left", "right"), doc="hives from the oldest or newest token"),
+    Param("score_scope", "head", "choice", choices=("head", "layer"), doc="scores per KV head or per layer"),
+    Param("group_reduce", "sum", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query-head attention"),
+    Param("prefill", "fit", "choice", choices=PREFILL, searchable=False,
+          doc="prompt thinned until it fits (Remark 2) or one pass per forward call (released code)"),
+)
+P = param_indices(SCHEMA)
+LOGN_SCHEMA = SCHEMA + (
+    Param("logn_base", 512.0, "float", 2.0, 1e9, doc="log base: the length at which attention is unchanged"),
+    Param("logn_clamp", False, "bool", doc="floor the multiplier at 1 (not in the paper)"),
+)
+PL = param_indices(LOGN_SCHEMA)          # SCHEMA is its prefix: the BUZZ kernels read both through P
 # slot_state fields: accumulated attention, old flag; head_state fields: window, threshold, initialised
 _SCORE, _OLD = 0, 1
 _HW, _HT, _HINIT = 0, 1, 2
@@ -69,16 +94,16 @@ def _largest_threshold(avail, s, on_new, incl, drop):
 @njit(cache=True)
 def derive_window_threshold(params, budget):
     """(w, T) for a budget: explicit values win; otherwise the largest w with T ~ ratio * w whose peak fits."""
-    k = int(params[_K])
-    s = int(params[_S])
-    on_new = params[_ON] == 1.0
-    incl = params[_INCL] != 0.0
-    drop = params[_TAIL] == 1.0
-    ratio = params[_RATIO]
+    k = int(params[P.n_sinks])
+    s = int(params[P.stride])
+    on_new = params[P.threshold_on] == 1.0
+    incl = params[P.inclusive_bounds] != 0.0
+    drop = params[P.hive_tail] == 1.0
+    ratio = params[P.t_over_w]
     if ratio <= 0.0:
         ratio = (s * s + 1.0) / (s + 1.0) if s % 2 == 1 else s - 1.0
-    w0 = int(params[_W])
-    t0 = int(params[_T])
+    w0 = int(params[P.window])
+    t0 = int(params[P.threshold])
     room = budget - k
     if w0 > 0 and t0 > 0:
         return w0, t0
@@ -170,14 +195,14 @@ def _init_heads(params, budget, head_state):
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
     hkv = lengths.shape[0]
-    k = int(params[_K])
-    s = int(params[_S])
-    on_new = params[_ON] == 1.0
-    incl = params[_INCL] != 0.0
-    drop = params[_TAIL] == 1.0
-    right = params[_ALIGN] == 1.0
-    layer_scope = params[_SCOPE] == 1.0
-    mode = int(params[_REDUCE])
+    k = int(params[P.n_sinks])
+    s = int(params[P.stride])
+    on_new = params[P.threshold_on] == 1.0
+    incl = params[P.inclusive_bounds] != 0.0
+    drop = params[P.hive_tail] == 1.0
+    right = params[P.hive_align] == 1.0
+    layer_scope = params[P.score_scope] == 1.0
+    mode = int(params[P.group_reduce])
     _init_heads(params, budget, head_state)
     if layer_scope:   # every head holds the same positions: one shared score per slot
         for i in range(lengths[0]):
@@ -205,14 +230,14 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
 
 @njit(cache=True)
 def _prompt_scores(q, k, scale, mode):
-    """Accumulated causal prompt attention per KV head and key: [Hkv, P] (query heads reduced by ``mode``)."""
-    P, hq, _ = q.shape
+    """Accumulated causal prompt attention per KV head and key: [Hkv, n_prompt] (query heads reduced by ``mode``)."""
+    n_prompt, hq, _ = q.shape
     hkv = k.shape[1]
     g_n = hq // hkv
-    out = np.zeros((hkv, P), np.float64)
+    out = np.zeros((hkv, n_prompt), np.float64)
     for h in range(hkv):
-        for r0 in range(0, P, _PROMPT_ROWS):   # row blocks bound the memory to _PROMPT_ROWS x P per head
-            r1 = min(P, r0 + _PROMPT_ROWS)
+        for r0 in range(0, n_prompt, _PROMPT_ROWS):   # row blocks bound the memory to _PROMPT_ROWS x n_prompt per head
+            r1 = min(n_prompt, r0 + _PROMPT_ROWS)
             red = causal_attention_rows(q, k, scale, h * g_n, h, r0, r1)
             for g in range(1, g_n):
                 rows = causal_attention_rows(q, k, scale, h * g_n + g, h, r0, r1)
@@ -226,34 +251,35 @@ def _prompt_scores(q, k, scale, mode):
 @njit(PREFILL_SIG, cache=True)
 def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
     """Remark 2: sample the prompt's middle until it fits in T (+ k + w): one local-max pass with stride s,
-    then interval passes with s_hat over the survivors (they are old tokens by then)."""
-    P = q.shape[0]
+    then interval passes with s_hat over the survivors (they are old tokens by then). ``prefill=one_pass``
+    (released code, one pass per forward call): the local-max pass only, whatever it leaves."""
+    n_prompt = q.shape[0]
     hkv = k.shape[1]
-    n_sinks = int(params[_K])
-    s = int(params[_S])
-    incl = params[_INCL] != 0.0
-    drop = params[_TAIL] == 1.0
-    right = params[_ALIGN] == 1.0
+    n_sinks = int(params[P.n_sinks])
+    s = int(params[P.stride])
+    incl = params[P.inclusive_bounds] != 0.0
+    drop = params[P.hive_tail] == 1.0
+    right = params[P.hive_align] == 1.0
     _init_heads(params, budget, head_state)
-    scores = _prompt_scores(q, k, scale, int(params[_REDUCE]))
-    if params[_SCOPE] == 1.0:
+    scores = _prompt_scores(q, k, scale, int(params[P.group_reduce]))
+    if params[P.score_scope] == 1.0:
         total = scores.sum(axis=0)
         for h in range(hkv):
             scores[h] = total
     for h in range(hkv):
-        for i in range(P):
+        for i in range(n_prompt):
             slot_state[h, i, _SCORE] = scores[h, i]
         w = int(head_state[h, _HW])
         T = int(head_state[h, _HT])
         lim = T if incl else T - 1
-        lo = min(n_sinks, P)
-        hi = max(lo, P - w)
+        lo = min(n_sinks, n_prompt)
+        hi = max(lo, n_prompt - w)
         m = hi - lo
         if m <= lim:
             continue
         idx = np.arange(lo, hi)
         m = _sample(idx, m, s, True, slot_state[h, :, _SCORE], drop, right, keep[h])
-        while m > lim:
+        while m > lim and params[P.prefill] == 0.0:
             m = _sample(idx, m, (s + 1) // 2, False, slot_state[h, :, _SCORE], drop, right, keep[h])
         for j in range(m):
             slot_state[h, idx[j], _OLD] = 1.0
@@ -262,8 +288,8 @@ def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state
 @njit(LOGIT_SCALE_SIG, cache=True)
 def _logn_scale(params, n):
     # n = 1 attends a single token, where any positive multiplier is exact; log(1) = 0 would be rejected
-    m = np.log(max(n, 2)) / np.log(params[_LOG_BASE])
-    if params[_LOG_CLAMP] != 0.0 and m < 1.0:
+    m = np.log(max(n, 2)) / np.log(params[PL.logn_base])
+    if params[PL.logn_clamp] != 0.0 and m < 1.0:
         m = 1.0
     return m
 
@@ -292,13 +318,22 @@ class Buzz(Policy):
       * ``hive_align``: hives start at the oldest token ("left", Algorithm 2) or end at the newest ("right").
         Interval sampling keeps the first token of each interval (python's [::s_hat]), mirrored when right.
       * ``score_scope``/``group_reduce``: accumulated attention (sum over all queries since a token was
-        cached, H2O-style) per KV head with the G query heads reduced by sum/mean/max (default sum, as the
-        released code), or one score per layer shared by all heads (all heads keep the same positions).
+        cached, H2O-style) per KV head with the G query heads reduced by sum/mean/max, or one score per layer
+        shared by all heads (all heads keep the same positions). GQA support is kvsim's choice: the released
+        code scores per attention head and has no GQA path (its query-head folding is commented out); the
+        default sum is what that folding would have done.
       * the window holds the last w tokens including the newest; n_sinks=4 and s=5 follow the paper's
         experiments; t_over_w=0 means Theorem 3.1's value for s (eq. 6: 4.33 at s = 5).
-      * prefill (Remark 2): when the prompt's middle exceeds what a pass leaves, one local-max pass with s, then
-        interval passes with s_hat over the survivors (old tokens by then) until it fits; otherwise the middle
-        stays buffered as new tokens.
+      * ``prefill="fit"`` (default, Remark 2): when the prompt's middle exceeds what a pass leaves, one
+        local-max pass with s, then interval passes with s_hat over the survivors (old tokens by then) until it
+        fits; otherwise the middle stays buffered as new tokens. ``"one_pass"`` (the released code,
+        danielfang001/buzz-llm ``BuzzKVCacheWithAccumulation``, which runs one pass per forward call): the
+        local-max pass only, so after a long prompt it holds k + w + ceil((P - k - w) / s) slots, more than
+        k + w + T (e.g. 156 against 36 at P = 700, k = 4, w = 16, T = 40, s = 5); the next decode steps thin
+        the excess with s_hat passes (old + new > T fires every step until it fits). Its budget is not the
+        peak then: it needs explicit ``window`` and ``threshold`` (the released code is configured by them),
+        and ``allocate`` gives each head the slots it really holds, max(budget, that prefill count). With
+        ceil((P - k - w) / s) <= T both modes keep the same sets at every step.
 
     Theorem 3.1 against this implementation: with "total" counting, strict bounds and dropped tails the old
     count after each pass is exactly eq. 10 with a/s_hat (the printed 2a/s_hat is a typo); its limit equals w
@@ -308,21 +343,8 @@ class Buzz(Policy):
 
     name = "buzz"
     summary = "sinks + beehive local-max sampling + window, threshold passes"
-    schema = (
-        Param("n_sinks", 4, "int", 0, 1024, doc="attention-sink tokens k always kept"),
-        Param("stride", 5, "int", 3, 64, doc="hive stride s for new tokens (s_hat = (s+1)//2 for old; s>=3 so "
-                                            "old tokens are thinned)"),
-        Param("t_over_w", 0.0, "float", 0.0, 32.0, doc="T/w when deriving from the budget; 0 = Theorem 3.1's value"),
-        Param("window", 0, "int", 0, 1 << 20, doc="sliding window w; 0 = derive from the budget", searchable=False),
-        Param("threshold", 0, "int", 0, 1 << 20, doc="threshold T; 0 = derive from the budget", searchable=False),
-        Param("threshold_on", "total", "choice", choices=("total", "new"),
-              doc="tokens counted toward T: old+new (eq. 10, Fig. 3, Remark 2) or new only (Algorithm 1)"),
-        Param("inclusive_bounds", True, "bool", doc="pass fires when the count exceeds T (Alg. 1 `<=`) vs reaches T"),
-        Param("hive_tail", "keep", "choice", choices=("keep", "drop"), doc="partial hive keeps its max or is evicted"),
-        Param("hive_align", "left", "choice", choices=("left", "right"), doc="hives from the oldest or newest token"),
-        Param("score_scope", "head", "choice", choices=("head", "layer"), doc="scores per KV head or per layer"),
-        Param("group_reduce", "sum", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query-head attention"),
-    )
+    schema = SCHEMA
+    P = P
     slot_fields = 2
     head_fields = 3
     step_fn = _step
@@ -334,12 +356,15 @@ class Buzz(Policy):
             raise PolicyError(f"{self.name}.threshold: {T} is below the stride {self.params['stride']} "
                               f"(a pass must cover at least one full hive)")
         # T >= s is also sufficient: a pass then never leaves more than it found room for (tested)
+        if self.params["prefill"] == "one_pass" and not (self.params["window"] and self.params["threshold"]):
+            raise PolicyError(f"{self.name}.prefill=one_pass needs explicit window and threshold (the released "
+                              f"code's configuration): one pass can hold more than a budget-derived peak")
 
     def rule(self, w: int, T: int) -> CountRule:
         """The count conventions of this instance for a given window and threshold."""
         p = self.params
         return CountRule(p["n_sinks"], w, T, p["stride"], p["threshold_on"] == "new", p["inclusive_bounds"],
-                         p["hive_tail"] == "drop")
+                         p["hive_tail"] == "drop", p["prefill"] == "one_pass")
 
     def window_threshold(self, budget: int) -> tuple[int, int]:
         """The (w, T) this policy uses at ``budget`` (the kernels derive the same)."""
@@ -361,6 +386,15 @@ class Buzz(Policy):
 
     def guarantees(self, budget: int) -> Guarantees:
         return Guarantees(sinks=self.params["n_sinks"], recent=self.window_threshold(budget)[0])
+
+    def allocate(self, budget: int, n_kv_heads: int, prompt_layers: Sequence[tuple[np.ndarray, np.ndarray]],
+                 scale: float) -> np.ndarray:
+        """``budget`` everywhere; with ``prefill=one_pass`` at least the slots the one prompt pass leaves."""
+        n_prompt = prompt_layers[0][0].shape[0] if prompt_layers else 0
+        b = budget
+        if self.params["prefill"] == "one_pass" and n_prompt:
+            b = max(budget, held_after_prefill(self.rule(*self.window_threshold(budget)), n_prompt))
+        return np.full((len(prompt_layers), n_kv_heads), b, dtype=np.int64)
 
     def footprint(self, budget: int, n_tokens: int, *, n_prompt: int = 0) -> int:
         """Slots per KV head held after ``n_tokens`` tokens (a prompt of ``n_prompt`` compressed at once).
@@ -392,8 +426,6 @@ class BuzzLogN(Buzz):
 
     name = "buzz_logn"
     summary = "BUZZ + log_512(n) attention-logit scaling"
-    schema = Buzz.schema + (
-        Param("logn_base", 512.0, "float", 2.0, 1e9, doc="log base: the length at which attention is unchanged"),
-        Param("logn_clamp", False, "bool", doc="floor the multiplier at 1 (not in the paper)"),
-    )
+    schema = LOGN_SCHEMA
+    P = PL
     logit_scale_fn = _logn_scale

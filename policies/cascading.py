@@ -32,8 +32,24 @@ Ambiguities, chosen and parameterised:
   - Positions: slots keep their original positions (the engine's ``positions``). The paper re-indexes
     RoPE consecutively over the cached tokens (its Positional Encoding paragraph); ``pe_indices`` gives
     that mapping for the GPU path, which must re-rotate keys from their original positions.
-  - The decision is layer-level, so the kernel reads the budget of KV head 0 (the default allocation is
-    uniform) and writes the same keep mask and state to every KV head.
+  - ``decision="layer"`` (default, the paper's Appendix C): the kernel reads the budget of KV head 0 (the
+    default allocation is uniform) and writes the same keep mask and state to every KV head. ``"head"``: each
+    KV head decides on its own from its query group's scores reduced by ``head_reduce``.
+
+The authors' released code (jeffwillette/cascading_cache_2, ``cascade/models/cascading_cache.py``) differs
+from the paper in five places; ``preset=reference`` sets them (``REFERENCE``; explicit values win):
+  - ``decision="head"``: its cache state is per (batch, head), so every KV head decides on its own;
+  - ``clock_phase="sinks"``: sub-cache k accepts when (t - n_sinks) % base^k == 0;
+  - ``eager_fill``: every sub-cache accepts while t <= n_sinks + |C|, i.e. also at the first overflow step
+    (the cache shifts as a FIFO once);
+  - ``ema_gamma=0.9999`` (the paper's formula is commented out there);
+  - ``ties="incoming"``: the incoming token wins equal scores (``>=``);
+  - not a parameter: RoPE indices are re-assigned consecutively over the cache (``pe_indices``; closed loop).
+Like kvsim's engine, the released attention of step t covers the cached tokens and the new one before the
+cache update, and the EMA (new token included) takes that step's scores before the placement, so the preset
+keeps the released sets at every step given the same scores (tested against a step-by-step reading).
+The paper's reading stays the default: it is what the paper states and evaluates, and layer-level decisions
+keep one position per token across heads (Appendix C).
 
 Effective context (eq. 4, tested): once warm, no non-sink token older than L~ = sum_k |C_k| base^k positions
 is held, the span reaches L~ exactly under the fixed pattern (an offered token never wins), and token
@@ -49,19 +65,49 @@ import math
 import numpy as np
 from numba import njit
 
-from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, stream_prefill
+from typing import Any
+
+from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, param_indices, stream_prefill
 from policies.registry import register
 
 HEAD_REDUCE = ("mean", "max", "median")
 WARMUP = ("keep_all", "algorithm1")
 CLOCK = ("step", "offers")
 PREFILL = ("stream", "window")
+DECISION = ("layer", "head")
+CLOCK_PHASE = ("t", "sinks")
+TIES = ("resident", "incoming")
+PRESETS = ("paper", "reference")
 MAX_CASCADES = 16
 _SINK = 1.0
 _TAG0 = 2.0
+#: the released code's values, applied by ``preset=reference`` to every parameter not given explicitly
+REFERENCE = dict(ema_gamma=0.9999, decision="head", clock="step", clock_phase="sinks", eager_fill=True,
+                 ties="incoming", warmup="keep_all")
 
-# parameter vector indices (schema order)
-_N_SINKS, _N_CASC, _BASE, _GAMMA, _TARGET, _REDUCE, _WARMUP, _CLOCK = range(8)
+SCHEMA = (
+    Param("n_sinks", 4, "int", 0, 1024, doc="initial tokens always kept (attention sinks)"),
+    Param("n_cascades", 4, "int", 1, MAX_CASCADES, doc="number of sub-caches N"),
+    Param("accept_base", 2, "int", 1, 8, doc="sub-cache k accepts every base^k-th token (1 = sliding window)"),
+    Param("ema_gamma", 0.0, "float", 0.0, 0.9999,
+          doc="EMA decay; 0 = paper formula exp(-N ln(ema_target) / |C|) (released code: 0.9999)"),
+    Param("ema_target", 100.0, "float", 1.001, 1e6, log=True,
+          doc="decay factor of a score one sub-cache old (paper: 100, i.e. < 1%)"),
+    Param("head_reduce", "mean", "choice", choices=HEAD_REDUCE,
+          doc="reduction of scores over the deciding unit's query heads"),
+    Param("warmup", "keep_all", "choice", choices=WARMUP, doc="behaviour before the cache is full"),
+    Param("clock", "step", "choice", choices=CLOCK, doc="what the acceptance period counts"),
+    Param("prefill", "stream", "choice", choices=PREFILL, doc="how the prompt enters the cache"),
+    Param("decision", "layer", "choice", choices=DECISION,
+          doc="one decision per layer (paper, Appendix C) or per KV head over its query group (released code)"),
+    Param("clock_phase", "t", "choice", choices=CLOCK_PHASE,
+          doc="step clock counts t or t - n_sinks (released code)"),
+    Param("eager_fill", False, "bool", doc="every sub-cache accepts up to the first overflow step (released code)"),
+    Param("ties", "resident", "choice", choices=TIES, doc="equal EMA scores keep the resident or the incoming token"),
+    Param("preset", "paper", "choice", choices=PRESETS, searchable=False,
+          doc="reference: the released code's values for every parameter not given"),
+)
+P = param_indices(SCHEMA)
 
 
 @njit(cache=True)
@@ -96,10 +142,10 @@ def pe_indices(positions: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
-def _reduced_score(probs, lengths, i, mode, buf):
-    """Attention on slot i reduced over all query heads of the layer (0 mean, 1 max, 2 median)."""
+def _reduced_score(probs, h0, h1, i, mode, buf):
+    """Attention on slot i reduced over the query heads of KV heads h0..h1-1 (0 mean, 1 max, 2 median)."""
     n = 0
-    for h in range(probs.shape[0]):
+    for h in range(h0, h1):
         for g in range(probs.shape[1]):
             buf[n] = probs[h, g, i]
             n += 1
@@ -111,16 +157,16 @@ def _reduced_score(probs, lengths, i, mode, buf):
 
 
 @njit(cache=True)
-def _accepts(params, head_state, k, t):
-    """Whether sub-cache k accepts the token offered to it at step t (and count the offer)."""
-    base = int(params[_BASE])
-    if k == 0 or base == 1:
+def _accepts(params, head_state, u, k, t, eager):
+    """Whether sub-cache k accepts the token offered to it at step t (and count the offer in head_state[u])."""
+    base = int(params[P.accept_base])
+    if k == 0 or base == 1 or eager:
         return True
-    if int(params[_CLOCK]) == 0:
-        return t % (base ** k) == 0
-    offers = int(head_state[0, k])
-    for h in range(head_state.shape[0]):
-        head_state[h, k] = offers + 1
+    if int(params[P.clock]) == 0:
+        phase = int(params[P.n_sinks]) if int(params[P.clock_phase]) == 1 else 0
+        return (t - phase) % (base ** k) == 0
+    offers = int(head_state[u, k])
+    head_state[u, k] = offers + 1
     return offers % base == 0
 
 
@@ -128,7 +174,7 @@ def _accepts(params, head_state, k, t):
 def _assign_full(params, sizes, n, tags):
     """Tag n held slots (position order): the first as sinks, then the newest to C_0, C_1... up to their sizes
     (with n < budget the oldest sub-caches stay short). Used at the keep_all overflow and by the window prefill."""
-    n_sinks = int(params[_N_SINKS])
+    n_sinks = int(params[P.n_sinks])
     for i in range(min(n_sinks, n)):
         tags[i] = _SINK
     j = n - 1
@@ -141,104 +187,118 @@ def _assign_full(params, sizes, n, tags):
 
 @njit(PREFILL_SIG, cache=True)
 def _window_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
-    P = k.shape[0]
-    n_sinks = int(params[_N_SINKS])
-    n_casc = int(params[_N_CASC])
+    n_prompt = k.shape[0]
+    n_sinks = int(params[P.n_sinks])
+    n_casc = int(params[P.n_cascades])
     sizes = _sizes(budget[0], n_sinks, n_casc)
-    held = np.empty(min(P, budget[0]), np.int64)
-    for i in range(min(P, n_sinks)):
+    held = np.empty(min(n_prompt, budget[0]), np.int64)
+    for i in range(min(n_prompt, n_sinks)):
         held[i] = i
-    for j in range(held.shape[0] - min(P, n_sinks)):
-        held[held.shape[0] - 1 - j] = P - 1 - j
+    for j in range(held.shape[0] - min(n_prompt, n_sinks)):
+        held[held.shape[0] - 1 - j] = n_prompt - 1 - j
     tags = np.zeros(held.shape[0], np.float64)
-    if P > budget[0] or int(params[_WARMUP]) == 1:   # keep_all with room left keeps warming up untagged
+    if n_prompt > budget[0] or int(params[P.warmup]) == 1:   # keep_all with room left keeps warming up untagged
         _assign_full(params, sizes, held.shape[0], tags)
     for h in range(keep.shape[0]):
-        for i in range(P):
+        for i in range(n_prompt):
             keep[h, i] = 0
         for j in range(held.shape[0]):
             keep[h, held[j]] = 1
             slot_state[h, held[j], 0] = tags[j]
 
 
+@njit(cache=True)
+def _place(params, head_state, u, budget, t, tags, ema, n):
+    """Algorithm 1 for one decision unit (a layer or a KV head): route the newest slot through the sinks and
+    sub-caches given the slots' tags and the EMA scores the decisions read; returns the slot to drop or -1."""
+    n_sinks = int(params[P.n_sinks])
+    n_casc = int(params[P.n_cascades])
+    sizes = _sizes(budget, n_sinks, n_casc)
+    keep_all = int(params[P.warmup]) == 0
+    incoming_wins_ties = int(params[P.ties]) == 1
+    new = n - 1
+    drop = -1
+    if keep_all and tags[0] == 0.0:
+        # keep_all warm-up: nothing is discarded until the cache overflows, then it is split into full sub-caches
+        if n > budget:
+            _assign_full(params, sizes, n - 1, tags)
+    if tags[0] == 0.0 and keep_all:
+        return -1
+    held_sinks = 0
+    for i in range(new):
+        if tags[i] == _SINK:
+            held_sinks += 1
+    if held_sinks < n_sinks:
+        tags[new] = _SINK
+        return -1
+    # released code: every sub-cache accepts until the first overflow step t = n_sinks + |C| included
+    eager = params[P.eager_fill] != 0.0 and t <= budget
+    item = new
+    tags[item] = 0.0
+    for k in range(n_casc):
+        tag = _TAG0 + k
+        count = 0
+        oldest = -1
+        newest = -1
+        for i in range(n):
+            if tags[i] == tag and i != item:
+                count += 1
+                if oldest < 0:
+                    oldest = i
+                newest = i
+        if _accepts(params, head_state, u, k, t, eager):
+            tags[item] = tag
+            if count < sizes[k]:
+                return drop
+            tags[oldest] = 0.0
+            item = oldest
+        elif count == 0:
+            tags[item] = tag
+            return drop
+        else:
+            if ema[item] > ema[newest] or (incoming_wins_ties and ema[item] == ema[newest]):
+                tags[item] = tag
+                tags[newest] = 0.0
+                return newest
+            return item
+    return item
+
+
 @njit(STEP_SIG, cache=True)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
     hkv = lengths.shape[0]
-    n = lengths[0]
-    n_sinks = int(params[_N_SINKS])
-    n_casc = int(params[_N_CASC])
-    c = budget[0] - n_sinks
-    sizes = _sizes(budget[0], n_sinks, n_casc)
-    gamma = params[_GAMMA]
+    n_casc = int(params[P.n_cascades])
+    gamma = params[P.ema_gamma]
     if gamma <= 0.0:
-        gamma = np.exp(-n_casc * np.log(params[_TARGET]) / c)
-    mode = int(params[_REDUCE])
+        gamma = np.exp(-n_casc * np.log(params[P.ema_target]) / (budget[0] - int(params[P.n_sinks])))
+    mode = int(params[P.head_reduce])
+    per_head = int(params[P.decision]) == 1
     buf = np.empty(probs.shape[0] * probs.shape[1], np.float64)
-    tags = np.empty(n, np.float64)
-    ema = np.empty(n, np.float64)
-    for i in range(n):
-        ema[i] = gamma * slot_state[0, i, 1] + (1.0 - gamma) * _reduced_score(probs, lengths, i, mode, buf)
-        tags[i] = slot_state[0, i, 0]
-    new = n - 1
-    drop = -1
-    if int(params[_WARMUP]) == 0 and tags[0] == 0.0:
-        # keep_all warm-up: nothing is discarded until the cache overflows, then it is split into full sub-caches
-        if n > budget[0]:
-            _assign_full(params, sizes, n - 1, tags)
-    if tags[0] != 0.0 or int(params[_WARMUP]) == 1:
-        held_sinks = 0
-        for i in range(new):
-            if tags[i] == _SINK:
-                held_sinks += 1
-        if held_sinks < n_sinks:
-            tags[new] = _SINK
-        else:
-            item = new
-            tags[item] = 0.0
-            placed = False
-            for k in range(n_casc):
-                tag = _TAG0 + k
-                count = 0
-                oldest = -1
-                newest = -1
-                for i in range(n):
-                    if tags[i] == tag and i != item:
-                        count += 1
-                        if oldest < 0:
-                            oldest = i
-                        newest = i
-                if _accepts(params, head_state, k, t):
-                    tags[item] = tag
-                    if count < sizes[k]:
-                        placed = True
-                        break
-                    tags[oldest] = 0.0
-                    item = oldest
-                elif count == 0:
-                    tags[item] = tag
-                    placed = True
-                    break
-                else:
-                    if ema[item] > ema[newest]:
-                        tags[item] = tag
-                        drop = newest
-                    else:
-                        drop = item
-                    placed = True
-                    break
-            if not placed:
-                drop = item
-    for h in range(hkv):
+    for u in range(hkv if per_head else 1):
+        n = lengths[u]
+        tags = np.empty(n, np.float64)
+        ema = np.empty(n, np.float64)
+        h0, h1 = (u, u + 1) if per_head else (0, hkv)
         for i in range(n):
-            slot_state[h, i, 0] = tags[i]
-            slot_state[h, i, 1] = ema[i]
-        if drop >= 0:
-            keep[h, drop] = 0
+            ema[i] = gamma * slot_state[u, i, 1] + (1.0 - gamma) * _reduced_score(probs, h0, h1, i, mode, buf)
+            tags[i] = slot_state[u, i, 0]
+        drop = _place(params, head_state, u, budget[u], t, tags, ema, n)
+        for h in range(u, u + 1) if per_head else range(hkv):
+            for i in range(n):
+                slot_state[h, i, 0] = tags[i]
+                slot_state[h, i, 1] = ema[i]
+            if drop >= 0:
+                keep[h, drop] = 0
+            if not per_head:
+                for f in range(head_state.shape[1]):
+                    head_state[h, f] = head_state[0, f]
 
 
-def _held_after(budget: int, n_sinks: int, n_cascades: int, base: int, warmup: str, clock: str, n_tokens: int) -> int:
-    """Slots held after ``n_tokens`` tokens; the counts never depend on the scores, so this is exact."""
+def _held_after(budget: int, n_sinks: int, n_cascades: int, base: int, warmup: str, clock: str, n_tokens: int,
+                phase: int = 0, eager: bool = False) -> int:
+    """Slots held after ``n_tokens`` tokens; the counts never depend on the scores, so this is exact.
+    ``phase``: what the step clock subtracts from t; ``eager``: every sub-cache accepts while t <= budget."""
     if warmup == "keep_all" or n_tokens <= n_sinks:
         return min(n_tokens, budget)
     sizes = sub_cache_sizes(budget, n_sinks, n_cascades)
@@ -246,10 +306,10 @@ def _held_after(budget: int, n_sinks: int, n_cascades: int, base: int, warmup: s
     offers = [0] * n_cascades
     for t in range(n_sinks, n_tokens):
         for k in range(n_cascades):
-            if k == 0 or base == 1:
+            if k == 0 or base == 1 or (eager and t <= budget):
                 acc = True
             elif clock == "step":
-                acc = t % base ** k == 0
+                acc = (t - phase) % base ** k == 0
             else:
                 acc = offers[k] % base == 0
                 offers[k] += 1
@@ -272,22 +332,16 @@ class Cascading(Policy):
 
     name = "cascading"
     summary = "sinks + cascading sub-caches with EMA-scored token selection"
-    schema = (
-        Param("n_sinks", 4, "int", 0, 1024, doc="initial tokens always kept (attention sinks)"),
-        Param("n_cascades", 4, "int", 1, MAX_CASCADES, doc="number of sub-caches N"),
-        Param("accept_base", 2, "int", 1, 8, doc="sub-cache k accepts every base^k-th token (1 = sliding window)"),
-        Param("ema_gamma", 0.0, "float", 0.0, 0.9999,
-              doc="EMA decay; 0 = paper formula exp(-N ln(ema_target) / |C|)"),
-        Param("ema_target", 100.0, "float", 1.001, 1e6, log=True,
-              doc="decay factor of a score one sub-cache old (paper: 100, i.e. < 1%)"),
-        Param("head_reduce", "mean", "choice", choices=HEAD_REDUCE, doc="reduction of scores over the layer's heads"),
-        Param("warmup", "keep_all", "choice", choices=WARMUP, doc="behaviour before the cache is full"),
-        Param("clock", "step", "choice", choices=CLOCK, doc="what the acceptance period counts"),
-        Param("prefill", "stream", "choice", choices=PREFILL, doc="how the prompt enters the cache"),
-    )
+    schema = SCHEMA
+    P = P
     slot_fields = 2
     head_fields = MAX_CASCADES
     step_fn = _step
+
+    def __init__(self, **params: Any) -> None:
+        if str(params.get("preset", "paper")) == "reference":
+            params = {**REFERENCE, **params}
+        super().__init__(**params)
 
     @property
     def has_prefill(self) -> bool:
@@ -318,5 +372,6 @@ class Cascading(Policy):
         return Guarantees(sinks=self._p("n_sinks"), recent=self.sizes(budget)[0])
 
     def footprint(self, budget: int, n_tokens: int) -> int:
+        phase = self._p("n_sinks") if self._p("clock_phase") == "sinks" else 0
         return _held_after(budget, self._p("n_sinks"), self._p("n_cascades"), self._p("accept_base"),
-                           self._p("warmup"), self._p("clock"), n_tokens)
+                           self._p("warmup"), self._p("clock"), n_tokens, phase, self._p("eager_fill"))

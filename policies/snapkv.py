@@ -3,6 +3,14 @@
 Settings follow Ada-KV's evaluation (which uses SnapKV's): observation window 32, max pooling with kernel 7.
 PyramidKV's beta = 20 is the default of the PyramidKV/KVCache-Factory code and of Ada-KV's ``pyram_beta``
 (the seed papers do not state it).
+
+GQA (``group_reduce``): ``max`` is the Ada-KV code's meaning, the largest window-summed score among the query
+heads of a group; ``rowmax`` (kvsim's earlier ``max``) sums each window row's max over the group's heads.
+``window_only``: at a budget <= the window keep only the last ``budget`` tokens (the released code keeps only
+the window at budget = window); by default one selected slot stays (window ``budget - 1``).
+
+Every window policy's schema starts with ``WINDOW_SCHEMA``, so the shared kernels read those parameters by
+name through ``PW`` whatever follows.
 """
 from __future__ import annotations
 
@@ -11,34 +19,40 @@ from typing import Any, Sequence
 import numpy as np
 from numba import njit
 
-from policies._adakv_core import POOLING, protected_window, pyramid_layer_budgets, snap_prefill, window_step
-from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError
-from policies.kernels import GROUP_REDUCE
+from policies._adakv_core import (POOLING, WINDOW_REDUCE, protected_window, pyramid_layer_budgets, snap_prefill,
+                                  window_mode, window_step)
+from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError, param_indices
 from policies.registry import register
 
-#: parameters shared by every observation-window policy, in kernel order (params[0..3])
+#: parameters shared by every observation-window policy: the first entries of each such schema
 WINDOW_SCHEMA = (
     Param("window_size", 32, "int", 1, 256, doc="observation window: last prompt queries used to score tokens, "
                                                 "also kept as the recent window"),
     Param("kernel_size", 7, "int", 1, 63, doc="pooling kernel over neighbouring positions (odd)"),
     Param("pooling", "max", "choice", choices=POOLING, doc="pooling of window scores (Ada-KV: max)"),
-    Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query heads"),
+    Param("group_reduce", "mean", "choice", choices=WINDOW_REDUCE,
+          doc="GQA aggregation: mean/sum per row, max of the heads' window sums (Ada-KV code), rowmax per row"),
+    Param("window_only", False, "bool", doc="budget <= window: keep only the last budget tokens (released code)"),
 )
+PW = param_indices(WINDOW_SCHEMA)
 BETA = Param("beta", 20.0, "float", 1.0, 1000.0, doc="PyramidKV: deepest layer keeps (budget - window) / beta")
+PYRAMID_SCHEMA = WINDOW_SCHEMA + (BETA,)
 
 
 @njit(STEP_SIG, cache=True)
 def window_decode_step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state,
                        keep, merge_to, merge_w):
     """Decode step of every observation-window policy (uniform or Ada): see ``_adakv_core.window_step``."""
-    window_step(int(params[0]), int(params[1]), int(params[2]), int(params[3]), -1.0, t, budget, lengths, probs,
-                positions, slot_state, head_state, keep)
+    window_step(int(params[PW.window_size]), int(params[PW.kernel_size]), int(params[PW.pooling]),
+                window_mode(int(params[PW.group_reduce])), params[PW.window_only] != 0.0, -1.0, t, budget, lengths,
+                probs, positions, slot_state, head_state, keep)
 
 
 @njit(PREFILL_SIG, cache=True)
 def _uniform_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
-    snap_prefill(int(params[0]), int(params[1]), int(params[2]), int(params[3]), -1.0, budget, q, k, scale, keep,
-                 slot_state, head_state)
+    snap_prefill(int(params[PW.window_size]), int(params[PW.kernel_size]), int(params[PW.pooling]),
+                 window_mode(int(params[PW.group_reduce])), params[PW.window_only] != 0.0, -1.0, False, budget, q, k,
+                 scale, keep, slot_state, head_state)
 
 
 class WindowPolicy(Policy):
@@ -58,7 +72,8 @@ class WindowPolicy(Policy):
                               f"(centred pooling with padding kernel_size // 2)")
 
     def guarantees(self, budget: int) -> Guarantees:
-        return Guarantees(recent=int(protected_window(self.params["window_size"], budget)))
+        return Guarantees(recent=int(protected_window(self.params["window_size"], budget,
+                                                      self.params["window_only"])))
 
 
 @register
@@ -71,6 +86,7 @@ class SnapKV(WindowPolicy):
     name = "snapkv"
     summary = "observation-window prompt selection with pooling"
     schema = WINDOW_SCHEMA
+    P = PW
     prefill_fn = _uniform_prefill
 
 
@@ -81,7 +97,8 @@ class PyramidKV(SnapKV):
 
     name = "pyramidkv"
     summary = "SnapKV with layer budgets decreasing with depth"
-    schema = WINDOW_SCHEMA + (BETA,)
+    schema = PYRAMID_SCHEMA
+    P = param_indices(PYRAMID_SCHEMA)
 
     def allocate(self, budget: int, n_kv_heads: int, prompt_layers: Sequence[tuple[np.ndarray, np.ndarray]],
                  scale: float) -> np.ndarray:

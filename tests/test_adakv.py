@@ -238,3 +238,67 @@ def test_flat_decode_reallocates_within_the_layer_budget(name):
     same = replay(trace, get_policy(name, decode_alloc="flat", floor_alpha=1.0, **par), 24)
     fixed = replay(trace, get_policy(name, floor_alpha=1.0, **par), 24)
     np.testing.assert_array_equal(same.metrics, fixed.metrics)     # floor 1: flat decode is uniform
+
+
+# --- the released code (FFY0/AdaKV, GQA path): group max, rounding, window-only budgets ---
+
+def _gqa_prefill_kept(name: str, rows: np.ndarray, budget: int, **params) -> list[set[int]]:
+    """Prefill of one KV head whose G query heads give the last W prompt queries the attention rows
+    rows[g, w, :] (one-hot keys, logits = log probs; row w of the window sees positions <= P - W + w)."""
+    g_n, w_n, P = rows.shape
+    k = np.eye(P, dtype=np.float32)[:, None, :].copy()
+    q = np.zeros((P, g_n, P), np.float32)
+    for g in range(g_n):
+        for w in range(w_n):
+            r = P - w_n + w
+            q[r, g, :r + 1] = np.log(rows[g, w, :r + 1])
+    policy = get_policy(name, window_size=w_n, kernel_size=1, **params)
+    keep = np.ones((1, P), np.uint8)
+    type(policy).prefill_fn(policy.param_vector(), 0, np.array([budget], np.int64), q, k, k.copy(), 1.0, keep,
+                            np.zeros((1, P, policy.slot_fields)), np.zeros((1, policy.head_fields)))
+    return [set(np.flatnonzero(keep[0]).tolist())]
+
+
+# two query heads sharing one KV head, window 2 (positions 4, 5), candidates 0..3
+GQA_ROWS = np.array([
+    [[.40, .45, .05, .05, .05, 0.0], [.40, .02, .02, .02, .02, .52]],     # head 0: window sums .80 .47 .07 .07
+    [[.02, .02, .02, .02, .92, 0.0], [.02, .45, .02, .02, .02, .47]],     # head 1: window sums .04 .47 .04 .04
+])
+
+
+@pytest.mark.parametrize("name", ["snapkv", "ada_snapkv"])
+def test_group_max_is_the_released_max_of_window_sums(name):
+    # released max: max over heads of the window sums = .80 .47 .07 .07 -> position 0
+    assert _gqa_prefill_kept(name, GQA_ROWS, 3, group_reduce="max") == [{0, 4, 5}]
+    # rowmax (sum over rows of the max over heads) = .80 .90 .07 .07 -> position 1; mean = .42 .47 -> 1
+    assert _gqa_prefill_kept(name, GQA_ROWS, 3, group_reduce="rowmax") == [{1, 4, 5}]
+    assert _gqa_prefill_kept(name, GQA_ROWS, 3, group_reduce="mean") == [{1, 4, 5}]
+
+
+def test_released_rounding_floor_half_even_no_correction():
+    # three heads, base 5 each (15 for the layer), top-15 flattened counts (2, 5, 8), alpha 0.3
+    scores = np.zeros((3, 10))
+    for h, c in enumerate((2, 5, 8)):
+        scores[h, :c] = 1.0
+    base = np.array([5, 5, 5])
+    # released: int(0.3 * 5) = 1; round_half_even(0.7 * n + 1) = round(2.4, 4.5, 6.6) = (2, 4, 7): 13, left short
+    assert ada_allocate(scores, base, 0.3, True).tolist() == [2, 4, 7]
+    # kvsim default: 0.7 n + 0.3 * 5 = (2.9, 5.0, 7.1) -> largest remainder -> (3, 5, 7), exactly 15
+    assert ada_allocate(scores, base, 0.3).tolist() == [3, 5, 7]
+    # the released rounding can exceed the layer total: counts (3, 3, 6), base 4, alpha .5 -> (3.5, 3.5, 5)
+    # rounds to (4, 4, 5) = 13 > 12; the excess comes back from the higher of the heads that rounded up most
+    scores = np.zeros((3, 8))
+    for h, c in enumerate((3, 3, 6)):
+        scores[h, :c] = 1.0
+    assert ada_allocate(scores, np.array([4, 4, 4]), 0.5, True).tolist() == [4, 3, 5]
+    kept, sizes = _prefill_kept("ada_snapkv", PROBS, 3, rounding="released", **ONE_ROW)
+    assert sizes == [2, 4]                          # the worked example above is unchanged: no .5 cases
+
+
+def test_window_only_at_budget_equal_to_window():
+    rows = np.array([[[.2, .2, .2, .2, .2, 0.0], [.50, .10, .10, .10, .10, .10]]])
+    # budget 2 = window 2: the released code keeps only the window
+    assert _gqa_prefill_kept("snapkv", rows, 2, window_only=True) == [{4, 5}]
+    assert _gqa_prefill_kept("ada_snapkv", rows, 2, window_only=True) == [{4, 5}]
+    # kvsim's default keeps one selected slot: window 1 (position 5) + the top candidate (position 0)
+    assert _gqa_prefill_kept("snapkv", rows, 2) == [{0, 5}]

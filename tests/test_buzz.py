@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from policies._buzz_model import (CountRule, held_trajectory, old_sequence, paper_recurrence, predicted_ratio,
                                   steady_old_fraction, theorem_ratio)
 from policies.buzz import _logn_scale, _prefill, _prompt_scores, _sample
+from policies.base import PolicyError
 from policies.registry import get_policy
 from sim.replay import replay
 from traces.synthetic import make_synthetic_trace
@@ -367,3 +368,57 @@ def test_footprint_matches_trajectory_and_tabulates_fast():
     assert pol.footprint(96, 300, n_prompt=500) == held_trajectory(rule, 300, 300)[-1]
     table = [pol.footprint(96, n) for n in range(1, 20001)]
     assert max(table) == 96 and table[:10] == list(range(1, 11))
+
+
+# --- the released code (danielfang001/buzz-llm, BuzzKVCacheWithAccumulation): one pass per forward call ---
+
+def test_one_pass_prefill_then_decode_thins_like_the_released_code():
+    # the Remark 2 example above with prefill=one_pass: only the local-max pass runs on the prompt, leaving
+    # 6 > T = 4 old tokens: kept 0 | 1 5 7 10 15 16 | 18 19
+    P = 20
+    q = np.zeros((P + 1, 1, 2), np.float32)
+    k = np.zeros((P + 1, 1, 2), np.float32)
+    q[:, 0, 0] = 1.0
+    k[[5, 15], 0, 0] = 6.0
+    pol = get_policy("buzz", n_sinks=1, stride=3, window=2, threshold=4, prefill="one_pass")
+    keep = np.ones((1, P), np.uint8)
+    slot_state = np.zeros((1, P, 2))
+    head_state = np.zeros((1, 3))
+    budget = np.array([10], np.int64)
+    _prefill(pol.param_vector(), 0, budget, q[:P], k[:P], k[:P].copy(), 1.0, keep, slot_state, head_state)
+    kept = np.flatnonzero(keep[0])
+    assert kept.tolist() == [0, 1, 5, 7, 10, 15, 16, 18, 19]
+    assert set(np.flatnonzero(slot_state[0, :, 1])) == {1, 5, 7, 10, 15, 16}
+    # first decode step (token 20): 18 leaves the window; old + new = 7 > T, so one pass: old tokens thinned
+    # with s_hat = 2 from the first ([1 5] [7 10] [15 16] -> 1 7 15), the new hive [18] keeps 18
+    n = len(kept) + 1
+    positions = np.append(kept, 20)[None].astype(np.int64)
+    st = np.zeros((1, n, 2))
+    st[0, :-1] = slot_state[0, kept]
+    keep2 = np.ones((1, n), np.uint8)
+    type(pol).step_fn(pol.param_vector(), 0, 20, budget, np.array([n], np.int64), np.zeros((1, 1, n)),
+                      np.zeros((1, n, 2), np.float32), np.zeros((1, n, 2), np.float32), positions, st, head_state,
+                      keep2, np.full((1, n), -1, np.int64), np.ones((1, n)))
+    assert positions[0, keep2[0] == 1].tolist() == [0, 1, 7, 15, 18, 19, 20]
+
+
+def test_one_pass_prefill_counts_and_budget():
+    from policies._buzz_model import CountRule, held_after_prefill
+    # the example: P = 700, k = 4, w = 16, T = 40, s = 5: 4 + 16 + ceil(680 / 5) = 156 against 36
+    assert held_after_prefill(CountRule(4, 16, 40, 5, one_pass_prefill=True), 700) == 156
+    assert held_after_prefill(CountRule(4, 16, 40, 5), 700) == 36
+    with pytest.raises(PolicyError, match="explicit window and threshold"):
+        get_policy("buzz", prefill="one_pass")
+    tr = make_synthetic_trace("mixed", n_layers=2, n_q_heads=2, n_kv_heads=1, head_dim=16, n_tokens=160,
+                              n_prompt=120, seed=0)
+    one = get_policy("buzz", window=8, threshold=12, prefill="one_pass")
+    res = replay(tr, one, 24)
+    assert (res.budgets == 4 + 8 + 108 // 5 + 1).all()                # what the one prompt pass leaves: 34 > 24
+    # first decode step: the 22 old tokens thin to ceil(22 / 3) = 8, token 111 leaves the window as a new one:
+    # 4 + 8 + 1 + 8 = 21 held after it, within the nominal budget from then on
+    assert (res.slots[:, 0] == 21).all() and res.slots.max() <= 24
+    # when one pass fits (ceil((P - k - w) / s) <= T) both modes keep the same sets at every step
+    fit_kw = dict(window=8, threshold=30)
+    a = replay(tr, get_policy("buzz", prefill="one_pass", **fit_kw), 42)
+    b = replay(tr, get_policy("buzz", **fit_kw), 42)
+    np.testing.assert_array_equal(a.metrics, b.metrics)

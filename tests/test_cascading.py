@@ -262,3 +262,121 @@ def test_variants_match_numpy_reference_engine(params):
                                                trace.meta.softmax_scale)
     np.testing.assert_array_equal(res.slots[0], slots)
     np.testing.assert_allclose(res.metrics[0][..., :4], metrics[..., :4], rtol=1e-4, atol=5e-5)
+
+
+# --- the released code (jeffwillette/cascading_cache_2, cascade/models/cascading_cache.py) as preset=reference ---
+
+def released_port(n_sinks, sub, n_casc, scores, gamma=0.9999):
+    """A plain step-by-step reading of the released per-head cascade (written from the code, for these tests):
+    per KV head, sinks first; every sub-cache accepts while t <= n_sinks + |C| (eager fill), afterwards
+    sub-cache i accepts when (t - n_sinks) % 2^i == 0; an accepting full sub-cache takes the token and passes its
+    oldest on; a non-accepting one overwrites its newest token when the incoming EMA is >= (ties: incoming).
+    As in the released attention, every cached token's EMA and the new token's take this step's score
+    scores[t][h][position] before the placement. Returns per step and head the sorted held positions."""
+    T, H = len(scores), len(scores[0])
+    cap = sub * n_casc
+    out = []
+    state = [dict(sinks=[], casc=[[] for _ in range(n_casc)], ema={}) for _ in range(H)]
+    for t in range(T):
+        row = []
+        for h, s in enumerate(state):
+            s["ema"][t] = 0.0
+            for p in s["sinks"] + [p for c in s["casc"] for p in c] + [t]:
+                s["ema"][p] = gamma * s["ema"][p] + (1 - gamma) * scores[t][h][p]
+            if len(s["sinks"]) < n_sinks:
+                s["sinks"].append(t)
+            else:
+                item = t
+                for i in range(n_casc):
+                    if t <= n_sinks + cap or (t - n_sinks) % 2 ** i == 0:
+                        s["casc"][i].append(item)
+                        if len(s["casc"][i]) <= sub:
+                            break
+                        item = s["casc"][i].pop(0)
+                    elif not s["casc"][i]:
+                        s["casc"][i].append(item)
+                        break
+                    else:
+                        if s["ema"][item] >= s["ema"][s["casc"][i][-1]]:
+                            s["casc"][i][-1] = item
+                        break
+            row.append(sorted(s["sinks"] + [p for c in s["casc"] for p in c]))
+        out.append(row)
+    return out
+
+
+def drive_heads(policy, budget, scores, g=2):
+    """The engine's loop (append, step, compact) with per-KV-head scores: every query head of KV head h gets
+    scores[t][h][position] (so a group mean or max is that score). Returns per step and head the held positions."""
+    hkv = len(scores[0])
+    params = policy.param_vector()
+    cap = budget + 1
+    pos = np.full((hkv, cap), -1, np.int64)
+    st_ = np.zeros((hkv, cap, policy.slot_fields))
+    hs = np.zeros((hkv, policy.head_fields))
+    kv = np.zeros((hkv, cap, 2), np.float32)
+    lengths = np.zeros(hkv, np.int64)
+    out = []
+    for t in range(len(scores)):
+        for h in range(hkv):
+            pos[h, lengths[h]] = t
+            st_[h, lengths[h]] = 0.0
+        lengths += 1
+        probs = np.zeros((hkv, g, cap))
+        for h in range(hkv):
+            probs[h, :, :lengths[h]] = np.asarray(scores[t][h])[pos[h, :lengths[h]]]
+        keep = np.ones((hkv, cap), np.uint8)
+        _step(params, 0, t, np.full(hkv, budget, np.int64), lengths.copy(), probs, kv, kv, pos, st_, hs, keep,
+              np.full((hkv, cap), -1, np.int64), np.ones((hkv, cap)))
+        row = []
+        for h in range(hkv):
+            idx = np.flatnonzero(keep[h, :lengths[h]])
+            n = len(idx)
+            pos[h, :n] = pos[h, idx]
+            st_[h, :n] = st_[h, idx]
+            lengths[h] = n
+            row.append(pos[h, :n].tolist())
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("n_sinks,sub,n_casc", [(2, 2, 3), (4, 3, 4), (1, 4, 2), (3, 5, 3)])
+def test_reference_preset_matches_the_released_cascade_every_step(seed, n_sinks, sub, n_casc):
+    rng = np.random.default_rng(seed)
+    T, H = 90, 2
+    # scores on a coarse grid so that equal EMAs (ties) happen; heads differ, so they decide differently
+    scores = rng.integers(0, 4, size=(T, H, T)).astype(np.float64) / 4
+    pol = get_policy("cascading", preset="reference", n_sinks=n_sinks, n_cascades=n_casc)
+    got = drive_heads(pol, n_sinks + sub * n_casc, scores)
+    want = released_port(n_sinks, sub, n_casc, scores)
+    assert got == want
+    assert any(a[0] != a[1] for a in got)                            # the heads did decide on their own
+
+
+def test_reference_pieces_each_matter():
+    rng = np.random.default_rng(7)
+    scores = rng.integers(0, 4, size=(90, 2, 90)).astype(np.float64) / 4
+    want = released_port(2, 2, 3, scores)
+    base = dict(preset="reference", n_sinks=2, n_cascades=3)
+    for change in (dict(decision="layer"), dict(clock_phase="t"), dict(eager_fill=False), dict(ties="resident")):
+        assert drive_heads(get_policy("cascading", **{**base, **change}), 8, scores) != want, change
+
+
+def test_reference_worked_example_clock_phase_and_ties():
+    # 1 sink, 2 sub-caches of 1 slot (budget 3), one KV head; every token gets the same score, so the token
+    # cached longer has the higher EMA. t = 0: sink. t = 1, 2: fill C0, C1. t = 3 (= budget, first overflow):
+    # eager, all accept: 3 -> C0, 2 -> C1, 1 dropped. t = 4: C0 takes 4, C1 accepts when (4 - 1) % 2 == 0:
+    # no, so 3 (scored at t = 3, 4) competes with C1's 2 (scored at t = 2, 3, 4): 2 stays. t = 5: (5 - 1) % 2 == 0:
+    # C1 accepts 4, drops 2.
+    flat = np.ones((8, 1, 8))
+    got = [row[0] for row in drive_heads(get_policy("cascading", preset="reference", n_sinks=1, n_cascades=2),
+                                         3, flat)]
+    assert got[:6] == [[0], [0, 1], [0, 1, 2], [0, 2, 3], [0, 2, 4], [0, 4, 5]]
+    # an exact tie at t = 4 with gamma = 0.5: token 2 scores 0 at t = 2, then 1 (EMA .5 (.5 * .5 * 0 + .5) + .5),
+    # token 3 scores 1 at t = 3, 4 (EMA .5 * .5 + .5): both .75; the incoming 3 wins (released `>=`)
+    tie = np.ones((8, 1, 8))
+    tie[2, 0, 2] = 0.0
+    ref = dict(preset="reference", n_sinks=1, n_cascades=2, ema_gamma=0.5)
+    assert drive_heads(get_policy("cascading", **ref), 3, tie)[4][0] == [0, 3, 4]
+    assert drive_heads(get_policy("cascading", **ref, ties="resident"), 3, tie)[4][0] == [0, 2, 4]

@@ -187,3 +187,142 @@ def test_allocation_uses_prompt_and_is_exact():
     assert (replay(TRACE, get_policy("d2o", layer_alloc=False), 10).budgets == 10).all()
     assert (replay(TRACE, pol, 32).budgets == 32).all()   # rho >= 1: no compression, no re-allocation
     assert (replay(TRACE, pol, 20).budgets <= 32).all()   # capped at the prompt length
+
+
+# --- the released code (AIoT-MLSys-Lab/D2O) as ``preset=reference`` and the normalised layer allocation ---
+
+def _run_layer(policy, keys, scores, budget, head_state=None):
+    """One step of the jitted kernel on H KV heads (one query head each, zero probabilities), t = n - 1."""
+    h, n, d = keys.shape
+    ks = np.ascontiguousarray(keys, np.float32)
+    st_ = np.ascontiguousarray(np.asarray(scores, np.float64)[:, :, None])
+    hs = np.zeros((h, 2)) if head_state is None else np.asarray(head_state, np.float64).copy()
+    keep = np.ones((h, n), np.uint8)
+    mt = np.full((h, n), -1, np.int64)
+    mw = np.ones((h, n))
+    _step(policy.param_vector(), 0, n - 1, np.full(h, budget, np.int64), np.full(h, n, np.int64),
+          np.zeros((h, 1, n)), ks, ks.copy(), np.tile(np.arange(n, dtype=np.int64), (h, 1)), st_, hs, keep, mt, mw)
+    return keep, mt, mw, hs
+
+
+# two KV heads, six slots, budget 4 with one sink: recent = 4 * 0.5 = 2 slots (4, 5), sink 0, one heavy hitter
+REF_KEYS = np.array([
+    [[1, 0], [0, 1], [3, 4], [4, 3], [-1, 0], [0, -1]],     # head 0 evicts 2 (u .8 -> 1) and 3 (u .8 -> 0)
+    [[1, 0], [-3, 4], [0, 1], [5, 12], [-1, 0], [0, -1]],   # head 1 evicts 1 (u .8 -> 2) and 3 (u 12/13 -> 2)
+], np.float64)
+REF_SCORES = np.array([[0, 5, 1, 2, 0, 0], [0, 1, 5, 2, 0, 0]], np.float64)
+
+
+def test_reference_preset_values():
+    pol = get_policy("d2o", preset="reference", n_sinks=1)
+    p = pol.params
+    assert (p["prompt"], p["sinks_in_hh"], p["recent_ratio"], p["beta"], p["ema_scope"], p["merge_weights"],
+            p["alloc"], p["exempt_layers"]) == ("once", True, 0.5, 0.5, "layer", "released", "normalized", True)
+    assert p["n_sinks"] == 1 and pol.has_prefill                    # explicit values win over the preset
+    assert get_policy("d2o", preset="reference", beta=0.3).params["beta"] == 0.3
+    assert split_budget(10, 4, 0.5, sinks_in_hh=True) == (4, 1, 5)  # sinks inside the heavy-hitter half
+    assert split_budget(10, 4, 0.5) == (4, 3, 3)                    # paper reading: sinks first
+
+
+def test_reference_layer_threshold_and_head_mean_merge():
+    pol = get_policy("d2o", preset="reference", n_sinks=1)
+    keep, mt, mw, hs = _run_layer(pol, REF_KEYS, REF_SCORES, 4)
+    assert keep.tolist() == [[1, 1, 0, 0, 1, 1], [1, 0, 1, 0, 1, 1]]
+    u13 = 12 / 13
+    tau = (0.8 + 0.8 + 0.8 + u13) / 4                               # one scalar: mean u* over heads and tokens
+    assert hs[0, 0] == pytest.approx(tau) and hs[0, 1] == 1.0 and (hs[1] == 0).all()
+    # rank 0 (head 0 slot 2, head 1 slot 1): head mean .8 < tau -> both dropped;
+    # rank 1 (head 0 slot 3, head 1 slot 3): head mean (.8 + 12/13) / 2 >= tau -> both merged
+    assert mt.tolist() == [[-1, -1, -1, 0, -1, -1], [-1, -1, -1, 2, -1, -1]]
+    # released merge: scatter-mean of u-scaled keys, (k_c + u k_e) / 2
+    np.testing.assert_allclose([mw[0, 0], mw[0, 3], mw[1, 2], mw[1, 3]], [0.5, 0.4, 0.5, u13 / 2])
+    # the EMA keeps half of the old threshold: from tau_prev = .9 the rank-1 mean falls below it, nothing merges
+    state = np.array([[0.9, 1.0], [0.0, 0.0]])
+    _, mt2, _, hs2 = _run_layer(pol, REF_KEYS, REF_SCORES, 4, head_state=state)
+    assert hs2[0, 0] == pytest.approx(0.5 * 0.9 + 0.5 * tau) and (mt2 == -1).all()
+
+
+def test_reference_several_merges_into_one_slot():
+    keys = REF_KEYS.copy()
+    keys[0, 3] = [0, 5]                                             # head 0 rank 1 now also goes to slot 1, u = 1
+    pol = get_policy("d2o", preset="reference", n_sinks=1, ema_threshold=False)
+    _, mt, mw, _ = _run_layer(pol, keys, REF_SCORES, 4)
+    assert mt.tolist() == [[-1, -1, 1, 1, -1, -1], [-1, 2, -1, 2, -1, -1]]
+    # (k_c + sum u_i k_i) / (1 + n) with n = 2
+    np.testing.assert_allclose([mw[0, 1], mw[0, 2], mw[0, 3]], [1 / 3, 0.8 / 3, 1 / 3])
+    np.testing.assert_allclose([mw[1, 2], mw[1, 1], mw[1, 3]], [1 / 3, 0.8 / 3, 12 / 13 / 3])
+
+
+def test_prompt_column_sums_blocked_matches_rows():
+    from policies.kernels import causal_column_sums
+    from policies.d2o import prompt_column_sums
+    rng = np.random.default_rng(3)
+    q = rng.normal(size=(45, 4, 8)).astype(np.float32)
+    k = rng.normal(size=(45, 2, 8)).astype(np.float32)
+    got = prompt_column_sums(q, k, 0.4, tile=16)
+    want = np.stack([causal_column_sums(q, k, 0.4, j, j // 2, 0, 45) for j in range(4)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)     # float32 blocks, float64 sums
+    np.testing.assert_allclose(got.sum(axis=1), np.full(4, 45.0))   # every row sums to 1
+
+
+def test_normalized_variance_is_released_statistic():
+    rng = np.random.default_rng(4)
+    q = rng.normal(size=(30, 4, 8)).astype(np.float32)
+    k = rng.normal(size=(30, 2, 8)).astype(np.float32)
+    # the released statistic written out: full causal softmax, column sums, unbiased variance per head,
+    # min-max across heads (+1e-6), mean
+    rows = np.arange(30)
+    var = []
+    for j in range(4):
+        a = (q[:, j].astype(np.float64) @ k[:, j // 2].astype(np.float64).T) * 0.3
+        a[rows[None, :] > rows[:, None]] = -np.inf
+        a = np.exp(a - a.max(axis=1, keepdims=True))
+        a /= a.sum(axis=1, keepdims=True)
+        var.append(a.sum(axis=0).var(ddof=1))
+    var = np.array(var)
+    want = ((var - var.min()) / (var.max() - var.min() + 1e-6)).mean()
+    assert layer_variances([(q, k)], 0.3, "normalized")[0] == pytest.approx(want, rel=1e-5)
+    assert 0.0 <= want < 1.0
+
+
+def test_normalized_allocation_and_exempt_layers():
+    from policies.d2o import UNCOMPRESSED
+    # F = [0, .5] at budget 10: softmax(-F) * 2 * 10 = [12.45, 7.55] -> [12, 8]
+    np.testing.assert_array_equal(allocate_layers(10, np.array([0.0, 0.5]), 1), [12, 8])
+    tr = make_synthetic_trace("mixed", n_layers=5, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=60,
+                              n_prompt=40, seed=2)
+    res = replay(tr, get_policy("d2o"), 12)
+    per = res.budgets[:, 0]
+    assert res.budgets.sum() == 12 * 5 * 2 and per.min() >= 5 and per.max() <= 40
+    assert per.max() / per.min() <= math.e + 0.5                   # F in [0, 1): at most a factor e (plus rounding)
+    ref = replay(tr, get_policy("d2o", exempt_layers=True), 12).budgets[:, 0]
+    assert (ref[[0, 1, 4]] == UNCOMPRESSED).all() and (ref[2:4] == per[2:4]).all()
+
+
+def test_prompt_once_selects_by_full_column_sums():
+    from policies.d2o import _prefill_once, prompt_column_sums
+    rng = np.random.default_rng(5)
+    s, d = 24, 8
+    q = rng.normal(size=(s, 4, d)).astype(np.float32)
+    k = rng.normal(size=(s, 2, d)).astype(np.float32)
+    pol = get_policy("d2o", preset="reference", n_sinks=2)
+    keep = np.ones((2, s), np.uint8)
+    st_ = np.zeros((2, s, 1))
+    _prefill_once(pol.param_vector(), 0, np.array([10, 10], np.int64), q, k, k.copy(), 0.5, keep, st_,
+                  np.zeros((2, 2)))
+    sums = prompt_column_sums(q, k, 0.5).reshape(2, 2, s).mean(axis=1)     # group mean per KV head
+    np.testing.assert_allclose(st_[:, :, 0], sums, rtol=1e-5)
+    for h in range(2):
+        # budget 10: recent 5 (19..23), sinks 0, 1 and the 3 heaviest of 2..18
+        heavy = 2 + np.argsort(-sums[h, 2:19], kind="stable")[:3]
+        want = sorted({0, 1, *heavy.tolist(), *range(19, 24)})
+        assert np.flatnonzero(keep[h]).tolist() == want
+
+
+def test_reference_preset_replays_within_budget():
+    tr = make_synthetic_trace("mixed", n_layers=4, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=80,
+                              n_prompt=48, seed=1)
+    res = replay(tr, get_policy("d2o", preset="reference"), 16)
+    assert np.isfinite(res.metrics).all()
+    assert res.slots[2].max() <= res.budgets[2, 0]                  # the one compressed layer keeps its budget
+    assert (res.slots[[0, 1, 3], -1] == 80).all()                   # layers 0, 1 and L-1 keep every token

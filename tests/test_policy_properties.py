@@ -13,10 +13,16 @@ from traces.synthetic import KINDS, make_synthetic_trace
 ALL = list_policies()
 BOUNDED = [n for n in ALL if not get_policy(n).unbounded and not get_policy(n).is_oracle]
 GEOMETRIES = [(2, 1), (2, 2), (4, 2)]
+#: non-default readings (released-code presets and options) held to the same budget and promise properties
+VARIANTS = [("d2o", {"preset": "reference"}), ("d2o", {"alloc": "literal"}), ("cascading", {"preset": "reference"}),
+            ("buzz", {"prefill": "one_pass", "window": 3, "threshold": 6}),
+            ("snapkv", {"window_only": True, "group_reduce": "max"}),
+            ("ada_snapkv", {"rounding": "released", "group_reduce": "max", "window_only": True}),
+            ("ada_h2o", {"rounding": "released"})]
 
 
 @st.composite
-def trace_and_budget(draw, name: str):
+def trace_and_budget(draw, name: str, params: dict | None = None):
     """A small synthetic trace and a budget the policy accepts (min_budget..T)."""
     hq, hkv = draw(st.sampled_from(GEOMETRIES))
     T = draw(st.integers(16, 72))
@@ -24,7 +30,7 @@ def trace_and_budget(draw, name: str):
         draw(st.sampled_from(KINDS)), n_layers=draw(st.integers(1, 2)), n_q_heads=hq, n_kv_heads=hkv,
         head_dim=16, n_tokens=T, n_prompt=draw(st.integers(0, T // 2)), seed=draw(st.integers(0, 2**16)),
         recall_every=5, recall_window=6, segment=12, n_needle_queries=3, passkey_pos=1)
-    policy = get_policy(name)
+    policy = get_policy(name, **(params or {}))
     lo = policy.min_budget()
     assume(lo <= T)
     budget = draw(st.integers(lo, T))
@@ -36,11 +42,11 @@ def _kept_sets(result, layer, step_index, head):
     return set(row[row >= 0].tolist())
 
 
-@pytest.mark.parametrize("name", BOUNDED)
+@pytest.mark.parametrize("name,params", [(n, {}) for n in BOUNDED] + VARIANTS)
 @settings(max_examples=15)
 @given(data=st.data())
-def test_never_over_budget_and_keeps_promises(name, data):
-    trace, policy, budget = data.draw(trace_and_budget(name))
+def test_never_over_budget_and_keeps_promises(name, params, data):
+    trace, policy, budget = data.draw(trace_and_budget(name, params))
     P, T = trace.meta.n_prompt, trace.meta.n_tokens
     res = replay(trace, policy, budget, record_kept=(P, T - P))
     if policy.head_adaptive:
