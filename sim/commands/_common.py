@@ -41,3 +41,10 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def add_model_option(p: argparse.ArgumentParser, *, default: str | None = "smollm2-135m") -> None:
+    """``--model NAME|DIR|FILE.gguf``, resolved by traces.models (the one place that knows models)."""
+    p.add_argument("--model", default=default, required=default is None, metavar="NAME|DIR|FILE.gguf",
+                   help="a registered model (`kvsim models`: smollm2-135m, tiny), a local Hugging Face folder, or a "
+                        "llama-family .gguf file" + (f" (default {default})" if default else ""))
