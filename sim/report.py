@@ -60,10 +60,12 @@ PAPER_POLICIES = ("buzz", "buzz_logn", "bumblebee", "cascading", "ada_snapkv", "
 
 
 def _highlighted(df: pd.DataFrame, metric: str, best: int) -> tuple[list[str], list[str]]:
-    """(coloured labels: oracle, the ``best`` lowest-loss others and the paper policies; grey labels: the rest)."""
+    """(coloured labels: oracle, the ``best`` lowest-loss evicting policies and the paper policies; grey labels:
+    the rest, the full cache included), each list in order of mean loss."""
     mean = df.groupby("label")[metric].mean().sort_values()
     others = [lab for lab in mean.index if lab != "oracle"]
-    keep = set(others[:best]) | {lab for lab in others if lab.split(":")[0].split("(")[0] in PAPER_POLICIES}
+    lossy = [lab for lab in others if lab != "full"]      # the full cache is the reference, never "best"
+    keep = set(lossy[:best]) | {lab for lab in others if lab.split(":")[0].split("(")[0] in PAPER_POLICIES}
     coloured = (["oracle"] if "oracle" in mean.index else []) + [lab for lab in others if lab in keep]
     return coloured, [lab for lab in others if lab not in keep]
 
@@ -103,7 +105,8 @@ def plot_budget_curves(df: pd.DataFrame, path: str | Path, metrics: tuple[str, .
                     ax.plot(line.budget, line[metric], label=name, markersize=5, **styles[lab])
             ax.set_xscale("log", base=2)
             ax.set_xlabel("budget (slots per KV head)")
-            ax.set_title(f"{trace}: {titles.get(metric, metric)}", fontsize=10)
+            head = "" if len(traces) == 1 and title else f"{trace}:\n"
+            ax.set_title(head + titles.get(metric, metric), fontsize=10)
             ax.grid(True, alpha=0.3)
             budgets = sorted(part.budget.unique())
             ax.set_xticks(budgets, [str(b) for b in budgets])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from sim.commands._common import add_model_option, int_list
 
-DEMO_LAYERS = 6
+DEMO_LAYERS = 4
 """Layers the demo keeps by default (evenly spaced, first and last included): replaying every policy on all
 layers of a real model takes minutes on a small CPU; ``--layers all`` keeps them all."""
 
