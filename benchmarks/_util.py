@@ -44,3 +44,38 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(payload, indent=1, default=float))
     os.replace(tmp, path)
     return path
+
+
+def add_real_trace_args(ap: Any, *, layers: str = "0,10,20,29") -> None:
+    """``--trace DIR`` (a recorded real-model trace) and ``--layers`` (the subset of its layers to evaluate)."""
+    ap.add_argument("--trace", default=None,
+                    help="a recorded real-model trace directory (default: record SmolLM2-135M through the model "
+                         "registry, 512 prompt + 512 teacher-forced tokens of the shipped held-out text)")
+    ap.add_argument("--layers", default=layers,
+                    help=f"comma-separated layers of the real trace to evaluate, or 'all' (default {layers})")
+
+
+def real_model_trace(args: Any, tmp: Path, *, n_prompt: int = 512, n_decode: int = 512):
+    """The real-model trace the evaluations use: ``args.trace`` (restricted to ``args.layers``), or SmolLM2-135M
+    recorded through the model registry (fetched and converted on first use) on the shipped held-out text."""
+    from traces.format import InMemoryTrace, load_trace
+
+    if args.trace is None:
+        from traces.model import record_default_trace
+
+        layers = None if args.layers == "all" else tuple(int(x) for x in args.layers.split(","))
+        return load_trace(record_default_trace(tmp / "real", n_prompt=n_prompt, n_decode=n_decode, layers=layers,
+                                               model="smollm2-135m"))
+    trace = load_trace(args.trace)
+    if args.layers == "all":
+        return trace
+    ids = list(trace.meta.model.layer_ids)
+    wanted = [int(x) for x in args.layers.split(",")]
+    missing = [w for w in wanted if w not in ids]
+    if missing:
+        raise ValueError(f"--layers {missing} not in the trace {args.trace} (it has layers {ids})")
+    import dataclasses
+
+    model = dataclasses.replace(trace.meta.model, layer_ids=tuple(wanted))
+    meta = dataclasses.replace(trace.meta, model=model, source={**trace.meta.source, "layers_evaluated": wanted})
+    return InMemoryTrace(meta, [trace.layer(ids.index(w)) for w in wanted], trace.tokens)

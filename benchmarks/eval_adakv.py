@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks._util import add_real_trace_args, real_model_trace
 from policies import get_policy
 from sim.replay import load_layers, replay, replay_oracle
-from traces.format import InMemoryTrace, LayerArrays, ModelInfo, Trace, TraceMeta, load_trace
+from traces.format import InMemoryTrace, LayerArrays, ModelInfo, Trace, TraceMeta
 from traces.synthetic import make_synthetic_trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -147,7 +148,7 @@ def plot(rows: list[dict], table: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", help="a recorded real-model trace directory (default: the shipped model's, if any)")
+    add_real_trace_args(ap)
     ap.add_argument("--quick", action="store_true", help="small traces, for a smoke run")
     args = ap.parse_args()
     try:
@@ -164,16 +165,8 @@ def main() -> None:
                                                 n_tokens=T, n_prompt=P, seed=0),
     }
     tmpdir = tempfile.TemporaryDirectory(prefix="eval_adakv_")
-    real = args.trace
-    if real is None:
-        try:
-            from traces.model import record_default_trace  # type: ignore[import-not-found]
-
-            real = str(record_default_trace(Path(tmpdir.name) / "trace", n_prompt=1536, n_decode=512))
-        except (ImportError, FileNotFoundError) as e:
-            print(f"no real-model trace ({e}); synthetic traces only")
-    if real:
-        traces["real:" + load_trace(real).meta.model.model_id] = load_trace(real)
+    real = real_model_trace(args, Path(tmpdir.name), n_prompt=1536, n_decode=512)
+    traces["real:" + real.meta.model.model_id] = real
     rows = []
     for name, tr in traces.items():
         t0 = time.perf_counter()
@@ -188,6 +181,7 @@ def main() -> None:
     out = RESULTS / "eval_adakv.json"
     payload = dict(budgets=budgets, traces={k: dict(n_tokens=v.meta.n_tokens, n_prompt=v.meta.n_prompt,
                                                     model=v.meta.model.model_id, n_layers=v.n_layers,
+                                                    layers=list(v.meta.model.layer_ids),
                                                     n_kv_heads=v.meta.model.n_kv_heads) for k, v in traces.items()},
                    rows=rows, improvement=table)
     tmp = out.with_suffix(".tmp")

@@ -1,5 +1,6 @@
-"""BumbleBee vs H2O (and SnapKV when registered) and the oracle on synthetic traces, each also in a variant
-with near-duplicate keys (runs of jittered copies of one token's key and value).
+"""BumbleBee vs H2O (and SnapKV when registered) and the oracle on a real-model trace (SmolLM2-135M through the
+model registry, or --trace DIR, on a subset of layers: --layers) and on synthetic traces, each synthetic one also
+in a variant with near-duplicate keys (runs of jittered copies of one token's key and value).
 
 Run: PYTHONPATH=. python benchmarks/eval_bumblebee.py -> benchmarks/results/eval_bumblebee.{json,png}
 """
@@ -8,11 +9,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-from benchmarks._util import RESULTS, machine, write_result
+from benchmarks._util import RESULTS, add_real_trace_args, machine, real_model_trace, write_result
 from policies import get_policy, list_policies
 from sim.replay import load_layers, replay, replay_oracle
 from traces.format import InMemoryTrace, LayerArrays, Trace
@@ -97,8 +100,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--prompt", type=int, default=512)
+    add_real_trace_args(ap)
     a = ap.parse_args()
-    traces: dict[str, Trace] = {}
+    tmp = tempfile.TemporaryDirectory(prefix="eval_bumblebee_")
+    real = real_model_trace(a, Path(tmp.name), n_prompt=a.prompt, n_decode=a.tokens - a.prompt)
+    traces: dict[str, Trace] = {f"real:{real.meta.model.model_id}": real}
     for kind in ("mixed", "recall"):
         base = make_synthetic_trace(kind, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=32, n_tokens=a.tokens,
                                     n_prompt=a.prompt, seed=0)
@@ -107,6 +113,8 @@ def main() -> None:
     rows = evaluate(traces)
     plot(rows, RESULTS / "eval_bumblebee.png")
     write_result("eval_bumblebee", {"machine": machine(), "tokens": a.tokens, "prompt": a.prompt,
+                                    "real_trace": {"T": real.meta.n_tokens, "P": real.meta.n_prompt,
+                                                   "layers": list(real.meta.model.layer_ids)},
                                     "rows": rows})
 
 

@@ -2,7 +2,7 @@
 (b) Theorem 3.1 as an experiment: at s = 5 and a fixed cache, sweep T/w and find where the loss is lowest.
 
 Writes benchmarks/results/eval_buzz.json and eval_buzz.png. Run: PYTHONPATH=. python benchmarks/eval_buzz.py
-(--quick for a smoke run). Uses the shipped model's trace when traces.model is available, synthetic otherwise.
+(--quick for a smoke run). Real-model part: SmolLM2-135M through the model registry (or --trace DIR), on the layers given by --layers.
 """
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from benchmarks._util import add_real_trace_args, real_model_trace  # noqa: E402
 from policies._buzz_model import held_trajectory, old_sequence, predicted_ratio  # noqa: E402
 from policies.registry import get_policy  # noqa: E402
 from sim.replay import load_layers, replay, replay_oracle  # noqa: E402
-from traces.format import Trace, load_trace  # noqa: E402
+from traces.format import Trace  # noqa: E402
 from traces.synthetic import make_synthetic_trace  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
@@ -32,16 +33,6 @@ BASELINES = ("h2o", "streaming_llm")
 RATIOS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 10 / 3, 3.5, 4.0, 13 / 3, 4.5, 5.0, 5.5, 6.5, 8.0)
 PAPER_OBSERVED = 4.5
 SWEEP_SEEDS = (1, 2, 3)
-
-
-def real_trace(tmp: Path, n_prompt: int, n_decode: int) -> Trace | None:
-    """The shipped model's trace on its held-out text, or None when the model is not available here."""
-    try:
-        from traces.model import record_default_trace
-        return load_trace(record_default_trace(tmp / "real", n_prompt=n_prompt, n_decode=n_decode))
-    except (ImportError, FileNotFoundError) as e:
-        print(f"no real-model trace: {e}")
-        return None
 
 
 def synthetic(kind: str, n_tokens: int, n_prompt: int, seed: int = 0) -> Trace:
@@ -189,13 +180,14 @@ def plot(cmp_rows: list[dict], sweep: list[dict], fp: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small traces and one budget (smoke run)")
+    add_real_trace_args(ap)
     args = ap.parse_args()
     t0 = time.time()
     n_cmp, n_sweep, p = (384, 640, 64) if args.quick else (1024, 2048, 256)
     budgets = [64] if args.quick else [32, 64, 128, 256]
     sweep_budget = 200
     with tempfile.TemporaryDirectory() as tmp:
-        real = real_trace(Path(tmp), 512, 512) if not args.quick else None
+        real = real_model_trace(args, Path(tmp)) if not args.quick else None
         cmp_traces = {k: synthetic(k, n_cmp, p) for k in KINDS}
         sweep_traces = {f"{k}/seed{sd}": synthetic(k, n_sweep, p, seed=sd) for k in KINDS for sd in SWEEP_SEEDS}
         if real is not None:
@@ -214,7 +206,9 @@ def main() -> None:
     result = {
         "setup": {"compare_traces": {n: [tr.meta.n_tokens, tr.meta.n_prompt] for n, tr in cmp_traces.items()},
                   "sweep_traces": {n: [tr.meta.n_tokens, tr.meta.n_prompt] for n, tr in sweep_traces.items()},
-                  "budgets": budgets, "sweep_budget": sweep_budget, "stride": 5, "real_model_trace": real is not None,
+                  "budgets": budgets, "sweep_budget": sweep_budget, "stride": 5, "real_model_trace": None if real is None else {
+                      "model": real.meta.model.model_id, "T": real.meta.n_tokens, "P": real.meta.n_prompt,
+                      "layers": list(real.meta.model.layer_ids)},
                   "buzz_window_threshold": {b: get_policy("buzz").window_threshold(b) for b in budgets}},
         "compare_mean": mean_table(cmp_rows),
         "compare": cmp_rows,

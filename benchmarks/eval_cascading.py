@@ -1,21 +1,24 @@
-"""Cascading KV cache vs StreamingLLM (same total slots), H2O and the oracle on synthetic traces.
+"""Cascading KV cache vs StreamingLLM (same total slots), H2O and the oracle on synthetic traces and on a
+real-model trace (SmolLM2-135M through the model registry, or --trace DIR; a subset of layers, see --layers).
 
 Two parts: (1) retained attention mass and output error per trace kind and budget over long traces;
 (2) a passkey sweep: one early token is recalled by the last queries; how often each policy still holds
 it (and how much of the needle queries' attention it retains) as a function of its distance, against the
 sink cache's window |C| and the cascade's approximate context length L~ (eq. 4).
-Run: python benchmarks/eval_cascading.py   (writes benchmarks/results/eval_cascading.{json,png})
+Run: python benchmarks/eval_cascading.py [--trace DIR] [--layers 0,10,20,29]   (writes benchmarks/results/eval_cascading.{json,png})
 """
 from __future__ import annotations
 
+import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from benchmarks._util import RESULTS, machine, write_result  # noqa: E402
+from benchmarks._util import RESULTS, add_real_trace_args, machine, real_model_trace, write_result  # noqa: E402
 from policies import get_policy  # noqa: E402
 from policies.cascading import approximate_context_length  # noqa: E402
 from sim.replay import load_layers, replay, replay_oracle  # noqa: E402
@@ -30,23 +33,26 @@ SWEEP_BUDGET = 64
 SWEEP_SEEDS = 12
 
 
-def quality_grid() -> list[dict]:
-    """Mean retained mass / error (all steps, and the needle steps of passkey traces) per kind, budget, policy."""
+def quality_rows(kind: str, trace) -> list[dict]:
+    """Mean retained mass / error (all steps, and the last N_NEEDLE steps) of every policy and budget on a trace."""
+    inputs = load_layers(trace)
+    results = [(name, replay(trace, get_policy(name), b, inputs=inputs, threads=1))
+               for b in BUDGETS for name in POLICIES]
+    results += [("oracle", r) for r in replay_oracle(trace, list(BUDGETS), inputs=inputs, threads=1)]
     rows = []
-    for kind in KINDS:
-        trace = make_synthetic_trace(kind, n_layers=LAYERS, n_tokens=T, n_prompt=P, seed=0,
-                                     n_needle_queries=N_NEEDLE, passkey_pos=P + 32)
-        inputs = load_layers(trace)
-        results = [(name, replay(trace, get_policy(name), b, inputs=inputs, threads=1))
-                   for b in BUDGETS for name in POLICIES]
-        results += [("oracle", r) for r in replay_oracle(trace, list(BUDGETS), inputs=inputs, threads=1)]
-        for name, res in results:
-            s = res.summary()
-            rows.append({"kind": kind, "policy": name, "budget": res.budget, "mass": s["mass_mean"],
-                         "err": s["err_mean"], "kl": s["kl_mean"],
-                         "mass_last16": float(res.metric("mass")[:, -N_NEEDLE:].mean()),
-                         "err_last16": float(res.metric("err")[:, -N_NEEDLE:].mean())})
+    for name, res in results:
+        s = res.summary()
+        rows.append({"kind": kind, "policy": name, "budget": res.budget, "mass": s["mass_mean"],
+                     "err": s["err_mean"], "kl": s["kl_mean"],
+                     "mass_last16": float(res.metric("mass")[:, -N_NEEDLE:].mean()),
+                     "err_last16": float(res.metric("err")[:, -N_NEEDLE:].mean())})
     return rows
+
+
+def quality_grid() -> list[dict]:
+    """quality_rows of every synthetic kind (passkey traces: the last steps are the needle queries)."""
+    return [row for kind in KINDS for row in quality_rows(kind, make_synthetic_trace(
+        kind, n_layers=LAYERS, n_tokens=T, n_prompt=P, seed=0, n_needle_queries=N_NEEDLE, passkey_pos=P + 32))]
 
 
 def passkey_sweep() -> dict:
@@ -118,13 +124,21 @@ def plot(rows: list[dict], sweep: dict, path: Path) -> None:
 
 
 def main() -> None:
-    rows = quality_grid()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_real_trace_args(ap)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        real = real_model_trace(args, Path(tmp))
+        real_name = f"real:{real.meta.model.model_id}"
+        rows = quality_rows(real_name, real) + quality_grid()
     sweep = passkey_sweep()
     RESULTS.mkdir(parents=True, exist_ok=True)
     plot(rows, sweep, RESULTS / "eval_cascading.png")
     wins = [r["err"] < s["err"] for r in rows if r["policy"] == "cascading"
             for s in rows if s["policy"] == "streaming_llm" and s["kind"] == r["kind"] and s["budget"] == r["budget"]]
     write_result("eval_cascading", {"machine": machine(), "trace": {"T": T, "P": P, "layers": LAYERS},
+                                    "real_trace": {"name": real_name, "T": real.meta.n_tokens,
+                                                   "P": real.meta.n_prompt, "layers": list(real.meta.model.layer_ids)},
                                     "grid": rows, "passkey_sweep": sweep,
                                     "cascading_beats_streaming_err": f"{sum(wins)}/{len(wins)}"})
     for r in rows:

@@ -55,8 +55,28 @@ def print_ranked(df: pd.DataFrame, metric: str = "err_mean", title: str = "kvsim
     console.print(_LEGEND, style="dim")
 
 
-def plot_budget_curves(df: pd.DataFrame, path: str | Path, metrics: tuple[str, ...] = ("err_mean", "mass_mean")) -> Path:
-    """Loss vs budget, one line per policy, one row per trace; saved as PNG (or SVG/PDF by suffix)."""
+PAPER_POLICIES = ("buzz", "buzz_logn", "bumblebee", "cascading", "ada_snapkv", "ada_pyramidkv", "ada_h2o", "d2o")
+"""The seed papers' policies, always drawn in colour in the budget plot."""
+
+
+def _highlighted(df: pd.DataFrame, metric: str, best: int) -> tuple[list[str], list[str]]:
+    """(coloured labels: oracle, the ``best`` lowest-loss evicting policies and the paper policies; grey labels:
+    the rest, the full cache included), each list in order of mean loss."""
+    mean = df.groupby("label")[metric].mean().sort_values()
+    others = [lab for lab in mean.index if lab != "oracle"]
+    lossy = [lab for lab in others if lab != "full"]      # the full cache is the reference, never "best"
+    keep = set(lossy[:best]) | {lab for lab in others if lab.split(":")[0].split("(")[0] in PAPER_POLICIES}
+    coloured = (["oracle"] if "oracle" in mean.index else []) + [lab for lab in others if lab in keep]
+    return coloured, [lab for lab in others if lab not in keep]
+
+
+def plot_budget_curves(df: pd.DataFrame, path: str | Path, metrics: tuple[str, ...] = ("err_mean", "mass_mean"),
+                       *, title: str | None = None, best: int = 3) -> Path:
+    """Loss vs budget, one line per policy, one row per trace; saved as PNG (or SVG/PDF by suffix).
+
+    Readable with many policies: the oracle (black, dashed), the ``best`` lowest-error policies and the paper
+    policies are coloured and named in the legend in order of mean error; every other policy is a thin grey
+    line under one "other" legend entry (they are all in the ranked table)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,29 +87,33 @@ def plot_budget_curves(df: pd.DataFrame, path: str | Path, metrics: tuple[str, .
               "kl_mean": "KL(cache ‖ full) ↓"}
     fig, axes = plt.subplots(len(traces), len(metrics), figsize=(6.2 * len(metrics), 4.2 * len(traces)),
                              squeeze=False)
-    labels = sorted(df.label.unique(), key=lambda s: (s != "oracle", s))
-    cmap = plt.get_cmap("tab20")
-    styles = {lab: dict(color=cmap(i % 20), marker="os^vD<>ph*"[i % 10]) for i, lab in enumerate(labels)}
+    coloured, grey = _highlighted(df, metrics[0], best)
+    palette = plt.get_cmap("tab10")
+    styles = {lab: dict(color=palette(i % 10), marker="os^vD<>ph*"[i % 10], linewidth=2.0, zorder=3)
+              for i, lab in enumerate(x for x in coloured if x != "oracle")}
+    styles["oracle"] = dict(color="black", linestyle="--", linewidth=2.0, zorder=4)
+    for lab in grey:
+        styles[lab] = dict(color="0.72", linewidth=1.0, zorder=1)
     for r, trace in enumerate(traces):
         part = df[df.trace == trace]
         for c, metric in enumerate(metrics):
             ax = axes[r][c]
-            for lab in labels:
+            for lab in coloured + grey:
                 line = part[part.label == lab].sort_values("budget")
-                if line.empty:
-                    continue
-                kw = dict(styles[lab])
-                if lab == "oracle":
-                    kw.update(color="black", linestyle="--", marker=None)
-                ax.plot(line.budget, line[metric], label=lab, linewidth=1.8, markersize=5, **kw)
+                if not line.empty:
+                    name = lab if lab in coloured else ("other policies" if lab == grey[0] else "_nolegend_")
+                    ax.plot(line.budget, line[metric], label=name, markersize=5, **styles[lab])
             ax.set_xscale("log", base=2)
             ax.set_xlabel("budget (slots per KV head)")
-            ax.set_title(f"{trace}: {titles.get(metric, metric)}", fontsize=10)
+            head = "" if len(traces) == 1 and title else f"{trace}:\n"
+            ax.set_title(head + titles.get(metric, metric), fontsize=10)
             ax.grid(True, alpha=0.3)
             budgets = sorted(part.budget.unique())
             ax.set_xticks(budgets, [str(b) for b in budgets])
     handles, names = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, names, loc="center right", fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0, 0.84, 1))
     return _save(fig, path, dpi=130)
 

@@ -10,7 +10,8 @@ import torch
 from traces.capture import CaptureError
 from traces.faithful import UnfaithfulTraceError, layer_faithfulness, verify_trace_against_model
 from traces.format import load_trace
-from traces.recorder import RecordError, load_model, record_trace
+from traces.models import ModelError, load_model
+from traces.recorder import RecordError, record_trace
 
 torch.set_num_threads(1)
 VOCAB = 97
@@ -181,7 +182,7 @@ def test_existing_output_and_missing_model(llama, ids, tmp_path):
     (tmp_path / "t").mkdir()
     with pytest.raises(FileExistsError):
         record_trace(llama, ids, tmp_path / "t", n_prompt=4, n_decode=1, progress=False)
-    with pytest.raises(RecordError, match="not a local HF model folder"):
+    with pytest.raises(ModelError, match="not a model name"):
         load_model(str(tmp_path / "nope"))
     assert isinstance(RecordError("x"), ValueError) and isinstance(CaptureError("x"), ValueError)
 

@@ -12,6 +12,7 @@ from sim.commands import record_cmd
 from traces.faithful import verify_trace_against_model
 from traces.format import load_trace
 from traces.model import MODEL_DIR, default_model_path, default_text, load_default_model, record_default_trace
+from traces.models import ModelError
 from traces.recorder import RecordError
 
 torch.set_num_threads(1)
@@ -80,7 +81,7 @@ def test_cli_rejects_malformed_arguments(tmp_path, argv, capsys):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--model", "/nonexistent/model"], "not a local HF model folder"),
+    (["--model", "/nonexistent/model"], "not a model name"),
     (["--model", "default", "--text", "/nonexistent.txt"], "file not found"),
     (["--model", "default", "--prompt-tokens", "0"], "prompt-tokens"),
     (["--model", "default", "--device", "tpu"], "--device"),
@@ -88,12 +89,12 @@ def test_cli_rejects_malformed_arguments(tmp_path, argv, capsys):
     (["--model", "default", "--prompt-tokens", "2000", "--decode-tokens", "100"], "context of 2048"),
 ])
 def test_cli_reports_bad_values(tmp_path, argv, match):
-    with pytest.raises(RecordError, match=match):
+    with pytest.raises((RecordError, ModelError), match=match):
         _cli(["record", "--out", str(tmp_path / "t"), "--no-progress", *argv])
     assert not (tmp_path / "t").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised when CUDA is absent")
 def test_cli_cuda_without_gpu_is_a_clear_error(tmp_path):
-    with pytest.raises(RecordError, match="CUDA is not available"):
+    with pytest.raises((RecordError, ModelError), match="CUDA is not available"):
         _cli(["record", "--model", "default", "--device", "cuda", "--out", str(tmp_path / "t")])

@@ -171,30 +171,3 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
             w.add_layer(la)
         w.set_tokens(tokens)
     return RecordResult(out_dir, faith, mean_nll)
-
-
-def load_model(name_or_path: str, *, device: str = "cpu", torch_dtype: str | None = None):
-    """Load (model, tokenizer) from a local HF folder, or 'default' for kvsim's shipped model. No downloads.
-
-    torch_dtype None: float32 on CPU (half precision is slow and inexact there), the saved dtype on CUDA.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if name_or_path == "default":
-        from traces.model import default_model_path
-        name_or_path = str(default_model_path())
-    path = Path(name_or_path)
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise RecordError(f"--model {name_or_path!r}: not a local HF model folder with config.json "
-                          "(kvsim never downloads; pass a folder or 'default')")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RecordError(f"device {device!r} requested but CUDA is not available")
-    kwargs = {"local_files_only": True}
-    if torch_dtype or device == "cpu":
-        kwargs["dtype"] = getattr(torch, torch_dtype or "float32")
-    else:
-        kwargs["dtype"] = "auto"
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model, tok

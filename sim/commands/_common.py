@@ -140,3 +140,9 @@ def load(args: argparse.Namespace, spec: str) -> Trace:
     return open_trace(spec, n_tokens=args.tokens, n_prompt=args.prompt, n_layers=args.layers, seed=args.seed,
                       verify=not args.no_verify)
 
+
+def add_model_option(p: argparse.ArgumentParser, *, default: str | None = "smollm2-135m") -> None:
+    """``--model NAME|DIR|FILE.gguf``, resolved by traces.models (the one place that knows models)."""
+    p.add_argument("--model", default=default, required=default is None, metavar="NAME|DIR|FILE.gguf",
+                   help="a registered model (`kvsim models`: smollm2-135m, tiny), a local Hugging Face folder, or a "
+                        "llama-family .gguf file")

@@ -4,59 +4,106 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sim.commands._common import add_budgets_option, add_out_option, positive_int
+from sim.commands._common import add_budgets_option, add_model_option, add_out_option, positive_int
+
+DEMO_LAYERS = 4
+"""Layers the demo keeps by default (evenly spaced, first and last included): replaying every policy on all
+layers of a real model takes minutes on a small CPU; ``--keep-layers all`` keeps them all."""
+
+
+def _layers(text: str) -> str | list[int]:
+    """``all`` or comma-separated layer indices like ``0,15,29``."""
+    if text == "all":
+        return text
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected 'all' or layer indices like 0,15,29, got {text!r}")
+    return values
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="replay all policies on the default trace; print a ranked table and a plot",
-                       description="Record a trace from the shipped real model on real text (or generate a "
-                                   "synthetic one), replay every registered policy at several budgets, print "
-                                   "the ranked table and write a loss-vs-budget plot.")
+    p = sub.add_parser("demo", help="replay all policies on a real model's trace; print a ranked table and a plot",
+                       description="Record a trace of a real model (SmolLM2-135M by default, fetched and converted "
+                                   "on first use) on kvsim's shipped held-out text, or generate a synthetic one; "
+                                   "replay every registered policy at several budgets, print the ranked table and "
+                                   "write a loss-vs-budget plot.")
+    add_model_option(p)
     p.add_argument("--synthetic", metavar="KIND", default=None,
-                   help="use a synthetic trace of this kind instead of the shipped model (e.g. mixed)")
+                   help="use a synthetic trace of this kind instead of a model (e.g. mixed)")
     p.add_argument("--tokens", type=positive_int, default=1024, help="tokens in the demo trace")
     p.add_argument("--prompt", type=positive_int, default=512, help="prompt tokens of the demo trace")
+    p.add_argument("--keep-layers", dest="layers", type=_layers, default=None, metavar="LIST|all",
+                   help=f"model layers to record and replay, e.g. 0,5,29 or all (default: {DEMO_LAYERS} evenly "
+                        "spaced layers)")
     add_budgets_option(p, default=[32, 64, 128, 256])
     add_out_option(p, "kvsim-out", "output directory")
     p.set_defaults(func=run)
 
 
+def demo_layers(n_layers: int, wanted: str | list[int] | None) -> tuple[int, ...]:
+    """The layers the demo records: all, the given ones, or DEMO_LAYERS evenly spaced ones."""
+    if wanted == "all" or (wanted is None and n_layers <= DEMO_LAYERS):
+        return tuple(range(n_layers))
+    if wanted is None:
+        import numpy as np
+
+        return tuple(int(x) for x in np.unique(np.round(np.linspace(0, n_layers - 1, DEMO_LAYERS))))
+    return tuple(wanted)
+
+
 def demo_trace(args: argparse.Namespace):
-    """The demo's trace: the shipped model on the shipped text (recorded once, then reused), or synthetic."""
+    """The demo's trace: the model on the shipped text (recorded once into --out, then reused), or synthetic."""
+    import json
+
     from sim.executors import TraceRef
     from traces.format import TraceError, load_trace
+    from traces.model import record_default_trace
+    from traces.models import model_id, resolve_model
 
     if args.synthetic:
         return TraceRef(f"synthetic:{args.synthetic}", args.tokens, args.prompt, 2)
-    from traces.model import record_default_trace
-
-    path = args.out / f"demo-trace-{args.prompt}-{args.tokens - args.prompt}"
+    folder = resolve_model(args.model)
+    n_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    layers = demo_layers(n_layers, args.layers)
+    name = model_id(args.model)
+    tag = "all" if len(layers) == n_layers else "-".join(map(str, layers))
+    path = args.out / f"demo-trace-{name}-{args.prompt}-{args.tokens - args.prompt}-L{tag}"
     try:
         load_trace(path)
     except TraceError:
-        print(f"recording the demo trace from the shipped model into {path} ...")
-        record_default_trace(path, n_prompt=args.prompt, n_decode=args.tokens - args.prompt)
+        print(f"recording the demo trace of {name} (layers {', '.join(map(str, layers))} of {n_layers}) "
+              f"into {path} ...", flush=True)
+        record_default_trace(path, n_prompt=args.prompt, n_decode=args.tokens - args.prompt, layers=layers,
+                             overwrite=True, model=args.model)
+    if len(layers) < n_layers:
+        print(f"replaying layers {', '.join(map(str, layers))} of {name}'s {n_layers} "
+              f"(--keep-layers all for every layer)")
     return TraceRef(str(path))
 
 
 def run(args: argparse.Namespace) -> int:
     from policies import get_policy, list_policies
+    from sim.executors import default_workers
     from sim.report import plot_budget_curves, print_ranked, write_html
+    from sim.specs import trace_id
     from sim.store import ResultStore
     from sim.sweep import run_sweep, with_oracle_gap
-
-    from sim.executors import default_workers
-    from sim.specs import trace_id
 
     args.out.mkdir(parents=True, exist_ok=True)
     ref = demo_trace(args)
     trace = ref.open()[0]
     print(repr(trace))
+    model = f"synthetic:{args.synthetic}" if args.synthetic else trace.meta.model.model_id
+    layers = "" if args.synthetic else f", layers {','.join(map(str, trace.meta.model.layer_ids))}"
+    title = f"kvsim demo — {model}{layers}"
     policies = [get_policy(n) for n in list_policies()]
     df = run_sweep([ref], policies, args.budgets, ResultStore(args.out / "demo-results"), workers=default_workers())
     df = with_oracle_gap(df[(df.trace_id == trace_id(trace)) & df.budget.isin(args.budgets)])
-    print_ranked(df, title="kvsim demo")
-    png = plot_budget_curves(df, args.out / "demo.png")
+    print_ranked(df, title=title)
+    png = plot_budget_curves(df, args.out / "demo.png", title=title)
     html = write_html(df, args.out / "demo.html")
     print(f"plot: {png}\ntable: {html}\nresults store: {args.out / 'demo-results'} (rerun to resume/extend)")
     return 0

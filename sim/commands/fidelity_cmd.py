@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     from gpu_validate.fidelity import plot_fidelity, run_fidelity
     from sim.specs import parse_policy_list
+    from traces.models import model_id
 
     torch.set_grad_enabled(False)
     policies = parse_policy_list(args.policies, exclude=("oracle",))
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"budgets {args.budgets} must not exceed --prompt + --decode = {args.prompt + args.decode}")
     model, _, ids, device, backend = load_model_and_ids(args)
     report = run_fidelity(model, ids[:args.prompt + args.decode], policies, args.budgets, n_prompt=args.prompt,
-                          n_open_steps=args.open_steps, backend=backend, model_id=Path(args.model).name)
+                          n_open_steps=args.open_steps, backend=backend, model_id=model_id(args.model))
     out = Path(args.out or f"benchmarks/results/fidelity_{device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     png = plot_fidelity(report, out.with_suffix(".png"))

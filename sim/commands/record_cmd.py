@@ -1,8 +1,10 @@
-"""`kvsim record`: record an attention trace from a local HF decoder model (or kvsim's shipped model)."""
+"""`kvsim record`: record an attention trace from any model the registry resolves (name, HF folder, .gguf)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from sim.commands._common import add_model_option
 
 
 def _index_list(text: str) -> tuple[int, ...]:
@@ -28,9 +30,10 @@ def _positive(text: str) -> int:
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "record", help="record post-RoPE q/k/v traces from a HF decoder model",
-        description="Prefill N prompt tokens and decode M tokens (greedy or teacher-forced) with a local HF "
-                    "model, capture q/k/v of every (or the chosen) layer, check faithfulness, write a trace.")
-    p.add_argument("--model", required=True, help="local HF model folder, or 'default' (kvsim's shipped model)")
+        description="Prefill N prompt tokens and decode M tokens (greedy or teacher-forced) with a model "
+                    "(registered name, local HF folder or .gguf), capture q/k/v of every (or the chosen) layer, "
+                    "check faithfulness, write a trace.")
+    add_model_option(p)
     p.add_argument("--text", default="default", help="UTF-8 text file, or 'default' (held-out text of the model)")
     p.add_argument("--prompt-tokens", type=_positive, default=512, help="prompt (prefill) length N")
     p.add_argument("--decode-tokens", type=_positive, default=256, help="decoded tokens M")
@@ -53,7 +56,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from traces.recorder import RecordError, load_model, record_trace
+    from traces.models import load_model, model_id
+    from traces.recorder import RecordError, record_trace
 
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         raise RecordError(f"--device must be cpu or cuda[:i], got {args.device!r}")
@@ -72,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
     res = record_trace(model, ids, args.out, n_prompt=args.prompt_tokens, n_decode=args.decode_tokens,
                        tokenizer=tok, layers=args.layers, kv_heads=args.kv_heads, dtype=args.dtype,
-                       teacher_forced=args.teacher_forced, model_id=Path(args.model).name if args.model != "default"
-                       else "kvsim-tiny-llama", source=source, progress=not args.no_progress,
+                       teacher_forced=args.teacher_forced, model_id=model_id(args.model), source=source,
+                       progress=not args.no_progress,
                        overwrite=args.overwrite, single_pass=args.single_pass)
     worst = max(r.rel_err for r in res.faithfulness)
     print(f"wrote {res.path}: {args.prompt_tokens}+{args.decode_tokens} tokens, {len(res.faithfulness)} layers, "

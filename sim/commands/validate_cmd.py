@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sim.commands._common import add_budget_option, add_policy_option, positive_int
+from sim.commands._common import add_budget_option, add_model_option, add_policy_option, positive_int
 
 
 def _floats(text: str) -> list[float]:
@@ -19,8 +19,7 @@ def _floats(text: str) -> list[float]:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--text/--device/--backend/--prompt shared by validate and fidelity."""
-    p.add_argument("--model", default="default",
-                   help="local HF model folder (Llama/Qwen2/Mistral/GPT-2 style), or 'default' for the shipped model")
+    add_model_option(p)
     p.add_argument("--text", default=None, help="UTF-8 text file to score (default: the shipped held-out text)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--backend", choices=("torch", "triton"), default=None,
@@ -35,7 +34,7 @@ def load_model_and_ids(args: argparse.Namespace):
 
     import torch
 
-    from traces.recorder import load_model
+    from traces.models import load_model
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = args.backend or ("triton" if device.startswith("cuda") else "torch")
