@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from policies.kernels import causal_row, evict_lowest, evict_lowest_sorted, group_score
+from policies.kernels import causal_attention_scores, evict_lowest, evict_lowest_sorted, group_score
 
 POOLING = ("max", "avg")
 
@@ -28,19 +28,10 @@ def group_rows_scores(q, k, scale, h, r0, r1, mode, scores, ring, ring_w):
 
     mode: 0 mean, 1 sum, 2 max over the G query heads of the group. When ``ring_w > 0`` each row's reduced
     probabilities also go to ``ring[:, 1 + r % ring_w]`` (the decode-time observation-window ring).
-    O((r1 - r0) * r1 * G * d) time, O(G * r1) memory.
+    Blocked float64 GEMM tiles (``causal_attention_scores``): O((r1 - r0) * r1 * G * d) time.
     """
-    hkv = k.shape[1]
-    g_n = q.shape[1] // hkv
-    p = np.zeros((1, g_n, r1), np.float64)
-    for r in range(r0, r1):
-        for g in range(g_n):
-            causal_row(q, k, scale, h * g_n + g, h, r, p[0, g])
-        for i in range(r + 1):
-            s = group_score(p, 0, i, mode)
-            scores[i] += s
-            if ring_w > 0:
-                ring[i, 1 + r % ring_w] = s
+    g_n = q.shape[1] // k.shape[1]
+    causal_attention_scores(q, k, scale, h * g_n, g_n, h, r0, r1, mode, scores, ring, ring_w)
 
 
 @njit(cache=True)

@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy
-from policies.kernels import GROUP_REDUCE, causal_row, group_score
+from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
 from policies.registry import register
 
 CONCAVE = ("power", "log")
@@ -136,7 +136,10 @@ def _cos_from(dot, ni, nj):
 
 @njit(cache=True)
 def similarity_matrix(k, mode):
-    """sim of all pairs of rows of k [n, d] (float64 [n, n]; a zero key has cosine 0 with every other key)."""
+    """sim of all pairs of rows of k [n, d] (float64 [n, n]; a zero key has cosine 0 with every other key).
+
+    The cosines are one float64 GEMM of the normalised keys (BLAS), symmetrised from the lower triangle.
+    """
     n, d = k.shape
     u = np.zeros((n, d), np.float64)
     for i in range(n):
@@ -147,14 +150,11 @@ def similarity_matrix(k, mode):
             inv = 1.0 / np.sqrt(s)
             for x in range(d):
                 u[i, x] = np.float64(k[i, x]) * inv
-    S = np.empty((n, n), np.float64)
+    S = np.dot(u, u.T)
     for i in range(n):
         S[i, i] = self_sim(mode)
         for j in range(i):
-            c = 0.0
-            for x in range(d):
-                c += u[i, x] * u[j, x]
-            s = kernel_sim(c, mode)
+            s = kernel_sim(S[i, j], mode)
             S[i, j] = s
             S[j, i] = s
     return S
@@ -248,26 +248,12 @@ def prompt_importance(q, k, scale, h, mode):
     """Attention each prompt key of KV head h accumulates over all prompt queries (Alg. 1 line 3): float64 [P].
 
     Per query row the G query heads' causal probabilities are reduced like ``group_score`` (mean/sum/max).
+    Blocked GEMM tiles (``causal_attention_scores``), O(P^2 G d) time.
     """
     P, hq_n, _ = q.shape
     g_n = hq_n // k.shape[1]
     acc = np.zeros(P, np.float64)
-    row = np.zeros((g_n, P), np.float64)
-    for r in range(P):
-        for g in range(g_n):
-            causal_row(q, k, scale, h * g_n + g, h, r, row[g])
-        for i in range(r + 1):
-            if mode == 2:
-                a = row[0, i]
-                for g in range(1, g_n):
-                    a = max(a, row[g, i])
-            else:
-                a = 0.0
-                for g in range(g_n):
-                    a += row[g, i]
-                if mode == 0:
-                    a /= g_n
-            acc[i] += a
+    causal_attention_scores(q, k, scale, h * g_n, g_n, h, 0, P, mode, acc, np.zeros((1, 1)), 0)
     return acc
 
 
