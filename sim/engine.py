@@ -28,26 +28,45 @@ _VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the float32 dot p
 
 @njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
 def _dots(q, t, h, g_n, ck, n, dots):
-    """dots[g, i] = q[t, h*G + g] . ck[h, i] in float32 (SIMD), each cached key read once for the group."""
+    """dots[g, i] = q[t, h*G + g] . ck[h, i] in float32 (SIMD over d), four cached keys per pass so that each
+    query element is loaded once for four independent accumulators."""
     d = q.shape[2]
-    for i in range(n):
-        for g in range(g_n):
+    for g in range(g_n):
+        qv = q[t, h * g_n + g]
+        i = 0
+        while i + 4 <= n:
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for x in range(d):
+                qx = qv[x]
+                a0 += qx * ck[h, i, x]
+                a1 += qx * ck[h, i + 1, x]
+                a2 += qx * ck[h, i + 2, x]
+                a3 += qx * ck[h, i + 3, x]
+            dots[g, i] = a0
+            dots[g, i + 1] = a1
+            dots[g, i + 2] = a2
+            dots[g, i + 3] = a3
+            i += 4
+        while i < n:
             acc = np.float32(0.0)
             for x in range(d):
-                acc += q[t, h * g_n + g, x] * ck[h, i, x]
+                acc += qv[x] * ck[h, i, x]
             dots[g, i] = acc
+            i += 1
 
 
-@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
-def _weighted_sum(probs, h, g, cv, n, oacc):
-    """oacc = sum_i probs[h, g, i] * cv[h, i] (the cache's attention output of one query head)."""
+@njit(cache=True, nogil=True)
+def _weighted_sums(probs, h, g_n, cv, n, v64):
+    """[G, d] float64: sum_i probs[h, g, i] * cv[h, i] for the G query heads of KV head h (the cache's attention
+    outputs), one float64 GEMM over the values converted once (``v64``: [cap, d] scratch)."""
     d = cv.shape[2]
-    for x in range(d):
-        oacc[x] = 0.0
     for i in range(n):
-        p = probs[h, g, i]
         for x in range(d):
-            oacc[x] += p * cv[h, i, x]
+            v64[i, x] = cv[h, i, x]
+    return np.dot(np.ascontiguousarray(probs[h, :, :n]), v64[:n])
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -83,7 +102,7 @@ def _exp_nonpositive(xs, n, ibuf, out):
 
 @njit(cache=True, nogil=True)
 def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs, metric_row, want, dots,
-                        oacc, xs, ibuf, ebuf):
+                        v64, xs, ibuf, ebuf):
     """Attention of the G query heads of KV head h over its n cached slots into ``probs[h]``; when ``want``,
     also the step's metrics against the full-attention reference into ``metric_row[hq, :4]``."""
     d = q.shape[2]
@@ -93,8 +112,8 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
         if dirty[h, i] != 0:
             any_dirty = True
     f = np.float32(scale * mult)
+    lse_caches = np.empty(g_n, np.float64)
     for g in range(g_n):
-        hq = h * g_n + g
         mx32 = np.float32(-np.inf)
         for i in range(n):
             xs[i] = dots[g, i] * f
@@ -108,10 +127,14 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
         inv = 1.0 / tot
         for i in range(n):
             probs[h, g, i] = ebuf[i] * inv
-        mx = np.float64(mx32)
-        if not want:
-            continue
-        lse_cache = mx + np.log(tot)
+        if want:
+            lse_caches[g] = np.float64(mx32) + np.log(tot)
+    if not want:
+        return
+    oacc = _weighted_sums(probs, h, g_n, cv, n, v64)
+    for g in range(g_n):
+        hq = h * g_n + g
+        lse_cache = lse_caches[g]
         if mult == 1.0 and not any_dirty:
             # cached logits are the true logits: p_full(i) = p(i) * exp(lse_cache - lse_full) for every slot
             mass = np.exp(min(0.0, lse_cache - lse[t, hq]))
@@ -132,13 +155,12 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
                 p = probs[h, g, i]
                 if p > 0.0:
                     kl += p * (np.log(p) - log_pfull)
-        _weighted_sum(probs, h, g, cv, n, oacc)
         num = 0.0
         den = 0.0
         l1 = 0.0
         for x in range(d):
             ref = np.float64(o[t, hq, x])
-            diff = ref - oacc[x]
+            diff = ref - oacc[g, x]
             num += diff * diff
             den += ref * ref
             l1 += abs(diff)
@@ -268,7 +290,7 @@ def replay_layer(kernels, cfg, data, out):
     xs = np.zeros(cap, np.float32)
     ebuf = np.zeros(cap, np.float32)
     ibuf = np.zeros(cap, np.int32)
-    oacc = np.zeros(d, np.float64)
+    v64 = np.zeros((cap, d), np.float64)
     clen = np.zeros(hkv, np.int64)
 
     t0 = 0
@@ -321,7 +343,7 @@ def replay_layer(kernels, cfg, data, out):
                 cst[h, s, f] = 0.0
             clen[h] = s + 1
             _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, cfg.scale, mult, ck, cv, cpos, dirty, probs,
-                                metric_row, want, dots, oacc, xs, ibuf, ebuf)
+                                metric_row, want, dots, v64, xs, ibuf, ebuf)
             if want:
                 r = t - P
                 for g in range(g_n):
