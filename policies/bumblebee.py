@@ -160,18 +160,44 @@ def similarity_matrix(k, mode):
     return S
 
 
+@njit(cache=True, fastmath=_VECTOR_MATH)
+def _coverage_gain(S, e, cover):
+    """sum_v max(0, S[e, v] - cover[v]): the facility-location gain of e before normalisation (SIMD)."""
+    fl = 0.0
+    for v in range(S.shape[0]):
+        fl += max(S[e, v] - cover[v], 0.0)
+    return fl
+
+
 @njit(cache=True)
 def _gain(S, e, cover, m_e, m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta):
-    n = S.shape[0]
-    fl = 0.0
-    for v in range(n):
-        d = S[e, v] - cover[v]
-        if d > 0.0:
-            fl += d
+    fl = _coverage_gain(S, e, cover)
     imp = 0.0
     if phi_tot > 0.0:
         imp = (concave(m_sel + m_e, kind, alpha, beta) - phi_sel) / phi_tot
     return lam * fl / fl_norm + (1.0 - lam) * imp
+
+
+@njit(cache=True, inline="always")
+def _before(a, b, bound):
+    """Heap order of the lazy greedy: larger bound first, ties to the lower index (the naive scan's order)."""
+    return bound[a] > bound[b] or (bound[a] == bound[b] and a < b)
+
+
+@njit(cache=True)
+def _sift_down(heap, n, i, bound):
+    """Restore the max-heap ``heap[:n]`` below position i (after its item's bound changed or it was replaced)."""
+    while True:
+        top = i
+        left = 2 * i + 1
+        if left < n and _before(heap[left], heap[top], bound):
+            top = left
+        if left + 1 < n and _before(heap[left + 1], heap[top], bound):
+            top = left + 1
+        if top == i:
+            return
+        heap[i], heap[top] = heap[top], heap[i]
+        i = top
 
 
 @njit(cache=True)
@@ -179,7 +205,7 @@ def greedy_select(S, m, budget, forced, lam, kind, alpha, beta, lazy):
     """Alg. 1: greedy maximisation of g over V = rows of S with |selection| <= budget, ``forced`` items first.
 
     S [n, n] similarities, m [n] accumulated attention, forced [n] uint8 (kept unconditionally, e.g. a local
-    window). ``lazy`` re-evaluates only the candidate with the highest stale upper bound (Minoux): same
+    window). ``lazy`` re-evaluates only the candidate with the highest stale upper bound (Minoux; a heap): same
     picks as the naive greedy (ties to the smaller index), far fewer gain evaluations. Returns (selected
     indices in pick order, number of gain evaluations).
     """
@@ -207,21 +233,29 @@ def greedy_select(S, m, budget, forced, lam, kind, alpha, beta, lazy):
     phi_sel = concave(m_sel, kind, alpha, beta)
     bound = np.full(n, np.inf)
     stamp = np.full(n, -1, np.int64)
+    # max-heap of the unchosen items by (stale bound, then lower index): its top is the scan's argmax
+    heap = np.empty(n, np.int64)
+    n_heap = 0
+    for e in range(n):
+        if chosen[e] == 0:
+            heap[n_heap] = e
+            n_heap += 1
     evals = 0
     it = 0
     while n_sel < order.shape[0]:
         best = -1
         if lazy:
             while True:
-                best = -1
-                for e in range(n):
-                    if chosen[e] == 0 and (best < 0 or bound[e] > bound[best]):
-                        best = e
+                best = heap[0]
                 if stamp[best] == it:
+                    n_heap -= 1
+                    heap[0] = heap[n_heap]
+                    _sift_down(heap, n_heap, 0, bound)
                     break
                 bound[best] = _gain(S, best, cover, m[best], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
                 stamp[best] = it
                 evals += 1
+                _sift_down(heap, n_heap, 0, bound)     # a bound only changes at the top
         else:
             best_g = 0.0
             for e in range(n):
