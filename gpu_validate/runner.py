@@ -29,6 +29,7 @@ import torch
 
 from gpu_validate.backends import BACKENDS, make_cache
 from policies.base import Policy, PolicyError
+from sim.contract import check_allocation, check_kept, check_scale, check_step, raise_on, slot_capacity
 
 IMPL_NAME = "kvsim_validate"
 _ACTIVE: list["CompressedRunner"] = []
@@ -179,8 +180,8 @@ class CompressedRunner:
         cache.append(key.to(self.cache_dtype), value.to(self.cache_dtype),
                      positions=torch.tensor([[t]], device=self.device))
         mult = float(self.scale_fn(self.params, t + 1))
-        if not np.isfinite(mult) or mult <= 0.0:
-            raise ValidateError(f"policy {self.policy.label()} returned a bad logit scale {mult} at step {t}")
+        info = np.zeros(3, np.int64)
+        raise_on(self.policy, check_scale(mult, t, info), info, layer)
         o, _ = cache.attend(query[:, :, 0, :].to(self.cache_dtype), logit_scale=mult,
                             update_acc=False, update_ema=False)
         self._policy_step(layer, t, cache)
@@ -213,7 +214,9 @@ class CompressedRunner:
         valid = np.arange(cap)[None, :] < lengths[:, None]
         keep &= valid.astype(np.uint8)
         kept_n = keep.sum(1).astype(np.int64)
-        self._check_contract(layer, t, lengths, keep, merge_to, kept_n, budget)
+        info = np.zeros(3, np.int64)
+        raise_on(self.policy, check_step(lengths, keep, merge_to, budget, self.policy.head_adaptive,
+                                         not self.policy.unbounded, t, info), info, layer)
         merging = bool((merge_to[valid] >= 0).any())
         if (kept_n < lengths).any():
             total = cache.total_capacity
@@ -241,29 +244,7 @@ class CompressedRunner:
             if 0 <= r < self.kept.shape[1]:
                 self.kept[layer, r, :, :cap] = pos
 
-    def _check_contract(self, layer, t, lengths, keep, merge_to, kept_n, budget) -> None:
-        who = f"policy {self.policy.label()} broke its contract at layer {layer}, step {t}"
-        if not self.policy.unbounded:
-            if self.policy.head_adaptive:
-                if kept_n.sum() > budget.sum():
-                    raise ValidateError(f"{who}: the layer holds {kept_n.sum()} slots, over {budget.sum()}")
-            elif (kept_n > budget).any():
-                h = int(np.argmax(kept_n > budget))
-                raise ValidateError(f"{who}: KV head {h} holds {kept_n[h]} slots, over its budget {budget[h]}")
-        for h in range(self.n_kv):
-            for i in np.flatnonzero(merge_to[h, :lengths[h]] >= 0):
-                j = merge_to[h, i]
-                if keep[h, i] or j >= lengths[h] or not keep[h, j] or j == i:
-                    raise ValidateError(f"{who}: KV head {h} slot {i} merges into slot {j}, which is not kept")
-
     # ----- setup -----
-    def _capacities(self, budgets: np.ndarray, n_total: int) -> np.ndarray:
-        if self.policy.unbounded:
-            return np.full_like(budgets, n_total)
-        if self.policy.head_adaptive:
-            return np.minimum(n_total, np.repeat(budgets.sum(1, keepdims=True), self.n_kv, 1) + 1)
-        return np.minimum(n_total, budgets + 1)
-
     def _forward(self, token: int, t: int):
         self.t = t
         ids = torch.tensor([[token]], device=self.device)
@@ -296,13 +277,10 @@ class CompressedRunner:
                 raise ValidateError(f"only {len(self.prompt_q)} of {self.n_layers} layers called the attention "
                                     "interface; this model is not supported")
             layers = [(self.prompt_q[l], self.prompt_k[l]) for l in range(self.n_layers)]
-            budgets = np.ascontiguousarray(self.policy.allocate(self.budget, self.n_kv, layers, self.scale),
-                                           dtype=np.int64)
-            if budgets.shape != (self.n_layers, self.n_kv) or (budgets < 1).any():
-                raise ValidateError(f"policy {self.policy.label()}: allocate() returned budgets of shape "
-                                    f"{budgets.shape} (need ({self.n_layers}, {self.n_kv}), all >= 1)")
+            budgets = check_allocation(self.policy, self.policy.allocate(self.budget, self.n_kv, layers, self.scale),
+                                       self.n_layers, self.n_kv)
             self.budgets = budgets
-            caps = self._capacities(budgets, max(n_total, 1))
+            caps = np.stack([slot_capacity(self.policy, b, n_total) for b in budgets])
             self.caches = [make_cache(self.backend, batch=1, n_kv_heads=self.n_kv, n_q_heads=self.n_q,
                                       head_dim=self.head_dim, capacity=caps[l].tolist(), dtype=self.cache_dtype,
                                       device=self.device, softmax_scale=self.scale, track_acc=False)
@@ -365,7 +343,9 @@ class CompressedRunner:
             if self.policy.has_prefill:
                 self.prefill_fn(self.params, layer, budget, q, k, v, float(self.scale), keep, pst, self.head_state[layer])
             kept_n = keep.sum(1).astype(np.int64)
-            self._check_contract(layer, -1, np.full(self.n_kv, P), keep, np.full((self.n_kv, P), -1), kept_n, budget)
+            info = np.zeros(3, np.int64)
+            raise_on(self.policy, check_kept(kept_n, budget, self.policy.head_adaptive, not self.policy.unbounded, -1,
+                                             info), info, layer)
             dev = self.device
             kt = torch.from_numpy(k).to(dev).transpose(0, 1)[None]
             vt = torch.from_numpy(v).to(dev).transpose(0, 1)[None]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from policies.kernels import causal_row, evict_lowest, evict_lowest_sorted, group_score
+from policies.kernels import causal_attention_scores, evict_lowest, evict_lowest_sorted, group_score
 
 POOLING = ("max", "avg")
 #: GQA reduction of the observation-window policies; kernel modes (``group_rows_scores``): mean 0, sum 1, max 3,
@@ -51,31 +51,23 @@ def group_rows_scores(q, k, scale, h, r0, r1, mode, scores, ring, ring_w):
     mode: 0 mean, 1 sum, 2 max over the G query heads of each row; 3 the max over the group's heads of their
     sums over the rows (the ring then gets the row max). When ``ring_w > 0`` each row's reduced probabilities
     also go to ``ring[:, 1 + r % ring_w]`` (the decode-time observation-window ring).
-    O((r1 - r0) * r1 * G * d) time, O(G * r1) memory.
+    Blocked float64 GEMM tiles (``causal_attention_scores``): O((r1 - r0) * r1 * G * d) time.
     """
-    hkv = k.shape[1]
-    g_n = q.shape[1] // hkv
-    p = np.zeros((1, g_n, r1), np.float64)
-    row_mode = 2 if mode == 3 else mode
+    g_n = q.shape[1] // k.shape[1]
+    if mode != 3:
+        causal_attention_scores(q, k, scale, h * g_n, g_n, h, r0, r1, mode, scores, ring, ring_w)
+        return
+    if ring_w > 0:   # the ring holds each row's max over the group
+        causal_attention_scores(q, k, scale, h * g_n, g_n, h, r0, r1, 2, np.zeros(r1), ring, ring_w)
     head_sums = np.zeros((g_n, r1), np.float64)
-    for r in range(r0, r1):
-        for g in range(g_n):
-            causal_row(q, k, scale, h * g_n + g, h, r, p[0, g])
-            if mode == 3:
-                for i in range(r + 1):
-                    head_sums[g, i] += p[0, g, i]
-        for i in range(r + 1):
-            s = group_score(p, 0, i, row_mode)
-            if mode != 3:
-                scores[i] += s
-            if ring_w > 0:
-                ring[i, 1 + r % ring_w] = s
-    if mode == 3:
-        for i in range(r1):
-            m = head_sums[0, i]
-            for g in range(1, g_n):
-                m = max(m, head_sums[g, i])
-            scores[i] += m
+    no_ring = np.zeros((1, 1), np.float64)
+    for g in range(g_n):
+        causal_attention_scores(q, k, scale, h * g_n + g, 1, h, r0, r1, 1, head_sums[g], no_ring, 0)
+    for i in range(r1):
+        m = head_sums[0, i]
+        for g in range(1, g_n):
+            m = max(m, head_sums[g, i])
+        scores[i] += m
 
 
 @njit(cache=True)

@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy
-from policies.kernels import GROUP_REDUCE, causal_row, group_score
+from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
 from policies.h2o import recent_slots
 from policies.registry import register
 
@@ -132,7 +132,10 @@ def _cos_from(dot, ni, nj):
 
 @njit(cache=True)
 def similarity_matrix(k, mode):
-    """sim of all pairs of rows of k [n, d] (float64 [n, n]; a zero key has cosine 0 with every other key)."""
+    """sim of all pairs of rows of k [n, d] (float64 [n, n]; a zero key has cosine 0 with every other key).
+
+    The cosines are one float64 GEMM of the normalised keys (BLAS), symmetrised from the lower triangle.
+    """
     n, d = k.shape
     u = np.zeros((n, d), np.float64)
     for i in range(n):
@@ -143,31 +146,54 @@ def similarity_matrix(k, mode):
             inv = 1.0 / np.sqrt(s)
             for x in range(d):
                 u[i, x] = np.float64(k[i, x]) * inv
-    S = np.empty((n, n), np.float64)
+    S = np.dot(u, u.T)
     for i in range(n):
         S[i, i] = self_sim(mode)
         for j in range(i):
-            c = 0.0
-            for x in range(d):
-                c += u[i, x] * u[j, x]
-            s = kernel_sim(c, mode)
+            s = kernel_sim(S[i, j], mode)
             S[i, j] = s
             S[j, i] = s
     return S
 
 
+@njit(cache=True, fastmath=_VECTOR_MATH)
+def _coverage_gain(S, e, cover):
+    """sum_v max(0, S[e, v] - cover[v]): the facility-location gain of e before normalisation (SIMD)."""
+    fl = 0.0
+    for v in range(S.shape[0]):
+        fl += max(S[e, v] - cover[v], 0.0)
+    return fl
+
+
 @njit(cache=True)
 def _gain(S, e, cover, m_e, m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta):
-    n = S.shape[0]
-    fl = 0.0
-    for v in range(n):
-        d = S[e, v] - cover[v]
-        if d > 0.0:
-            fl += d
+    fl = _coverage_gain(S, e, cover)
     imp = 0.0
     if phi_tot > 0.0:
         imp = (concave(m_sel + m_e, kind, alpha, beta) - phi_sel) / phi_tot
     return lam * fl / fl_norm + (1.0 - lam) * imp
+
+
+@njit(cache=True, inline="always")
+def _before(a, b, bound):
+    """Heap order of the lazy greedy: larger bound first, ties to the lower index (the naive scan's order)."""
+    return bound[a] > bound[b] or (bound[a] == bound[b] and a < b)
+
+
+@njit(cache=True)
+def _sift_down(heap, n, i, bound):
+    """Restore the max-heap ``heap[:n]`` below position i (after its item's bound changed or it was replaced)."""
+    while True:
+        top = i
+        left = 2 * i + 1
+        if left < n and _before(heap[left], heap[top], bound):
+            top = left
+        if left + 1 < n and _before(heap[left + 1], heap[top], bound):
+            top = left + 1
+        if top == i:
+            return
+        heap[i], heap[top] = heap[top], heap[i]
+        i = top
 
 
 @njit(cache=True)
@@ -175,7 +201,7 @@ def greedy_select(S, m, budget, forced, lam, kind, alpha, beta, lazy):
     """Alg. 1: greedy maximisation of g over V = rows of S with |selection| <= budget, ``forced`` items first.
 
     S [n, n] similarities, m [n] accumulated attention, forced [n] uint8 (kept unconditionally, e.g. a local
-    window). ``lazy`` re-evaluates only the candidate with the highest stale upper bound (Minoux): same
+    window). ``lazy`` re-evaluates only the candidate with the highest stale upper bound (Minoux; a heap): same
     picks as the naive greedy (ties to the smaller index), far fewer gain evaluations. Returns (selected
     indices in pick order, number of gain evaluations).
     """
@@ -203,21 +229,29 @@ def greedy_select(S, m, budget, forced, lam, kind, alpha, beta, lazy):
     phi_sel = concave(m_sel, kind, alpha, beta)
     bound = np.full(n, np.inf)
     stamp = np.full(n, -1, np.int64)
+    # max-heap of the unchosen items by (stale bound, then lower index): its top is the scan's argmax
+    heap = np.empty(n, np.int64)
+    n_heap = 0
+    for e in range(n):
+        if chosen[e] == 0:
+            heap[n_heap] = e
+            n_heap += 1
     evals = 0
     it = 0
     while n_sel < order.shape[0]:
         best = -1
         if lazy:
             while True:
-                best = -1
-                for e in range(n):
-                    if chosen[e] == 0 and (best < 0 or bound[e] > bound[best]):
-                        best = e
+                best = heap[0]
                 if stamp[best] == it:
+                    n_heap -= 1
+                    heap[0] = heap[n_heap]
+                    _sift_down(heap, n_heap, 0, bound)
                     break
                 bound[best] = _gain(S, best, cover, m[best], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
                 stamp[best] = it
                 evals += 1
+                _sift_down(heap, n_heap, 0, bound)     # a bound only changes at the top
         else:
             best_g = 0.0
             for e in range(n):
@@ -244,26 +278,12 @@ def prompt_importance(q, k, scale, h, mode):
     """Attention each prompt key of KV head h accumulates over all prompt queries (Alg. 1 line 3): float64 [P].
 
     Per query row the G query heads' causal probabilities are reduced like ``group_score`` (mean/sum/max).
+    Blocked GEMM tiles (``causal_attention_scores``), O(P^2 G d) time.
     """
     P, hq_n, _ = q.shape
     g_n = hq_n // k.shape[1]
     acc = np.zeros(P, np.float64)
-    row = np.zeros((g_n, P), np.float64)
-    for r in range(P):
-        for g in range(g_n):
-            causal_row(q, k, scale, h * g_n + g, h, r, row[g])
-        for i in range(r + 1):
-            if mode == 2:
-                a = row[0, i]
-                for g in range(1, g_n):
-                    a = max(a, row[g, i])
-            else:
-                a = 0.0
-                for g in range(g_n):
-                    a += row[g, i]
-                if mode == 0:
-                    a /= g_n
-            acc[i] += a
+    causal_attention_scores(q, k, scale, h * g_n, g_n, h, 0, P, mode, acc, np.zeros((1, 1)), 0)
     return acc
 
 

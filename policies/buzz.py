@@ -16,7 +16,7 @@ from typing import Sequence
 
 from policies.base import (LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError,
                            param_indices)
-from policies.kernels import GROUP_REDUCE, causal_attention_rows, group_score
+from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
 from policies.registry import register
 
 PREFILL = ("fit", "one_pass")
@@ -46,7 +46,6 @@ PL = param_indices(LOGN_SCHEMA)          # SCHEMA is its prefix: the BUZZ kernel
 # slot_state fields: accumulated attention, old flag; head_state fields: window, threshold, initialised
 _SCORE, _OLD = 0, 1
 _HW, _HT, _HINIT = 0, 1, 2
-_PROMPT_ROWS = 64
 
 
 @njit(cache=True)
@@ -236,15 +235,7 @@ def _prompt_scores(q, k, scale, mode):
     g_n = hq // hkv
     out = np.zeros((hkv, n_prompt), np.float64)
     for h in range(hkv):
-        for r0 in range(0, n_prompt, _PROMPT_ROWS):   # row blocks bound the memory to _PROMPT_ROWS x n_prompt per head
-            r1 = min(n_prompt, r0 + _PROMPT_ROWS)
-            red = causal_attention_rows(q, k, scale, h * g_n, h, r0, r1)
-            for g in range(1, g_n):
-                rows = causal_attention_rows(q, k, scale, h * g_n + g, h, r0, r1)
-                red = np.maximum(red, rows) if mode == 2 else red + rows
-            if mode == 0:
-                red /= g_n
-            out[h, :r1] += red.sum(axis=0)
+        causal_attention_scores(q, k, scale, h * g_n, g_n, h, 0, n_prompt, mode, out[h], np.zeros((1, 1)), 0)
     return out
 
 

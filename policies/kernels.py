@@ -108,17 +108,138 @@ def causal_row(q, k, scale, hq, h, r, row):
         row[i] /= tot
 
 
-@njit(cache=True)
-def causal_attention_rows(q, k, scale, hq, h, r0, r1):
-    """Causal softmax attention of query head ``hq`` rows [r0, r1) over KV head ``h``'s keys 0..row.
+_VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the loops below (rounding-level differences)
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.6931471803691238     # ln 2 split so that k * _LN2_HI is exact for |k| < 2^20 (Cody-Waite)
+_LN2_LO = 1.9082149292705877e-10
 
-    Returns float64 [r1 - r0, r1]; entries right of the diagonal are 0. Prompt-time helper for prefill
-    selectors (SnapKV observation windows, accumulated prompt attention): O((r1 - r0) * r1 * d).
+
+@njit(cache=True, fastmath=_VECTOR_MATH)
+def softmax_rows_inplace(x, n, scale, ibuf):
+    """x[:n] <- softmax(scale * x[:n]) in float64, vectorised: the numbers of ``causal_row`` to ~1 ulp.
+
+    exp by Cody-Waite reduction x = k ln2 + r (|r| <= ln2 / 2), a degree-13 Taylor polynomial (truncation
+    < 5e-18 relative) and 2^k from its IEEE-754 bits (``ibuf``: int64 scratch of >= n); arguments below
+    -708 are clamped (e^-708 ~ 3e-308, against a row sum >= 1).
     """
-    out = np.zeros((r1 - r0, r1), np.float64)
-    for r in range(r0, r1):
-        causal_row(q, k, scale, hq, h, r, out[r - r0])
+    mx = -np.inf
+    for i in range(n):
+        x[i] *= scale
+        mx = max(mx, x[i])
+    tot = 0.0
+    for i in range(n):
+        y = max(x[i] - mx, -708.0)
+        k = np.floor(y * _LOG2E + 0.5)
+        r = y - k * _LN2_HI - k * _LN2_LO
+        e = 1.0 / 6227020800.0
+        e = e * r + 1.0 / 479001600.0
+        e = e * r + 1.0 / 39916800.0
+        e = e * r + 1.0 / 3628800.0
+        e = e * r + 1.0 / 362880.0
+        e = e * r + 1.0 / 40320.0
+        e = e * r + 1.0 / 5040.0
+        e = e * r + 1.0 / 720.0
+        e = e * r + 1.0 / 120.0
+        e = e * r + 1.0 / 24.0
+        e = e * r + 1.0 / 6.0
+        e = e * r + 0.5
+        e = e * r + 1.0
+        e = e * r + 1.0
+        x[i] = e
+        ibuf[i] = (np.int64(k) + np.int64(1023)) << np.int64(52)
+    pow2 = ibuf[:n].view(np.float64)
+    for i in range(n):
+        x[i] *= pow2[i]
+        tot += x[i]
+    inv = 1.0 / tot
+    for i in range(n):
+        x[i] *= inv
+
+
+#: rows and keys per tile of the blocked prompt-attention kernels (GEMM tiles of B x d x B in float64)
+ATTN_BLOCK = 128
+
+
+@njit(cache=True)
+def key_tiles(k, h, n):
+    """Keys 0..n-1 of KV head ``h`` as float64 transposed tiles [ceil(n / B), d, B] (zero padded) for GEMM."""
+    d = k.shape[2]
+    B = ATTN_BLOCK
+    out = np.zeros(((n + B - 1) // B, d, B), np.float64)
+    for i in range(n):
+        c = i // B
+        j = i - c * B
+        for x in range(d):
+            out[c, x, j] = k[i, h, x]
     return out
+
+
+@njit(cache=True)
+def causal_attention_scores(q, k, scale, hq0, g_n, h, r0, r1, mode, scores, ring, ring_w):
+    """Add, for every query row r in [r0, r1), the causal attention of query heads [hq0, hq0 + g_n) over KV head
+    ``h``'s keys 0..r, reduced over those heads (mode 0 mean, 1 sum, 2 max, as ``group_score``), to
+    ``scores[:r1]``. When ``ring_w > 0`` each row's reduced probabilities also go to ``ring[:, 1 + r % ring_w]``.
+
+    The numbers of ``causal_row`` per row up to rounding (float64 throughout): the logits come from float64 GEMMs
+    on B x B tiles (BLAS; only tiles on or below the diagonal) and the softmax is ``softmax_rows_inplace``.
+    O((r1 - r0) * r1 * g_n * d) time, O(g_n * B * r1) memory.
+    """
+    B = ATTN_BLOCK
+    d = q.shape[2]
+    if r1 <= r0:
+        return
+    kt = key_tiles(k, h, r1)
+    qbuf = np.empty((g_n * B, d), np.float64)
+    tiles = np.empty((kt.shape[0], g_n * B, B), np.float64)
+    p = np.empty((g_n, r1), np.float64)
+    ibuf = np.empty(r1, np.int64)
+    red = np.empty(r1, np.float64)
+    for b0 in range(r0, r1, B):
+        b1 = min(r1, b0 + B)
+        nb = b1 - b0
+        m = g_n * nb
+        for g in range(g_n):
+            for r in range(b0, b1):
+                for x in range(d):
+                    qbuf[g * nb + r - b0, x] = q[r, hq0 + g, x]
+        n_tiles = (b1 + B - 1) // B
+        for c in range(n_tiles):
+            np.dot(qbuf[:m], kt[c], tiles[c, :m])
+        for r in range(b0, b1):
+            n = r + 1
+            for g in range(g_n):
+                row = g * nb + r - b0
+                for c in range(n_tiles):
+                    for j in range(min(B, n - c * B)):
+                        p[g, c * B + j] = tiles[c, row, j]
+                softmax_rows_inplace(p[g], n, scale, ibuf)
+            _reduce_group(p, g_n, n, mode, red)
+            for i in range(n):
+                scores[i] += red[i]
+            if ring_w > 0:
+                for i in range(n):
+                    ring[i, 1 + r % ring_w] = red[i]
+
+
+@njit(cache=True)
+def _reduce_group(p, g_n, n, mode, out):
+    """out[:n] = the ``group_score`` reduction (0 mean, 1 sum, 2 max) of rows p[:g_n, :n], in the same order."""
+    if mode == 2:
+        for i in range(n):
+            out[i] = p[0, i]
+        for g in range(1, g_n):
+            for i in range(n):
+                if p[g, i] > out[i]:
+                    out[i] = p[g, i]
+        return
+    for i in range(n):
+        out[i] = 0.0
+    for g in range(g_n):
+        for i in range(n):
+            out[i] += p[g, i]
+    if mode == 0:
+        for i in range(n):
+            out[i] /= g_n
 
 
 @njit(cache=True)
@@ -126,12 +247,8 @@ def causal_column_sums(q, k, scale, hq, h, r0, r1):
     """Sum over query rows [r0, r1) of query head ``hq``'s causal attention probabilities: float64 [r1].
 
     Column i is the attention token i accumulated from those queries (H2O-style accumulated score).
-    Streams row by row: O(r1) memory.
+    Blocked GEMM tiles (``causal_attention_scores``): O(B * r1) memory.
     """
     sums = np.zeros(r1, np.float64)
-    row = np.zeros(r1, np.float64)
-    for r in range(r0, r1):
-        causal_row(q, k, scale, hq, h, r, row)
-        for i in range(r + 1):
-            sums[i] += row[i]
+    causal_attention_scores(q, k, scale, hq, 1, h, r0, r1, 1, sums, np.zeros((1, 1)), 0)
     return sums

@@ -3,19 +3,24 @@
 For every step t the new token's k/v is appended to each KV head's cache, the step's queries attend over
 the cached slots only (O(budget * d) per head), metrics are taken against the trace's full-attention
 reference, then the policy's jitted ``step`` decides evictions/merges and the caches are compacted.
-The engine is compiled once (the policy kernels are first-class functions with fixed signatures) and
-cached on disk; it releases the GIL so layers replay in parallel threads.
+The engine is compiled once (the policy kernels are first-class functions with fixed signatures, the other
+inputs three named tuples) and cached on disk; it releases the GIL so layers replay in parallel threads.
+The step contract is checked by ``sim.contract``'s jitted checks, the same ones the numpy reference and the
+closed-loop runner call.
 """
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 from numba import njit
+
+from sim.contract import OK, OVER_CAPACITY, check_kept, check_scale, check_step
 
 #: metric columns of the per-(step, query head) output, in order
 METRICS = ("mass", "err", "kl", "l1", "l1_bound")
 N_METRICS = len(METRICS)
 
-OK, OVER_BUDGET, BAD_MERGE, BAD_SCALE, OVER_CAPACITY = 0, 1, 2, 3, 4
 
 
 _VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the float32 dot products and sums
@@ -23,26 +28,45 @@ _VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the float32 dot p
 
 @njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
 def _dots(q, t, h, g_n, ck, n, dots):
-    """dots[g, i] = q[t, h*G + g] . ck[h, i] in float32 (SIMD), each cached key read once for the group."""
+    """dots[g, i] = q[t, h*G + g] . ck[h, i] in float32 (SIMD over d), four cached keys per pass so that each
+    query element is loaded once for four independent accumulators."""
     d = q.shape[2]
-    for i in range(n):
-        for g in range(g_n):
+    for g in range(g_n):
+        qv = q[t, h * g_n + g]
+        i = 0
+        while i + 4 <= n:
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for x in range(d):
+                qx = qv[x]
+                a0 += qx * ck[h, i, x]
+                a1 += qx * ck[h, i + 1, x]
+                a2 += qx * ck[h, i + 2, x]
+                a3 += qx * ck[h, i + 3, x]
+            dots[g, i] = a0
+            dots[g, i + 1] = a1
+            dots[g, i + 2] = a2
+            dots[g, i + 3] = a3
+            i += 4
+        while i < n:
             acc = np.float32(0.0)
             for x in range(d):
-                acc += q[t, h * g_n + g, x] * ck[h, i, x]
+                acc += qv[x] * ck[h, i, x]
             dots[g, i] = acc
+            i += 1
 
 
-@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
-def _weighted_sum(probs, h, g, cv, n, oacc):
-    """oacc = sum_i probs[h, g, i] * cv[h, i] (the cache's attention output of one query head)."""
+@njit(cache=True, nogil=True)
+def _weighted_sums(probs, h, g_n, cv, n, v64):
+    """[G, d] float64: sum_i probs[h, g, i] * cv[h, i] for the G query heads of KV head h (the cache's attention
+    outputs), one float64 GEMM over the values converted once (``v64``: [cap, d] scratch)."""
     d = cv.shape[2]
-    for x in range(d):
-        oacc[x] = 0.0
     for i in range(n):
-        p = probs[h, g, i]
         for x in range(d):
-            oacc[x] += p * cv[h, i, x]
+            v64[i, x] = cv[h, i, x]
+    return np.dot(np.ascontiguousarray(probs[h, :, :n]), v64[:n])
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -78,7 +102,7 @@ def _exp_nonpositive(xs, n, ibuf, out):
 
 @njit(cache=True, nogil=True)
 def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs, metric_row, want, dots,
-                        oacc, xs, ibuf, ebuf):
+                        v64, xs, ibuf, ebuf):
     """Attention of the G query heads of KV head h over its n cached slots into ``probs[h]``; when ``want``,
     also the step's metrics against the full-attention reference into ``metric_row[hq, :4]``."""
     d = q.shape[2]
@@ -88,8 +112,8 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
         if dirty[h, i] != 0:
             any_dirty = True
     f = np.float32(scale * mult)
+    lse_caches = np.empty(g_n, np.float64)
     for g in range(g_n):
-        hq = h * g_n + g
         mx32 = np.float32(-np.inf)
         for i in range(n):
             xs[i] = dots[g, i] * f
@@ -103,10 +127,14 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
         inv = 1.0 / tot
         for i in range(n):
             probs[h, g, i] = ebuf[i] * inv
-        mx = np.float64(mx32)
-        if not want:
-            continue
-        lse_cache = mx + np.log(tot)
+        if want:
+            lse_caches[g] = np.float64(mx32) + np.log(tot)
+    if not want:
+        return
+    oacc = _weighted_sums(probs, h, g_n, cv, n, v64)
+    for g in range(g_n):
+        hq = h * g_n + g
+        lse_cache = lse_caches[g]
         if mult == 1.0 and not any_dirty:
             # cached logits are the true logits: p_full(i) = p(i) * exp(lse_cache - lse_full) for every slot
             mass = np.exp(min(0.0, lse_cache - lse[t, hq]))
@@ -127,13 +155,12 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
                 p = probs[h, g, i]
                 if p > 0.0:
                     kl += p * (np.log(p) - log_pfull)
-        _weighted_sum(probs, h, g, cv, n, oacc)
         num = 0.0
         den = 0.0
         l1 = 0.0
         for x in range(d):
             ref = np.float64(o[t, hq, x])
-            diff = ref - oacc[x]
+            diff = ref - oacc[g, x]
             num += diff * diff
             den += ref * ref
             l1 += abs(diff)
@@ -158,179 +185,187 @@ def _move_left(ck, cv, cpos, dirty, cst, i, j, dst):
             cst[dst + s, f] = cst[i + s, f]
 
 
-@njit(cache=True, nogil=True)
-def replay_layer(step_k, prefill_k, scale_k, params, layer, q, k, v, lse, o, vmax1, scale, has_prefill, metric_start, budget,
-                 head_adaptive, check_budget, cap, n_slot_fields, n_head_fields, rec_start, kept_out, metrics_out,
-                 slots_out, err_info):
-    """Replay one layer. Returns a status code (OK or an error kind with details in ``err_info``).
+#: the policy and run settings of one layer's replay (numba reads it as a typed named tuple)
+#:   params float64[n_params]; layer; scale softmax scale; has_prefill; metric_start first measured step (the
+#:   prompt length); budget int64[Hkv]; head_adaptive; bounded (checks the budget); cap slots per head buffer;
+#:   n_slot_fields / n_head_fields state widths; rec_start first step whose kept positions are recorded
+EngineConfig = namedtuple("EngineConfig", "params layer scale has_prefill metric_start budget head_adaptive bounded "
+                                          "cap n_slot_fields n_head_fields rec_start")
+#: one layer of the trace: q [T,Hq,d], k/v [T,Hkv,d] float32; lse [T,Hq], o [T,Hq,d] the full-attention
+#: reference; vmax1 [T,Hkv] running max of ||v||_1 (for the Ada-KV bound)
+LayerData = namedtuple("LayerData", "q k v lse o vmax1")
+#: what a replay writes: metrics [T - metric_start, Hq, N_METRICS] float64, slots [T - metric_start, Hkv] held
+#: after eviction, kept [n_rec, Hkv, cap] kept positions (-1 padded) of steps rec_start.., info int64[3] the
+#: (step, head, value) of a contract failure
+EngineOutputs = namedtuple("EngineOutputs", "metrics slots kept info")
 
-    q [T,Hq,d], k/v [T,Hkv,d] float32; lse [T,Hq], o [T,Hq,d] full-attention reference; vmax1 [T,Hkv] running
-    max of ||v||_1 (for the Ada-KV bound). Metrics are written for steps t >= metric_start into
-    metrics_out[t - metric_start, hq, :]; slots held after eviction into slots_out; kept positions of steps
-    rec_start .. rec_start + len(kept_out) into kept_out[r, h, :] (-1 padded).
-    """
-    # each kernel arrives in a 1-tuple so numba types it as a first-class function (one engine for all)
-    step = step_k[0]
-    prefill = prefill_k[0]
-    logit_scale = scale_k[0]
-    T, hq_n, d = q.shape
-    hkv = k.shape[1]
-    g_n = hq_n // hkv
+
+@njit(cache=True, nogil=True)
+def _new_buffers(hkv, g_n, d, cap, n_slot_fields, n_head_fields):
+    """Per-head slot buffers of a layer (keys, values, positions, slot state, merged flags) and the step's
+    decision arrays, all for ``cap`` slots per KV head."""
     ck = np.zeros((hkv, cap, d), np.float32)
     cv = np.zeros((hkv, cap, d), np.float32)
     cpos = np.full((hkv, cap), -1, np.int64)
     cst = np.zeros((hkv, cap, n_slot_fields), np.float64)
     hst = np.zeros((hkv, n_head_fields), np.float64)
-    clen = np.zeros(hkv, np.int64)
     dirty = np.zeros((hkv, cap), np.uint8)
     probs = np.zeros((hkv, g_n, cap), np.float64)
     keep = np.ones((hkv, cap), np.uint8)
     merge_to = np.full((hkv, cap), -1, np.int64)
     merge_w = np.ones((hkv, cap), np.float64)
+    return ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w
+
+
+@njit(cache=True, nogil=True)
+def _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, dirty):
+    """Fold the merged slots of head h: scale each receiving slot by its self weight once, then add the weighted
+    sources (``dirty`` = 2 marks a slot merged this step). The merges were checked by ``check_step``."""
+    d = ck.shape[2]
+    for i in range(n):
+        j = merge_to[h, i]
+        if j >= 0 and dirty[h, j] != 2:
+            w = merge_w[h, j]
+            for x in range(d):
+                ck[h, j, x] = np.float32(w * ck[h, j, x])
+                cv[h, j, x] = np.float32(w * cv[h, j, x])
+            dirty[h, j] = 2
+    for i in range(n):
+        j = merge_to[h, i]
+        if j >= 0:
+            w = merge_w[h, i]
+            for x in range(d):
+                ck[h, j, x] = np.float32(ck[h, j, x] + w * ck[h, i, x])
+                cv[h, j, x] = np.float32(cv[h, j, x] + w * cv[h, i, x])
+
+
+@njit(cache=True, nogil=True)
+def _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst):
+    """Stable compaction of head h's kept slots (each run of kept slots moves with one block copy); resets the
+    decision arrays for the next step. Returns the slots held."""
+    wpos = 0
+    i = 0
+    while i < n:
+        if keep[h, i] == 0:
+            i += 1
+            continue
+        j = i
+        while j < n and keep[h, j] != 0:
+            j += 1
+        if wpos != i:
+            _move_left(ck[h], cv[h], cpos[h], dirty[h], cst[h], i, j, wpos)
+        wpos += j - i
+        i = j
+    for i in range(wpos):
+        if dirty[h, i] == 2:
+            dirty[h, i] = 1
+    for i in range(n):
+        keep[h, i] = 1
+        merge_to[h, i] = -1
+        merge_w[h, i] = 1.0
+    return wpos
+
+
+@njit(cache=True, nogil=True)
+def replay_layer(kernels, cfg, data, out):
+    """Replay one layer of a trace. Returns a status code of ``sim.contract`` (OK, or the failed check, with
+    its (step, head, value) in ``out.info``).
+
+    kernels: the policy's ((step,), (prefill,), (logit_scale,)), each in a 1-tuple so that numba types it as a
+    first-class function of its fixed signature (one compiled engine for every policy); cfg: EngineConfig;
+    data: LayerData; out: EngineOutputs. Metrics are written for steps t >= cfg.metric_start.
+    """
+    step = kernels[0][0]
+    prefill = kernels[1][0]
+    logit_scale = kernels[2][0]
+    q, k, v, lse, o, vmax1 = data
+    params, budget, cap, info = cfg.params, cfg.budget, cfg.cap, out.info
+    T, hq_n, d = q.shape
+    hkv = k.shape[1]
+    g_n = hq_n // hkv
+    ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, cap, cfg.n_slot_fields,
+                                                                                 cfg.n_head_fields)
     metric_row = np.zeros((hq_n, N_METRICS), np.float64)
     dots = np.zeros((g_n, cap), np.float32)
     xs = np.zeros(cap, np.float32)
     ebuf = np.zeros(cap, np.float32)
     ibuf = np.zeros(cap, np.int32)
-    oacc = np.zeros(d, np.float64)
-    total_budget = 0
-    for h in range(hkv):
-        total_budget += budget[h]
+    v64 = np.zeros((cap, d), np.float64)
+    clen = np.zeros(hkv, np.int64)
 
     t0 = 0
-    if has_prefill:
-        P = metric_start
+    P = cfg.metric_start
+    if cfg.has_prefill:
         if P > 0:
             pkeep = np.ones((hkv, P), np.uint8)
-            pst = np.zeros((hkv, P, n_slot_fields), np.float64)
-            prefill(params, layer, budget, q[:P], k[:P], v[:P], scale, pkeep, pst, hst)
-            held = 0
+            pst = np.zeros((hkv, P, cfg.n_slot_fields), np.float64)
+            prefill(params, cfg.layer, budget, q[:P], k[:P], v[:P], cfg.scale, pkeep, pst, hst)
             for h in range(hkv):
                 n = 0
                 for i in range(P):
                     if pkeep[h, i] != 0:
-                        if n >= cap - 1:
-                            err_info[0] = -1
-                            err_info[1] = h
-                            err_info[2] = n + 1
+                        if n >= cap - 1:     # the first decode token needs a free slot
+                            info[0] = -1
+                            info[1] = h
+                            info[2] = n + 1
                             return OVER_CAPACITY
                         ck[h, n] = k[i, h]
                         cv[h, n] = v[i, h]
                         cpos[h, n] = i
-                        for f in range(n_slot_fields):
+                        for f in range(cfg.n_slot_fields):
                             cst[h, n, f] = pst[h, i, f]
                         n += 1
                 clen[h] = n
-                held += n
-                if check_budget and not head_adaptive and n > budget[h]:
-                    err_info[0] = -1
-                    err_info[1] = h
-                    err_info[2] = n
-                    return OVER_BUDGET
-            if check_budget and head_adaptive and held > total_budget:
-                err_info[0] = -1
-                err_info[1] = -1
-                err_info[2] = held
-                return OVER_BUDGET
+            status = check_kept(clen, budget, cfg.head_adaptive, cfg.bounded, -1, info)
+            if status != OK:
+                return status
         t0 = P
 
-    n_rec = kept_out.shape[0]
+    n_rec = out.kept.shape[0]
     for t in range(t0, T):
         mult = logit_scale(params, t + 1)
-        if not np.isfinite(mult) or mult <= 0.0:
-            err_info[0] = t
-            return BAD_SCALE
-        want = t >= metric_start
+        status = check_scale(mult, t, info)
+        if status != OK:
+            return status
+        want = t >= P
         for h in range(hkv):
             s = clen[h]
             if s >= cap:
-                err_info[0] = t
-                err_info[1] = h
-                err_info[2] = s + 1
+                info[0] = t
+                info[1] = h
+                info[2] = s + 1
                 return OVER_CAPACITY
             ck[h, s] = k[t, h]
             cv[h, s] = v[t, h]
             cpos[h, s] = t
             dirty[h, s] = 0
-            for f in range(n_slot_fields):
+            for f in range(cfg.n_slot_fields):
                 cst[h, s, f] = 0.0
             clen[h] = s + 1
-            _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs,
-                                metric_row, want, dots, oacc, xs, ibuf, ebuf)
+            _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, cfg.scale, mult, ck, cv, cpos, dirty, probs,
+                                metric_row, want, dots, v64, xs, ibuf, ebuf)
             if want:
-                r = t - metric_start
+                r = t - P
                 for g in range(g_n):
                     hq = h * g_n + g
                     for m in range(4):
-                        metrics_out[r, hq, m] = metric_row[hq, m]
-                    metrics_out[r, hq, 4] = 2.0 * max(0.0, 1.0 - metric_row[hq, 0]) * vmax1[t, h]
+                        out.metrics[r, hq, m] = metric_row[hq, m]
+                    out.metrics[r, hq, 4] = 2.0 * max(0.0, 1.0 - metric_row[hq, 0]) * vmax1[t, h]
 
-        step(params, layer, t, budget, clen, probs, ck, cv, cpos, cst, hst, keep, merge_to, merge_w)
-
-        held = 0
+        step(params, cfg.layer, t, budget, clen, probs, ck, cv, cpos, cst, hst, keep, merge_to, merge_w)
+        status = check_step(clen, keep, merge_to, budget, cfg.head_adaptive, cfg.bounded, t, info)
+        if status != OK:
+            return status
         for h in range(hkv):
             n = clen[h]
-            # merges: scale each receiving slot by its self weight once, then add weighted sources
-            for i in range(n):
-                j = merge_to[h, i]
-                if j >= 0:
-                    if keep[h, i] != 0 or j >= n or keep[h, j] == 0 or j == i:
-                        err_info[0] = t
-                        err_info[1] = h
-                        err_info[2] = i
-                        return BAD_MERGE
-                    if dirty[h, j] != 2:
-                        w = merge_w[h, j]
-                        for x in range(d):
-                            ck[h, j, x] = np.float32(w * ck[h, j, x])
-                            cv[h, j, x] = np.float32(w * cv[h, j, x])
-                        dirty[h, j] = 2
-            for i in range(n):
-                j = merge_to[h, i]
-                if j >= 0:
-                    w = merge_w[h, i]
-                    for x in range(d):
-                        ck[h, j, x] = np.float32(ck[h, j, x] + w * ck[h, i, x])
-                        cv[h, j, x] = np.float32(cv[h, j, x] + w * cv[h, i, x])
-            # stable compaction of kept slots: move each run of kept slots with one block copy
-            wpos = 0
-            i = 0
-            while i < n:
-                if keep[h, i] == 0:
-                    i += 1
-                    continue
-                j = i
-                while j < n and keep[h, j] != 0:
-                    j += 1
-                if wpos != i:
-                    _move_left(ck[h], cv[h], cpos[h], dirty[h], cst[h], i, j, wpos)
-                wpos += j - i
-                i = j
-            for i in range(wpos):
-                if dirty[h, i] == 2:
-                    dirty[h, i] = 1
-            for i in range(n):
-                keep[h, i] = 1
-                merge_to[h, i] = -1
-                merge_w[h, i] = 1.0
-            clen[h] = wpos
-            held += wpos
-            if check_budget and not head_adaptive and wpos > budget[h]:
-                err_info[0] = t
-                err_info[1] = h
-                err_info[2] = wpos
-                return OVER_BUDGET
-        if check_budget and head_adaptive and held > total_budget:
-            err_info[0] = t
-            err_info[1] = -1
-            err_info[2] = held
-            return OVER_BUDGET
+            _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, dirty)
+            clen[h] = _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst)
         if want:
             for h in range(hkv):
-                slots_out[t - metric_start, h] = clen[h]
-        r = t - rec_start
+                out.slots[t - P, h] = clen[h]
+        r = t - cfg.rec_start
         if 0 <= r < n_rec:
             for h in range(hkv):
                 for i in range(clen[h]):
-                    kept_out[r, h, i] = cpos[h, i]
+                    out.kept[r, h, i] = cpos[h, i]
     return OK

@@ -4,7 +4,36 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from policies.kernels import ATTN_BLOCK, key_tiles, softmax_rows_inplace
 from sim.engine import N_METRICS
+
+
+@njit(cache=True, nogil=True)
+def stable_smallest(vals, k):
+    """Indices of the ``k`` smallest of ``vals``, ties to the lower index, in that (value, index) order: the first
+    ``k`` entries of a stable argsort, in O(n + k log k) instead of O(n log n)."""
+    n = vals.shape[0]
+    if k >= n:
+        return np.argsort(vals, kind="mergesort")
+    if k <= 0:
+        return np.empty(0, np.int64)
+    thr = np.partition(vals.copy(), k - 1)[k - 1]     # the k-th smallest value
+    idx = np.empty(k, np.int64)
+    m = 0
+    for i in range(n):
+        if vals[i] < thr:
+            idx[m] = i
+            m += 1
+    for i in range(n):
+        if m == k:
+            break
+        if vals[i] == thr:
+            idx[m] = i
+            m += 1
+    sel = np.empty(k, np.float64)
+    for j in range(k):
+        sel[j] = vals[idx[j]]
+    return idx[np.argsort(sel, kind="mergesort")]
 
 
 @njit(cache=True, nogil=True)
@@ -14,12 +43,15 @@ def oracle_layer(q, k, v, o, vmax1, scale, budgets, metric_start, layer_scope, m
     the summed full-attention probability of the head's query heads; ties keep the older token.
 
     metrics_out: [n_budgets, T - metric_start, Hq, N_METRICS]; slots_out: [n_budgets, T - metric_start, Hkv].
-    Cost O(t * (Hq * d + log t)) per step and head, for all budgets at once.
+    The full attention rows are float64: logits from GEMM tiles of ``ATTN_BLOCK`` steps (BLAS), the softmax
+    of ``softmax_rows_inplace``; only the top max(budgets) of each ranking are ordered. Cost
+    O(t * (Hq * d + 1) + B_max log B_max) per step and head, for all budgets at once.
     """
     T, hq_n, d = q.shape
     hkv = k.shape[1]
     g_n = hq_n // hkv
     nb = budgets.shape[0]
+    blk = ATTN_BLOCK
     p = np.zeros((hq_n, T), np.float64)
     gsum = np.zeros(hkv * T, np.float64)
     head_of = np.zeros(hkv * T, np.int64)
@@ -27,71 +59,90 @@ def oracle_layer(q, k, v, o, vmax1, scale, budgets, metric_start, layer_scope, m
     mass = np.zeros(hq_n, np.float64)
     oacc = np.zeros((hq_n, d), np.float64)
     count = np.zeros(hkv, np.int64)
-    for t in range(metric_start, T):
-        r = t - metric_start
+    ibuf = np.empty(T, np.int64)
+    kts = [key_tiles(k, h, T) for h in range(hkv)]
+    n_tiles = kts[0].shape[0]
+    qbuf = np.empty((g_n * blk, d), np.float64)
+    tiles = np.empty((hkv, n_tiles, g_n * blk, blk), np.float64)
+    b_max = budgets[nb - 1]
+    for t0 in range(metric_start, T, blk):
+        t1 = min(T, t0 + blk)
+        rows = t1 - t0
         for h in range(hkv):
             for g in range(g_n):
-                hq = h * g_n + g
-                # normalise by this row's own float64 log-sum-exp: exact even where the stored float32 lse
-                # cannot resolve the logits (|logit| ~ 1e30)
-                mx = -np.inf
-                for i in range(t + 1):
-                    acc = 0.0
+                for r in range(rows):
                     for x in range(d):
-                        acc += np.float64(q[t, hq, x]) * np.float64(k[i, h, x])
-                    p[hq, i] = acc * scale
-                    mx = max(mx, p[hq, i])
-                tot = 0.0
-                for i in range(t + 1):
-                    p[hq, i] = np.exp(p[hq, i] - mx)
-                    tot += p[hq, i]
-                for i in range(t + 1):
-                    p[hq, i] /= tot
-            for i in range(t):
-                s = 0.0
-                for g in range(g_n):
-                    s += p[h * g_n + g, i]
-                gsum[h * t + i] = -s          # ascending sort of -s = descending by mass
-                head_of[h * t + i] = h
-                pos_of[h * t + i] = i
-        m = hkv * t
-        if layer_scope:
-            orders = np.argsort(gsum[:m], kind="mergesort")
-        else:
-            orders = np.empty(m, np.int64)
+                        qbuf[g * rows + r, x] = q[t0 + r, h * g_n + g, x]
+            for c in range((t1 + blk - 1) // blk):
+                np.dot(qbuf[:g_n * rows], kts[h][c], tiles[h, c, :g_n * rows])
+        for t in range(t0, t1):
+            r = t - metric_start
             for h in range(hkv):
-                orders[h * t:(h + 1) * t] = h * t + np.argsort(gsum[h * t:(h + 1) * t], kind="mergesort")
-        # start from the newest token, which every policy holds
-        for hq in range(hq_n):
-            h = hq // g_n
-            mass[hq] = p[hq, t]
-            for x in range(d):
-                oacc[hq, x] = p[hq, t] * v[t, h, x]
-        count[:] = 0
-        if layer_scope:
-            taken = 0
-            for b in range(nb):
-                target = min(budgets[b] * hkv, m)
-                while taken < target:
-                    e = orders[taken]
-                    _take(head_of[e], pos_of[e], g_n, d, p, v, mass, oacc)
-                    count[head_of[e]] += 1
-                    taken += 1
-                _write_oracle_metrics(b, r, t, hkv, g_n, d, mass, oacc, o, vmax1, count, metrics_out)
-                # held after the step: the kept past tokens plus the new ones, within budget * Hkv in total
-                spare = budgets[b] * hkv - taken
+                for g in range(g_n):
+                    hq = h * g_n + g
+                    row = g * rows + t - t0
+                    for c in range(t // blk + 1):
+                        for j in range(min(blk, t + 1 - c * blk)):
+                            p[hq, c * blk + j] = tiles[h, c, row, j]
+                    # normalised by this row's own float64 log-sum-exp: exact even where the stored float32 lse
+                    # cannot resolve the logits (|logit| ~ 1e30)
+                    softmax_rows_inplace(p[hq], t + 1, scale, ibuf)
+                for i in range(t):
+                    s = 0.0
+                    for g in range(g_n):
+                        s += p[h * g_n + g, i]
+                    gsum[h * t + i] = -s          # ascending order of -s = descending by mass
+                    head_of[h * t + i] = h
+                    pos_of[h * t + i] = i
+            m = hkv * t
+            if layer_scope:
+                orders = stable_smallest(gsum[:m], b_max * hkv)
+            else:
+                orders = np.empty(hkv * min(b_max, t), np.int64)
+                kh = min(b_max, t)
                 for h in range(hkv):
-                    slots_out[b, r, h] = count[h] + (1 if h < spare else 0)
-        else:
-            for b in range(nb):
-                target = min(budgets[b], t)
-                for h in range(hkv):
-                    while count[h] < target:
-                        _take(h, pos_of[orders[h * t + count[h]]], g_n, d, p, v, mass, oacc)
-                        count[h] += 1
-                _write_oracle_metrics(b, r, t, hkv, g_n, d, mass, oacc, o, vmax1, count, metrics_out)
-                for h in range(hkv):
-                    slots_out[b, r, h] = min(count[h] + 1, budgets[b])   # held after the step
+                    orders[h * kh:(h + 1) * kh] = h * t + stable_smallest(gsum[h * t:(h + 1) * t], kh)
+            _oracle_metrics_at(t, r, hkv, g_n, d, nb, budgets, layer_scope, m, orders, head_of, pos_of, p, v, o,
+                               vmax1, mass, oacc, count, metrics_out, slots_out)
+
+
+@njit(cache=True, nogil=True)
+def _oracle_metrics_at(t, r, hkv, g_n, d, nb, budgets, layer_scope, m, orders, head_of, pos_of, p, v, o, vmax1, mass,
+                       oacc, count, metrics_out, slots_out):
+    """Grow the kept sets of step t budget by budget along the ranking ``orders`` and write each one's metrics."""
+    hq_n = hkv * g_n
+    kh = orders.shape[0] // hkv if not layer_scope else 0
+    # start from the newest token, which every policy holds
+    for hq in range(hq_n):
+        h = hq // g_n
+        mass[hq] = p[hq, t]
+        for x in range(d):
+            oacc[hq, x] = p[hq, t] * v[t, h, x]
+    count[:] = 0
+    if layer_scope:
+        taken = 0
+        for b in range(nb):
+            target = min(budgets[b] * hkv, m)
+            while taken < target:
+                e = orders[taken]
+                _take(head_of[e], pos_of[e], g_n, d, p, v, mass, oacc)
+                count[head_of[e]] += 1
+                taken += 1
+            _write_oracle_metrics(b, r, t, hkv, g_n, d, mass, oacc, o, vmax1, count, metrics_out)
+            # held after the step: the kept past tokens plus the new ones, within budget * Hkv in total
+            spare = budgets[b] * hkv - taken
+            for h in range(hkv):
+                slots_out[b, r, h] = count[h] + (1 if h < spare else 0)
+    else:
+        for b in range(nb):
+            target = min(budgets[b], t)
+            for h in range(hkv):
+                while count[h] < target:
+                    _take(h, pos_of[orders[h * kh + count[h]]], g_n, d, p, v, mass, oacc)
+                    count[h] += 1
+            _write_oracle_metrics(b, r, t, hkv, g_n, d, mass, oacc, o, vmax1, count, metrics_out)
+            for h in range(hkv):
+                slots_out[b, r, h] = min(count[h] + 1, budgets[b])   # held after the step
 
 
 @njit(cache=True, nogil=True)

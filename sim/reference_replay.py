@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from policies.base import Policy
+from sim.contract import check_kept, check_scale, check_step, raise_on, slot_capacity
 from sim.engine import N_METRICS
 from sim.replay import LayerInputs
 
@@ -22,7 +23,8 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
     hkv = li.k.shape[1]
     g_n = hq_n // hkv
     S = policy.slot_fields
-    cap = T + 1 if policy.unbounded else int(min(T, budget.sum() if policy.head_adaptive else budget.max())) + 1
+    cap = int(slot_capacity(policy, budget, T).max())
+    info = np.zeros(3, np.int64)
     keys = [np.zeros((0, d), np.float32) for _ in range(hkv)]
     vals = [np.zeros((0, d), np.float32) for _ in range(hkv)]
     pos = [np.zeros(0, np.int64) for _ in range(hkv)]
@@ -35,6 +37,8 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
         pst = np.zeros((hkv, n_prompt, S))
         prefill(params, layer, budget, li.q[:n_prompt], li.k[:n_prompt], li.v[:n_prompt], scale, pkeep, pst,
                 head_state)
+        raise_on(policy, check_kept(pkeep.sum(axis=1).astype(np.int64), budget, policy.head_adaptive,
+                                    not policy.unbounded, -1, info), info, layer)
         for h in range(hkv):
             sel = pkeep[h].astype(bool)
             keys[h], vals[h] = li.k[:n_prompt, h][sel], li.v[:n_prompt, h][sel]
@@ -46,6 +50,7 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
     kept_log: list[list[np.ndarray]] = []
     for t in range(t0, T):
         mult = logit_scale(params, t + 1)
+        raise_on(policy, check_scale(mult, t, info), info, layer)
         probs = np.zeros((hkv, g_n, cap))
         lengths = np.zeros(hkv, np.int64)
         ck = np.zeros((hkv, cap, d), np.float32)
@@ -91,6 +96,8 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
         merge_to = np.full((hkv, cap), -1, np.int64)
         merge_w = np.ones((hkv, cap))
         step(params, layer, t, budget, lengths, probs, ck, cv, cpos, cst, head_state, keep, merge_to, merge_w)
+        raise_on(policy, check_step(lengths, keep, merge_to, budget, policy.head_adaptive, not policy.unbounded, t,
+                                    info), info, layer)
         step_kept = []
         for h in range(hkv):
             n = lengths[h]

@@ -15,8 +15,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from policies.base import Policy, PolicyError
-from sim.engine import BAD_MERGE, BAD_SCALE, METRICS, N_METRICS, OK, OVER_BUDGET, OVER_CAPACITY, replay_layer
+from policies.base import Policy
+from sim.contract import PolicyContractError, check_allocation, raise_on, slot_capacity  # noqa: F401 (re-export)
+from sim.engine import METRICS, N_METRICS, EngineConfig, EngineOutputs, LayerData, replay_layer
 from sim.oracle import oracle_layer
 from traces.format import LayerArrays, Trace
 from traces.reference import full_attention_reference
@@ -27,10 +28,6 @@ KV_ELEMENT_BYTES = 2
 
 class BudgetError(ValueError):
     """A budget that is not a positive integer, or larger than the trace it is replayed on."""
-
-
-class PolicyContractError(PolicyError):
-    """A policy broke the step contract (over budget, bad merge target, bad logit scale)."""
 
 
 @dataclass
@@ -127,18 +124,6 @@ def _check_budget(trace: Trace, policy: Policy, budget: int) -> None:
     policy.check_budget(int(budget))
 
 
-def _contract_error(policy: Policy, status: int, info: np.ndarray, layer: int) -> PolicyContractError:
-    t, h, n = (int(x) for x in info)
-    at = "prefill" if t < 0 else f"step {t}"
-    what = {
-        OVER_BUDGET: f"holds {n} slots in {'the layer' if h < 0 else f'KV head {h}'}, over its budget",
-        OVER_CAPACITY: f"KV head {h} would hold {n} slots, more than its buffer (budget + 1)",
-        BAD_MERGE: f"KV head {h} slot {n} has a merge target that is not a kept slot, or is itself kept",
-        BAD_SCALE: "returned a non-finite or non-positive attention-logit scale",
-    }[status]
-    return PolicyContractError(f"policy {policy.label()} broke its contract at layer {layer}, {at}: {what}")
-
-
 def _threads(threads: int | None, n_layers: int) -> int:
     return max(1, min(n_layers, threads or int(os.environ.get("KVSIM_THREADS", os.cpu_count() or 1))))
 
@@ -207,11 +192,8 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
     inputs = inputs if inputs is not None else load_layers(trace)
     T, P = meta.n_tokens, meta.n_prompt
     hkv = meta.model.n_kv_heads
-    budgets = policy.allocate(int(budget), hkv, [(li.q[:P], li.k[:P]) for li in inputs], meta.softmax_scale)
-    budgets = np.ascontiguousarray(budgets, dtype=np.int64)
-    if budgets.shape != (len(inputs), hkv) or (budgets < 1).any():
-        raise PolicyContractError(f"policy {policy.label()}: allocate() returned {budgets.shape} budgets "
-                                  f"(need ({len(inputs)}, {hkv}), all >= 1)")
+    budgets = check_allocation(policy, policy.allocate(int(budget), hkv, [(li.q[:P], li.k[:P]) for li in inputs],
+                                                       meta.softmax_scale), len(inputs), hkv)
     params = policy.param_vector()
     kernels = tuple((fn,) for fn in policy.kernels())
     n_steps = T - P
@@ -221,21 +203,17 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
     def run(layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         li = inputs[layer]
         b = budgets[layer]
-        if policy.unbounded:
-            cap = T + 1
-        else:
-            cap = int(min(T, b.sum() if policy.head_adaptive else b.max())) + 1
-        metrics = np.zeros((n_steps, meta.model.n_q_heads, N_METRICS), np.float64)
-        slots = np.zeros((n_steps, hkv), np.int32)
-        kept = np.full((n_rec, hkv, cap), -1, np.int32)
-        info = np.zeros(3, np.int64)
-        status = replay_layer(*kernels, params, layer, li.q, li.k, li.v, li.lse, li.o, li.vmax1,
-                              float(meta.softmax_scale), policy.has_prefill, P, b, policy.head_adaptive,
-                              not policy.unbounded, cap, policy.slot_fields, policy.head_fields, rec_start, kept,
-                              metrics, slots, info)
-        if status != OK:
-            raise _contract_error(policy, status, info, layer)
-        return metrics, slots, kept
+        cap = int(slot_capacity(policy, b, T).max())
+        out = EngineOutputs(metrics=np.zeros((n_steps, meta.model.n_q_heads, N_METRICS), np.float64),
+                            slots=np.zeros((n_steps, hkv), np.int32), kept=np.full((n_rec, hkv, cap), -1, np.int32),
+                            info=np.zeros(3, np.int64))
+        cfg = EngineConfig(params=params, layer=layer, scale=float(meta.softmax_scale), has_prefill=policy.has_prefill,
+                           metric_start=P, budget=b, head_adaptive=policy.head_adaptive, bounded=not policy.unbounded,
+                           cap=cap, n_slot_fields=policy.slot_fields, n_head_fields=policy.head_fields,
+                           rec_start=rec_start)
+        status = replay_layer(kernels, cfg, LayerData(li.q, li.k, li.v, li.lse, li.o, li.vmax1), out)
+        raise_on(policy, status, out.info, layer)
+        return out.metrics, out.slots, out.kept
 
     with ThreadPoolExecutor(_threads(threads, len(inputs))) as pool:
         outs = list(pool.map(run, range(len(inputs))))

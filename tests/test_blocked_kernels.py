@@ -1,0 +1,57 @@
+"""The blocked/vectorised kernels compute the numbers of their scalar definitions (up to float64 rounding) and
+the oracle's partial ordering is exactly a stable argsort's prefix."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.kernels import causal_attention_scores, causal_row, group_score, softmax_rows_inplace
+from sim.oracle import stable_smallest
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 300), spread=st.sampled_from([0.1, 1.0, 30.0, 1e4]), seed=st.integers(0, 1000))
+def test_softmax_rows_inplace_matches_numpy(n, spread, seed):
+    x = np.random.default_rng(seed).standard_normal(n) * spread
+    ref = np.exp(0.3 * x - (0.3 * x).max())
+    ref /= ref.sum()
+    got = x.copy()
+    softmax_rows_inplace(got, n, 0.3, np.empty(n, np.int64))
+    big = ref > 1e-300
+    np.testing.assert_allclose(got[big], ref[big], rtol=5e-15)
+    assert np.all(got[~big] < 1e-300)
+
+
+@settings(max_examples=20, deadline=None)
+@given(P=st.integers(1, 300), r0=st.integers(0, 299), mode=st.integers(0, 2), seed=st.integers(0, 100))
+def test_causal_attention_scores_match_causal_rows(P, r0, mode, seed):
+    r0 = min(r0, P - 1)
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((P, 6, 16)) * 3).astype(np.float32)
+    k = (rng.standard_normal((P, 2, 16)) * 3).astype(np.float32)
+    for h in range(2):
+        ref = np.zeros(P)
+        ref_ring = np.zeros((P, 5))
+        rows = np.zeros((1, 3, P))
+        for r in range(r0, P):
+            for g in range(3):
+                causal_row(q, k, 0.25, 3 * h + g, h, r, rows[0, g])
+            for i in range(r + 1):
+                s = group_score(rows, 0, i, mode)
+                ref[i] += s
+                ref_ring[i, 1 + r % 4] = s
+        got = np.zeros(P)
+        ring = np.zeros((P, 5))
+        causal_attention_scores(q, k, 0.25, 3 * h, 3, h, r0, P, mode, got, ring, 4)
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-300)
+        np.testing.assert_allclose(ring, ref_ring, rtol=1e-12, atol=1e-300)
+
+
+@settings(max_examples=100, deadline=None)
+@given(vals=st.lists(st.sampled_from([-3.0, -1.0, -0.5, 0.0, -2.5]) | st.floats(-5, 0), min_size=0, max_size=80),
+       k=st.integers(0, 90))
+def test_stable_smallest_is_a_stable_argsort_prefix(vals, k):
+    v = np.array(vals, np.float64)
+    expect = np.argsort(v, kind="mergesort")[:k]
+    np.testing.assert_array_equal(stable_smallest(v, k)[:k], expect)
