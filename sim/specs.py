@@ -46,7 +46,7 @@ def _parse(spec: str) -> tuple[str, dict[str, Any]]:
     head, paren, rest = spec.partition("(")
     if paren and ":" not in head:
         if not rest.rstrip().endswith(")"):
-            raise PolicyError(f"policy spec {spec!r}: expected wrapper(INNER[, k=v ...])")
+            raise PolicyError(f"policy spec {spec!r}: unbalanced parentheses; expected wrapper(INNER[, k=v ...])")
         inner, *items = _split_top(rest.rstrip()[:-1])
         inner_name, params = _parse(inner)
         own = _kv(spec, items)
