@@ -10,6 +10,8 @@ a scorer written as one file gets both combinators with no other edit.
   scores (``_adakv_core.select_prompt``: top-k over the flattened candidate scores of the layer's heads, mixed
   with the uniform split by ``floor_alpha``); at decode every head keeps its prefill-allocated size, evicting
   with the scorer's decode score (the authors' fixed allocation; ``ada_snapkv``'s ``decode_alloc='fixed'``).
+  ``ada(snapkv)``, ``ada(pyramidkv)`` and ``ada(h2o)`` resolve to the hand-written ``ada_snapkv``,
+  ``ada_pyramidkv`` and ``ada_h2o`` (``NATIVE``), which are exactly this combination.
 - ``decoding``: kvpress's DecodingPress: the cache grows during decoding and every ``every`` decode steps each
   head is compressed back to ``target`` by the scorer. ``target=0`` (default) means ``budget - every + 1``,
   the largest target whose peak (target + every - 1 slots after a step) stays within the budget. The prompt
@@ -72,6 +74,10 @@ class DecodingScorer(Combined):
 
 WRAPPERS: dict[str, type[ScorerPolicy]] = {"ada": AdaScorer, "decoding": DecodingScorer}
 
+#: hand-written policies that already are a combinator over a policy not built on the scorer base:
+#: ``ada(snapkv)`` is Ada-SnapKV, etc. (their scores need the observation-window ring state those kernels keep)
+NATIVE = {("ada", "snapkv"): "ada_snapkv", ("ada", "pyramidkv"): "ada_pyramidkv", ("ada", "h2o"): "ada_h2o"}
+
 
 def policy_spec(policy: Policy) -> str:
     """The spec string ``sim.specs.parse_policy`` turns back into an equal policy (non-default parameters
@@ -101,6 +107,9 @@ def combined_class(wrapper: str, inner: type[Policy]) -> type[Policy]:
     """The policy class ``wrapper(inner)``, built once per process (its kernels cache on disk)."""
     if wrapper not in WRAPPERS:
         raise PolicyError(f"unknown combinator {wrapper!r}; available: {', '.join(WRAPPERS)}")
+    if (wrapper, inner.name) in NATIVE:
+        from policies.registry import policy_class
+        return policy_class(NATIVE[wrapper, inner.name])
     if not (issubclass(inner, ScorerPolicy) and inner.mode == "plain"):
         raise PolicyError(f"{wrapper}({inner.name}): {inner.name} does not expose per-slot scores (combinators take a "
                           f"scorer built on policies/scorer.py, not another combinator or a hand-written policy)")

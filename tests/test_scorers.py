@@ -123,6 +123,13 @@ def test_ada_with_uniform_safeguard_is_the_scorer(trace, spec):
     assert _kept_per_step(a) == _kept_per_step(b)
 
 
+def test_ada_over_the_hand_written_observation_window_policies_is_their_ada_variant(trace):
+    a = replay(trace, parse_policy("ada(snapkv:window_size=8, floor_alpha=0.3)"), 20, record_kept=(48, 48))
+    b = replay(trace, get_policy("ada_snapkv", window_size=8, floor_alpha=0.3), 20, record_kept=(48, 48))
+    assert _kept_per_step(a) == _kept_per_step(b)
+    assert get_policy("ada(h2o)").name == "ada_h2o" and get_policy("ada(pyramidkv)").name == "ada_pyramidkv"
+
+
 def test_ada_reallocates_across_heads_within_the_layer_budget(trace):
     res = replay(trace, parse_policy("ada(knorm, floor_alpha=0)"), 20)
     assert (res.slots.sum(axis=2) <= 40).all()
@@ -153,7 +160,7 @@ def test_specs_round_trip_and_python_api():
     assert get_policy("ada(knorm)").head_adaptive and isinstance(get_policy("decoding(knorm)"), ScorerPolicy)
 
 
-@pytest.mark.parametrize("bad, msg", [("ada(h2o)", "does not expose per-slot scores"),
+@pytest.mark.parametrize("bad, msg", [("ada(tova)", "does not expose per-slot scores"),
                                       ("ada(ada(knorm))", "does not expose per-slot scores"),
                                       ("ada(knorm", "unbalanced"), ("wrap(knorm)", "unknown combinator"),
                                       ("ada(knorm, floor_alpha=2)", "above the maximum"),
@@ -172,3 +179,48 @@ def test_composed_kernels_load_from_disk_cache():
     for _ in range(2):   # the first run may compile; the second must load all four from disk
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["4", "0"]
+
+
+def rope_matrix(pos, d, theta):
+    """RoPE at ``pos`` as a d x d matrix, rotate-half layout: cos I + sin J (J maps x_j -> -x_{j+d/2})."""
+    inv = theta ** (-np.arange(0, d, 2) / d)
+    c, s = np.tile(np.cos(pos * inv), 2), np.tile(np.sin(pos * inv), 2)
+    J = np.zeros((d, d))
+    J[d // 2:, :d // 2], J[:d // 2, d // 2:] = np.eye(d // 2), -np.eye(d // 2)
+    return np.diag(c) + s[:, None] * J
+
+
+def expected_attention_reference(q, k, v, n_sink, n_future, theta):
+    """Independent numpy Expected Attention prompt scores [Hkv, P] (sinks +inf)."""
+    P, hq, d = q.shape
+    hkv = k.shape[1]
+    g_n = hq // hkv
+    rbar = np.mean([rope_matrix(p, d, theta) for p in range(P, P + n_future)], axis=0)
+    out = np.full((hkv, P), np.inf)
+    for h in range(hkv):
+        acc = 0
+        for g in range(g_n):
+            pre = np.stack([rope_matrix(r, d, theta).T @ q[r, h * g_n + g] for r in range(n_sink, P)])
+            mu, cov = pre.mean(0), np.cov(pre.T, bias=True)
+            mu, cov = rbar @ mu, rbar @ cov @ rbar.T
+            kk = k[n_sink:, h].astype(np.float64)
+            logits = kk @ mu / np.sqrt(d) + np.einsum("ni,ij,nj->n", kk, cov, kk) / d / 2
+            acc = acc + np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum() / g_n
+        out[h, n_sink:] = acc * np.linalg.norm(v[n_sink:, h].astype(np.float64), axis=1)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_expected_attention_prompt_matches_numpy_reference(seed):
+    rng = np.random.default_rng(seed)
+    P, d, budget = 30, 8, 12
+    q = rng.standard_normal((P, 4, d)).astype(np.float32)
+    k = rng.standard_normal((P, 2, d)).astype(np.float32)
+    v = rng.standard_normal((P, 2, d)).astype(np.float32)
+    score = expected_attention_reference(q, k, v, 4, 16, 1e4)
+    expect = []
+    for h in range(2):
+        cand = [i for i in np.argsort(score[h], kind="stable") if 4 <= i < P - 1]
+        expect.append(set(range(P)) - set(int(i) for i in cand[:P - budget]))
+    got = run_prefill("expected_attention:n_future_positions=16", k, budget, q=q, v=v)
+    assert kept(got) == expect
