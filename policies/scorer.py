@@ -24,7 +24,6 @@ would not cache (their pickled identity changes per process).
 """
 from __future__ import annotations
 
-import inspect
 import sys
 from typing import Any, Callable
 
@@ -182,12 +181,14 @@ def compose(score_prompt: Any, score_step: Any, mode: str, module: str, name: st
     evict_prompt_fn, evict_step_fn = MODES[mode]
     namespace = {"np": np, "score_prompt": score_prompt, "score_step": score_step,
                  "evict_prompt": evict_prompt_fn, "evict_step": evict_step_fn}
-    filename = inspect.getfile(sys.modules[module])
-    exec(compile(_TEMPLATE.format(name=name), filename, "exec"), namespace)
+    mod = sys.modules.get(module)
+    filename = getattr(mod, "__file__", None)    # exec'd code (a notebook, a README test) has none: no disk cache
+    exec(compile(_TEMPLATE.format(name=name), filename or f"<scorer {name}>", "exec"), namespace)
     step, prefill = namespace[f"{name}_step"], namespace[f"{name}_prefill"]
     for fn in (step, prefill):
         fn.__module__ = module
-    return njit(STEP_SIG, cache=True)(step), njit(PREFILL_SIG, cache=True)(prefill)
+    cache = filename is not None
+    return njit(STEP_SIG, cache=cache)(step), njit(PREFILL_SIG, cache=cache)(prefill)
 
 
 class ScorerPolicy(Policy):
