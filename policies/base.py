@@ -151,6 +151,7 @@ class Policy:
     head_adaptive: ClassVar[bool] = False   # budget is shared by the heads of a layer
     unbounded: ClassVar[bool] = False       # keeps everything (the full cache)
     is_oracle: ClassVar[bool] = False       # replayed by the oracle path, not by step
+    compresses_below_budget: ClassVar[bool] = False   # evicts even when everything fits (decoding())
     step_fn: ClassVar[Any] = None
     prefill_fn: ClassVar[Any] = None
     logit_scale_fn: ClassVar[Any] = None

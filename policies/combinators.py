@@ -54,6 +54,7 @@ class DecodingScorer(Combined):
 
     wrapper = "decoding"
     extra = (EVERY, TARGET)
+    compresses_below_budget = True   # compressions go to the target, below the budget, even when all would fit
     extra_head_fields = 1
 
     def _target(self, budget: int) -> int:

@@ -24,7 +24,9 @@ would not cache (their pickled identity changes per process).
 """
 from __future__ import annotations
 
+import hashlib
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -77,13 +79,14 @@ def evict_to(params, t, sizes, lengths, positions, scores, keep):
 @njit(cache=True)
 def ada_prompt(params, budget, scores, keep, head_state):
     """Ada-KV prompt selection over any scorer's scores: the layer's candidate budget is split across heads by
-    Ada-KV's allocation with the safeguard ``floor_alpha`` (the last parameter); sinks rank first (score +inf),
+    Ada-KV's allocation with the safeguard ``floor_alpha`` (the last parameter); sinks rank first (+inf, other
+    scores capped at 1e300),
     the recent window is kept by every head. Each head's resulting size is stored in the last two head-state
     columns (the decode-time target)."""
     n_sink = int(params[SINK])
     for h in range(scores.shape[0]):
-        for i in range(min(n_sink, scores.shape[1])):
-            scores[h, i] = np.inf
+        for i in range(scores.shape[1]):   # sinks strictly above every other score, +inf ones included
+            scores[h, i] = np.inf if i < n_sink else min(scores[h, i], 1e300)
     hs_n = head_state.shape[1]
     alloc = np.ascontiguousarray(head_state[:, hs_n - 2:])
     select_prompt(scores, budget, int(params[RECENT]), params[params.shape[0] - 1], keep, alloc)
@@ -191,6 +194,19 @@ def compose(score_prompt: Any, score_step: Any, mode: str, module: str, name: st
     return njit(STEP_SIG, cache=cache)(step), njit(PREFILL_SIG, cache=cache)(prefill)
 
 
+def _source_hash(*modules: str) -> str:
+    """Short hash of the shared eviction code's sources. Numba invalidates a cached function only when its own
+    file changes, not its callees'; the composed kernels live under the scorer's file, so this hash goes into
+    their names and an edit of the shared code compiles them afresh instead of loading stale machine code."""
+    h = hashlib.sha256()
+    for m in modules:
+        h.update(Path(sys.modules[m].__file__).read_bytes())
+    return h.hexdigest()[:10]
+
+
+_BASE_HASH = _source_hash(__name__, "policies._adakv_core", "policies.kernels")
+
+
 class ScorerPolicy(Policy):
     """Base class of scorers: set ``name``, ``summary``, ``schema`` (starting with ``protection()``), ``P``,
     ``score_prompt`` and ``score_step`` (and ``slot_fields``/``head_fields`` if the kernels keep state); the
@@ -211,7 +227,7 @@ class ScorerPolicy(Policy):
             raise PolicyError(f"{cls.__name__}: a scorer schema must start with protection(...)")
         tag = "".join(c if c.isalnum() else "_" for c in cls.name)
         step, prefill = compose(cls.score_prompt, cls.score_step, cls.mode, cls.score_step.py_func.__module__,
-                                f"_{cls.mode}_{tag}")
+                                f"_{cls.mode}_{tag}_{_BASE_HASH}")
         cls.step_fn, cls.prefill_fn = step, prefill
 
     def min_budget(self) -> int:
