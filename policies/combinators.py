@@ -28,9 +28,9 @@ from policies.adakv import FLOOR_ALPHA
 from policies.base import Param, Policy, PolicyError, param_indices
 from policies.scorer import ScorerPolicy
 
-EVERY = Param("every", 16, "int", 1, 4096, doc="decode steps between compressions (kvpress compression_interval)")
+EVERY = Param("every", 16, "int", 1, 1024, log=True, doc="decode steps between compressions (kvpress compression_interval)")
 TARGET = Param("target", 0, "int", 0, 1 << 20,
-               doc="slots per head after a compression; 0: budget - every + 1 (peak = budget)")
+               doc="slots per head after a compression; 0: budget - every + 1 (peak = budget)", searchable=False)
 
 
 class Combined(ScorerPolicy):

@@ -49,8 +49,10 @@ SINK, RECENT = 0, 1   # fixed positions of the protection parameters in every sc
 
 def protection(n_sink: int = 0, n_recent: int = 1) -> tuple[Param, Param]:
     """The two protection parameters every scorer schema starts with, with the scorer's defaults."""
-    return (Param("n_sink", n_sink, "int", 0, 64, doc="first positions never evicted (attention sinks)"),
-            Param("n_recent", n_recent, "int", 0, 1024, doc="newest positions never evicted (recent window)"))
+    return (Param("n_sink", n_sink, "int", 0, 64, doc="first positions never evicted (attention sinks)",
+                  searchable=False),
+            Param("n_recent", n_recent, "int", 0, 1024, doc="newest positions never evicted (recent window)",
+                  searchable=False))
 
 
 # ---------------------------------------------------------------- shared eviction (one per mode, compiled once)
