@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
         report = fuzz_policy(lambda spec=spec: parse_policy(spec), max_examples=n, save_failures=args.save_failures)
         ok = report.failure is None
         failed += not ok
-        table.add_row(report.policy, str(report.cases), f"{report.effective} ({report.effective / max(report.cases, 1):.0%})",
-                      str(report.rejected),
+        ran = f"{report.effective} ({report.effective / max(report.cases, 1):.0%})"
+        table.add_row(report.policy, str(report.cases), ran, str(report.rejected),
                       "ok" if ok else f"FAILED: {report.failure}\nsaved: {report.saved}")
     Console(width=140).print(table)
     return 1 if failed else 0
