@@ -152,6 +152,7 @@ class Policy:
     unbounded: ClassVar[bool] = False       # keeps everything (the full cache)
     is_oracle: ClassVar[bool] = False       # needs future attention: cannot run closed-loop in a model
     replay_strategy: ClassVar[str] = "step"  # how sim.replay replays it (sim.replay.STRATEGIES)
+    compresses_below_budget: ClassVar[bool] = False   # evicts even when everything fits (decoding())
     step_fn: ClassVar[Any] = None
     prefill_fn: ClassVar[Any] = None
     logit_scale_fn: ClassVar[Any] = None

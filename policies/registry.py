@@ -8,7 +8,7 @@ from typing import Any
 from policies.base import Policy, PolicyError
 
 _REGISTRY: dict[str, type[Policy]] = {}
-_NOT_POLICY_MODULES = {"base", "registry", "kernels"}
+_NOT_POLICY_MODULES = {"base", "registry", "kernels", "scorer", "combinators"}
 _discovered = False
 
 
@@ -39,15 +39,25 @@ def _discover() -> None:
     _discovered = True
 
 
-def list_policies() -> list[str]:
-    """Names of all registered policies, sorted."""
+def list_policies(combinators: bool = True) -> list[str]:
+    """Names of all registered policies, sorted, then (``combinators``) every combinator over every scorer."""
     _discover()
-    return sorted(_REGISTRY)
+    names = sorted(_REGISTRY)
+    if combinators:
+        from policies.combinators import WRAPPERS
+        from policies.scorer import ScorerPolicy
+        scorers = [n for n in names if issubclass(_REGISTRY[n], ScorerPolicy)]
+        names += [f"{w}({n})" for w in WRAPPERS for n in scorers]
+    return names
 
 
 def policy_class(name: str) -> type[Policy]:
-    """The class registered under ``name``."""
+    """The class registered under ``name``, or the combinator class ``wrapper(scorer)``."""
     _discover()
+    if "(" in name:
+        from policies.combinators import combined_class, split_name
+        wrapper, inner = split_name(name)
+        return combined_class(wrapper, policy_class(inner))
     try:
         return _REGISTRY[name]
     except KeyError:

@@ -75,16 +75,33 @@ class FuzzCase:
     description: str = ""
 
 
+#: share of cases drawn deliberately below a policy's minimum budget (they exercise its clean rejection)
+INVALID_SHARE = 0.05
+
+
 @st.composite
-def fuzz_cases(draw) -> FuzzCase:
-    """Hypothesis strategy over adversarial (trace, budget) pairs."""
+def fuzz_cases(draw, min_budget: int = 1) -> FuzzCase:
+    """Hypothesis strategy over adversarial (trace, budget) pairs inside a policy's valid range.
+
+    Lengths and budgets are drawn from ``min_budget`` up, so nearly every case runs; about
+    ``INVALID_SHARE`` of the cases (when the policy has a minimum above 1) take a budget below it on
+    purpose, to check that it is refused with a clean error.
+    """
+    lo = max(1, int(min_budget))
+    seed = draw(st.integers(0, 2**31 - 1))
+    # decided by the case's seed, not by a drawn flag: hypothesis favours small draws, which would over-sample it
+    invalid = lo > 1 and np.random.default_rng([seed, 1]).random() < INVALID_SHARE
     shape = draw(st.sampled_from(SHAPES))
     hq, hkv = draw(st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2)]))
-    T = draw(st.one_of(st.just(1), st.integers(1, 40)))
+    if invalid:
+        T = draw(st.integers(1, 40))
+        budget = draw(st.integers(1, min(lo - 1, T)))
+    else:
+        T = draw(st.one_of(st.just(lo), st.integers(lo, max(lo, 40))))
     n_prompt = draw(st.integers(0, T - 1))
     d = draw(st.sampled_from([4, 8, 16]))
-    seed = draw(st.integers(0, 2**31 - 1))
-    budget = draw(st.one_of(st.just(1), st.just(T), st.integers(1, T)))
+    if not invalid:
+        budget = draw(st.one_of(st.just(lo), st.just(T), st.integers(lo, T)))
     trace = make_fuzz_trace(shape, T, hq, hkv, d, n_prompt, seed)
     return FuzzCase(trace, budget, f"{shape} T={T} P={n_prompt} Hq={hq} Hkv={hkv} d={d} seed={seed} budget={budget}")
 
@@ -138,6 +155,11 @@ class FuzzReport:
     saved: Path | None = None
     shapes: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def effective(self) -> int:
+        """Cases that ran through the policy (not refused before replay)."""
+        return self.cases - self.rejected
+
 
 def fuzz_policy(policy_factory: Callable[[], Policy] | str, *, max_examples: int = PROFILES["ci"],
                 save_failures: str | Path | None = None, seed: int | None = None,
@@ -146,13 +168,14 @@ def fuzz_policy(policy_factory: Callable[[], Policy] | str, *, max_examples: int
     if isinstance(policy_factory, str):
         name = policy_factory
         policy_factory = lambda: get_policy(name, **(params or {}))
-    label = policy_factory().label()
+    probe = policy_factory()
+    label = probe.label()
     report = FuzzReport(label)
     last: list[FuzzCase] = []
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=seed is not None,
               suppress_health_check=list(HealthCheck), print_blob=False)
-    @given(case=fuzz_cases())
+    @given(case=fuzz_cases(probe.min_budget()))
     def run(case: FuzzCase) -> None:
         last[:] = [case]
         report.cases += 1

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from policies.base import Policy
+from policies.base import Policy, PolicyError
 from sim.contract import PolicyContractError, check_allocation, raise_on, slot_capacity  # noqa: F401 (re-export)
 from sim.engine import METRICS, N_METRICS, EngineConfig, EngineOutputs, LayerData, replay_layer
 from sim.oracle import oracle_layer

@@ -7,20 +7,64 @@ from pathlib import Path
 from typing import Any
 
 from policies import Policy, PolicyError, get_policy, list_policies
+from policies.combinators import policy_spec  # noqa: F401  (re-exported: the inverse of parse_policy)
 from traces.format import Trace, load_trace
 from traces.synthetic import KINDS, make_synthetic_trace
 
 
-def parse_policy(spec: str) -> Policy:
-    """``name`` or ``name:param=value,param=value`` -> a validated policy."""
-    name, _, rest = spec.partition(":")
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside parentheses."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if depth < 0:
+            raise PolicyError(f"policy spec {text!r}: unbalanced parentheses")
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if depth:
+        raise PolicyError(f"policy spec {text!r}: unbalanced parentheses")
+    return parts + ["".join(cur)]
+
+
+def _kv(spec: str, items: list[str]) -> dict[str, Any]:
     params: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
+    for item in filter(None, (s.strip() for s in items)):
         key, eq, value = item.partition("=")
         if not eq:
             raise PolicyError(f"policy spec {spec!r}: expected param=value, got {item!r}")
         params[key.strip()] = value.strip()
-    return get_policy(name.strip(), **params)
+    return params
+
+
+def _parse(spec: str) -> tuple[str, dict[str, Any]]:
+    """``spec`` -> (registry name, params), combinators flattened: ``ada(knorm:n_sink=4, floor_alpha=0.2)`` ->
+    (``ada(knorm)``, {n_sink: 4, floor_alpha: 0.2})."""
+    spec = spec.strip()
+    head, paren, rest = spec.partition("(")
+    if paren and ":" not in head:
+        if not rest.rstrip().endswith(")"):
+            raise PolicyError(f"policy spec {spec!r}: unbalanced parentheses; expected wrapper(INNER[, k=v ...])")
+        inner, *items = _split_top(rest.rstrip()[:-1])
+        inner_name, params = _parse(inner)
+        own = _kv(spec, items)
+        both = sorted(set(own) & set(params))
+        if both:
+            raise PolicyError(f"policy spec {spec!r}: parameter(s) {both} given twice")
+        return f"{head.strip()}({inner_name})", {**params, **own}
+    name, _, rest = spec.partition(":")
+    return name.strip(), _kv(spec, rest.split(","))
+
+
+def parse_policy(spec: str) -> Policy:
+    """One policy spec -> a validated policy: ``name``, ``name:param=value,...`` or a combinator
+    ``wrapper(INNER[, param=value ...])`` such as ``ada(knorm)`` or
+    ``decoding(snapkv:window_size=64, every=64, target=128)``. A combinator's policy carries the inner
+    scorer's parameters and its own; ``policy_spec`` writes the spec back."""
+    name, params = _parse(spec)
+    return get_policy(name, **params)
 
 
 def split_policy_list(text: str) -> list[str]:

@@ -22,6 +22,7 @@ def test_registered_policy_survives_fuzzing(name):
     report = fuzz_policy(name, max_examples=per_policy, seed=0)
     assert report.failure is None, report.failure
     assert report.cases >= per_policy
+    assert report.effective >= 0.9 * report.cases, f"only {report.effective}/{report.cases} cases ran"
     assert len(report.shapes) >= 5          # the adversarial shapes are all exercised
 
 

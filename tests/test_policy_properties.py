@@ -80,6 +80,8 @@ def test_full_budget_is_full_attention(name, data):
     trace, policy, _ = data.draw(trace_and_budget(name))
     T = trace.meta.n_tokens
     assume(policy.min_budget() <= T)
+    if policy.compresses_below_budget:
+        return   # by design (e.g. decoding(): every N steps back to a target below the budget), not a full cache
     full = replay(trace, get_policy("full"), T)
     res = replay(trace, policy, T)
     if policy.is_oracle or policy.logit_scale_fn is not None:

@@ -31,3 +31,15 @@ def test_python_api_example_runs():
     block = block.replace("n_tokens=2048, n_prompt=256", "n_tokens=300, n_prompt=40")
     block = block.replace("[64, 128, 256]", "[16, 32, 64]").replace("budget=256", "budget=64")
     exec(compile(block, "README.md", "exec"), {})
+
+
+def test_scorer_example_gets_both_combinators():
+    block = next(b for b in _python_blocks() if "class VNorm" in b)
+    exec(compile(block.replace("cache=True", "cache=False"), "README.md", "exec"), {"__name__": "readme_scorer"})
+    api = next(b for b in _python_blocks() if "ada(get_policy(\"vnorm\"" in b)
+    exec(compile(api, "README.md", "exec"), {})
+    trace = make_synthetic_trace("zipf", n_tokens=64, n_prompt=16, head_dim=16)
+    for spec, budget in [("vnorm", 16), ("ada(vnorm)", 16), ("decoding(vnorm)", 28)]:
+        res = replay(trace, get_policy(spec), budget)
+        assert 0 < res.summary()["mass_mean"] <= 1
+        assert fuzz_policy(spec, max_examples=20, seed=0).failure is None

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     model = f"synthetic:{args.synthetic}" if args.synthetic else trace.meta.model.model_id
     layers = "" if args.synthetic else f", layers {','.join(map(str, trace.meta.model.layer_ids))}"
     title = f"kvsim demo — {model}{layers}"
-    policies = [get_policy(n) for n in list_policies()]
+    policies = [get_policy(n) for n in list_policies(combinators=False)]
     df = run_sweep([ref], policies, args.budgets, ResultStore(args.out / "demo-results"), workers=default_workers())
     df = with_oracle_gap(df[(df.trace_id == trace_id(trace)) & df.budget.isin(args.budgets)])
     print_ranked(df, title=title)

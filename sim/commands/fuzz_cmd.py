@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     specs = [s for item in split_policy_list(text) for s in (list_policies() if item == "all" else [item])]
     n = args.examples or PROFILES[args.profile]
     table = Table(title=f"kvsim fuzz ({n} cases per policy)")
-    for col in ("policy", "cases", "clean rejections", "result"):
+    for col in ("policy", "cases", "ran", "clean rejections", "result"):
         table.add_column(col)
     failed = 0
     for spec in specs:
@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         report = fuzz_policy(lambda spec=spec: parse_policy(spec), max_examples=n, save_failures=args.save_failures)
         ok = report.failure is None
         failed += not ok
-        table.add_row(report.policy, str(report.cases), str(report.rejected),
+        ran = f"{report.effective} ({report.effective / max(report.cases, 1):.0%})"
+        table.add_row(report.policy, str(report.cases), ran, str(report.rejected),
                       "ok" if ok else f"FAILED: {report.failure}\nsaved: {report.saved}")
     Console(width=140).print(table)
     return 1 if failed else 0

@@ -1,0 +1,58 @@
+"""KeyDiff (Park et al., 2025, "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference").
+
+Distinctive keys matter: each key is scored by its cosine similarity to the anchor, the mean of the
+head's normalised keys, and the least similar are kept (score ``-cos(k, anchor)``, as kvpress's
+``KeyDiffPress``). Ambiguity: at decode the anchor is the mean over the keys *currently cached* (the paper's
+block-wise streaming uses the keys of the cache plus the incoming block; evicted keys are gone here).
+"""
+import numpy as np
+from numba import njit
+
+from policies.base import param_indices
+from policies.registry import register
+from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+
+SCHEMA = protection(n_sink=0, n_recent=1)
+P = param_indices(SCHEMA)
+
+
+@njit(cache=True)
+def anti_cosine(keys, n, out):
+    """out[i] = -cos(keys[i], mean_j keys[j] / ||keys[j]||) for i < n (zero keys count as zero vectors)."""
+    d = keys.shape[1]
+    anchor = np.zeros(d)
+    norms = np.empty(n)
+    for i in range(n):
+        norms[i] = np.sqrt(np.sum(keys[i].astype(np.float64) ** 2))
+        if norms[i] > 0.0:
+            anchor += keys[i] / norms[i]
+    anchor /= max(n, 1)
+    a = np.sqrt(np.sum(anchor ** 2))
+    for i in range(n):
+        denom = norms[i] * a
+        out[i] = -(np.sum(keys[i].astype(np.float64) * anchor) / denom) if denom > 0.0 else 0.0
+
+
+@njit(SCORE_PROMPT_SIG, cache=True)
+def score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state):
+    for h in range(k.shape[1]):
+        anti_cosine(k[:, h, :], k.shape[0], scores[h])
+
+
+@njit(SCORE_STEP_SIG, cache=True)
+def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, scores):
+    for h in range(lengths.shape[0]):
+        anti_cosine(keys[h], lengths[h], scores[h])
+
+
+@register
+class KeyDiff(ScorerPolicy):
+    """Keep the keys least cosine-similar to the head's mean normalised key (kvpress ``KeyDiffPress``); no
+    protected tokens in the paper, the newest is kept at decode (``n_recent=1``)."""
+
+    name = "keydiff"
+    summary = "keys least similar to the mean key kept"
+    schema = SCHEMA
+    P = P
+    score_prompt = score_prompt
+    score_step = score_step

@@ -1,0 +1,42 @@
+"""Knorm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression").
+
+Keys with a low L2 norm draw high attention, so the cache keeps the lowest-norm keys. A scorer on the
+base in policies/scorer.py: the score is ``-||k||``, prompt and decode alike.
+"""
+import numpy as np
+from numba import njit
+
+from policies.base import param_indices
+from policies.registry import register
+from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+
+SCHEMA = protection(n_sink=0, n_recent=1)
+P = param_indices(SCHEMA)
+
+
+@njit(SCORE_PROMPT_SIG, cache=True)
+def score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state):
+    for i in range(k.shape[0]):
+        for h in range(k.shape[1]):
+            scores[h, i] = -np.sqrt(np.sum(k[i, h].astype(np.float64) ** 2))
+
+
+@njit(SCORE_STEP_SIG, cache=True)
+def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, scores):
+    for h in range(lengths.shape[0]):
+        for i in range(lengths[h]):
+            scores[h, i] = -np.sqrt(np.sum(keys[h, i].astype(np.float64) ** 2))
+
+
+@register
+class Knorm(ScorerPolicy):
+    """Keep the keys of lowest L2 norm (kvpress ``KnormPress``: score ``-||k||``). The paper and kvpress
+    compress only the prompt and protect nothing; at decode the same rule evicts per step, and the newest
+    token is kept (``n_recent=1``) so a high-norm new key is not dropped before any query sees it."""
+
+    name = "knorm"
+    summary = "lowest key L2 norm kept"
+    schema = SCHEMA
+    P = P
+    score_prompt = score_prompt
+    score_step = score_step
