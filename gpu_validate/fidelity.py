@@ -116,12 +116,9 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
 
 def plot_fidelity(report: dict[str, Any], path: str | Path) -> Path:
     """Scatter of the best simulated loss vs the model's ΔPPL and top-1 disagreement, one colour per policy."""
-    import matplotlib
+    from sim.plotting import agg_pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from sim.report import _save
+    plt = agg_pyplot()
 
     rows = report["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
@@ -144,4 +141,4 @@ def plot_fidelity(report: dict[str, Any], path: str | Path) -> Path:
     fig.suptitle(f"kvsim fidelity: simulator vs model ({report['model']}, {report['device']}, "
                  f"backend {report['backend']}; numbers = budget)", fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
