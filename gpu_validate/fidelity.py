@@ -7,6 +7,7 @@ plus open-loop kept-set agreement on the first decode steps, and a sim-vs-model 
 """
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -14,8 +15,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gpu_validate.evaluate import kept_set_agreement, text_metrics
-from gpu_validate.runner import ValidateError, full_model_logits
+from gpu_validate.evaluate import compare_kept, metrics_of_run
+from gpu_validate.runner import BatchJob, ValidateError, full_model_logits, run_batch
 from policies.base import Policy
 
 #: simulated losses (higher = worse) compared with the model's losses
@@ -61,9 +62,11 @@ def within_budget_correlations(rows: list[dict[str, Any]]) -> dict[str, dict[str
 
 def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets: Sequence[int], *,
                  n_prompt: int, n_open_steps: int = 16, backend: str = "torch", model_id: str = "model",
-                 log=print) -> dict[str, Any]:
+                 log=print, progress: bool = True) -> dict[str, Any]:
     """All policies × budgets through the simulator and the model; returns the JSON-ready report."""
-    from sim.replay import replay
+    from tqdm.auto import tqdm
+
+    from sim.replay import load_layers, replay
     from traces.format import load_trace
     from traces.recorder import record_trace
 
@@ -78,27 +81,43 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
     if not policies:
         raise ValidateError("no policy left to compare after skipping the oracle")
     t_start = time.perf_counter()
+    configs = [(p, int(b)) for p in policies for b in budgets]
     with tempfile.TemporaryDirectory(prefix="kvsim-fidelity-") as tmp:
         record_trace(model, ids, Path(tmp) / "trace", n_prompt=n_prompt, n_decode=n_decode, teacher_forced=True,
                      single_pass=True, progress=False, model_id=model_id)
         trace = load_trace(Path(tmp) / "trace")
+        inputs = load_layers(trace)
         full = full_model_logits(model, ids)
-        rows = []
-        for policy in policies:
-            for budget in budgets:
-                t0 = time.perf_counter()
-                res = replay(trace, policy, int(budget), record_kept=(n_prompt, n_open_steps), threads=1)
-                s = res.summary()
-                m = text_metrics(model, ids, n_prompt, policy, int(budget), backend=backend, full_logits=full)
-                a = kept_set_agreement(model, trace, policy, int(budget), n_open_steps, backend=backend,
-                                       sim_kept=res.kept)
-                row = {"policy": policy.name, "label": policy.label(), "budget": int(budget),
+        sims = [replay(trace, p, b, inputs=inputs, record_kept=(n_prompt, n_open_steps), threads=1)
+                for p, b in configs]
+        n_open = int(min(n_open_steps, n_decode))
+        with tqdm(total=2 * len(configs), desc="fidelity", unit="run", disable=not progress) as bar:
+            def kept_done(i: int, res) -> None:
+                bar.update(1)
+
+            opened = run_batch(model, [BatchJob(p, b, ids[:n_prompt], continuation=ids[n_prompt:n_prompt + n_open + 1])
+                                       for p, b in configs], backend=backend, open_loop=True,
+                               record_kept=(n_prompt, n_open), on_result=kept_done)
+            rows: list[dict[str, Any] | None] = [None] * len(configs)
+
+            def closed_done(i: int, res) -> None:
+                policy, budget = configs[i]
+                s = sims[i].summary()
+                m = metrics_of_run(res, model, ids, n_prompt, full)
+                a = compare_kept(opened[i].kept, sims[i].kept, n_open)
+                row = {"policy": policy.name, "label": policy.label(), "budget": budget,
                        **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean", "mass_mean", "slots_mean")},
                        "miss_mass": 1.0 - s["mass_mean"], **m, "top1_disagreement": 1.0 - m["top1_agreement"],
-                       **a, "seconds": time.perf_counter() - t0}
-                rows.append(row)
-                log(f"{policy.label():>24s} @ {budget:>4d}: sim err {row['err_mean']:.4f}  ΔPPL "
-                    f"{row['delta_ppl']:+.3f}  top-1 {row['top1_agreement']:.3f}  kept-set {row['kept_agreement']:.3f}")
+                       **a, "elapsed_seconds": time.perf_counter() - t_start}
+                rows[i] = row
+                bar.update(1)
+                bar.write(f"{policy.label():>24s} @ {budget:>4d}: sim err {row['err_mean']:.4f}  ΔPPL "
+                          f"{row['delta_ppl']:+.3f}  top-1 {row['top1_agreement']:.3f}  kept-set "
+                          f"{row['kept_agreement']:.3f}")
+                sys.stdout.flush()
+
+            run_batch(model, [BatchJob(p, b, ids[:n_prompt], continuation=ids[n_prompt:]) for p, b in configs],
+                      backend=backend, on_result=closed_done)
     rho = correlations(rows)
     best = {m: max(SIM_LOSSES, key=lambda s: -np.inf if np.isnan(rho[s][m]) else rho[s][m]) for m in MODEL_LOSSES}
     n_cmp = sum(r["n_compared"] for r in rows)

@@ -207,6 +207,9 @@ def test_fidelity_report_on_tiny_model(llama, ids, tmp_path):
     rep = run_fidelity(llama, ids[:40], [get_policy("window"), get_policy("h2o"), get_policy("oracle")], [6, 10],
                        n_prompt=16, n_open_steps=8, log=lambda *_: None)
     assert rep["skipped"] == ["oracle"] and len(rep["rows"]) == 4
+    solo = text_metrics(llama, ids[:40], 16, get_policy("h2o"), 6)   # the batched closed loop gives solo results
+    row = next(r for r in rep["rows"] if r["policy"] == "h2o" and r["budget"] == 6)
+    assert row["delta_nll"] == pytest.approx(solo["delta_nll"], abs=1e-5)
     assert rep["kept_agreement"] == 1.0
     assert set(rep["spearman"]) >= {"err_mean", "kl_mean"} and "delta_nll" in rep["spearman"]["err_mean"]
     assert set(rep["spearman_within_budget"]) == set(rep["spearman"])
@@ -248,5 +251,6 @@ def test_validate_cli_on_tiny_local_model(llama, tmp_path, capsys):
                "--policy", "window", "--budget", "8", "--prompt", "24", "--decode", "12", "--passkey-depths", "",
                "--json"])
     assert rc == 0
-    out = capsys.readouterr().out
-    assert '"top1_agreement"' in out and '"delta_ppl"' in out
+    captured = capsys.readouterr()
+    assert '"top1_agreement"' in captured.out and '"delta_ppl"' in captured.out
+    assert "window @ 8 text: ΔPPL" in captured.err   # a progress line per finished run, on stderr

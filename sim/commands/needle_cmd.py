@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lengths", type=int_list, default=[256, 512, 1024], help="context lengths (default 256,512,1024)")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)")
-    p.add_argument("--seeds", type=int_list, default=[0, 1, 2], help="seeds: key and filler window (default 0,1,2)")
+    p.add_argument("--seeds", type=int_list, default=[1, 2, 3], help="seeds (>= 1): key and filler window (default 1,2,3)")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="policy specs separated by ';'")
     p.add_argument("--budgets", type=int_list, default=[32, 64], help="budgets (default 32,64)")
     p.add_argument("--store", default="results/needle", help="Parquet results store (resumable; default results/needle)")
