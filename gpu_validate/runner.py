@@ -260,10 +260,17 @@ class BatchRunner:
     def _policy_step(self, layer: int, t: int, cache) -> None:
         H = self.n_kv
         lengths_all = cache.length.cpu().numpy().astype(np.int64)
-        probs_all = cache.padded(cache.probs).transpose(1, 2).double().cpu().numpy()
-        keys_all = cache.padded(cache.k).float().cpu().numpy()
-        values_all = cache.padded(cache.v).float().cpu().numpy()
-        pos_all = cache.padded(cache.positions, -1).cpu().numpy()
+        idx, valid_all = self.slot_index[layer], np.arange(cache.max_capacity)[None, :] < lengths_all[:, None]
+
+        def padded(x: torch.Tensor, fill: float) -> np.ndarray:   # cache.padded, as one numpy gather
+            out = x.detach().cpu().numpy()[idx]
+            out[~valid_all] = fill
+            return out
+
+        probs_all = padded(cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
+        keys_all = padded(cache.k, 0.0).astype(np.float32, copy=False)
+        values_all = padded(cache.v, 0.0).astype(np.float32, copy=False)
+        pos_all = padded(cache.positions, -1)
         width = cache.max_capacity
         keep_all = np.zeros((len(self.rows) * H, width), np.uint8)
         mt_all = np.full((len(self.rows) * H, width), -1, np.int64)
@@ -300,7 +307,6 @@ class BatchRunner:
                 r = t - self.record_kept[0]
                 if 0 <= r < row.kept.shape[1]:
                     row.kept[layer, r, :, :cap] = pos
-        valid_all = np.arange(width)[None, :] < lengths_all[:, None]
         if (keep_all.sum(1) < lengths_all).any():
             flat = (self.starts[layer][:, None] + np.arange(width)[None, :])[valid_all]
             total = cache.total_capacity
@@ -398,6 +404,8 @@ class BatchRunner:
                                       track_acc=False)
                            for l in range(self.n_layers)]
             self.starts = [c.start.cpu().numpy().astype(np.int64) for c in self.caches]
+            self.slot_index = [np.minimum(st[:, None] + np.arange(c.max_capacity)[None, :], c.total_capacity - 1)
+                               for st, c in zip(self.starts, self.caches)]
             self.mode = "decode"
             if not streams:
                 self._prefill(P)
