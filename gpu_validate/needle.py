@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -110,27 +111,34 @@ def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[P
             if config_key(p, pol, b, model_id) not in done]
     if len(todo) < len(prompts) * len(configs):
         log(f"resuming: {len(prompts) * len(configs) - len(todo)} cells already in {store.root}")
-    # streamed prompts cost a forward per prompt token: group by length so each batch shares its steps
-    todo.sort(key=lambda c: (c[0].length, BatchJob(c[1], c[2], c[0].ids).streams))
+    # a batch shares one prompt length and one way of loading the prompt (streamed or prefilled); each batch
+    # is stored as soon as it finishes
+    groups: dict[tuple[int, bool], list] = {}
+    for c in todo:
+        groups.setdefault((c[0].length, BatchJob(c[1], c[2], c[0].ids).streams), []).append(c)
     with tqdm(total=len(todo), desc="needle", unit="cell", disable=not progress) as bar:
-        for c in range(0, len(todo), max_rows * 4):
-            chunk = todo[c:c + max_rows * 4]
-            jobs = [BatchJob(pol, b, p.ids, n_generate=len(p.answer)) for p, pol, b in chunk]
-            rows: list[dict[str, Any]] = []
+        for (length, streams), cells in sorted(groups.items()):
+            for c in range(0, len(cells), max_rows):
+                chunk = cells[c:c + max_rows]
+                jobs = [BatchJob(pol, b, p.ids, n_generate=len(p.answer)) for p, pol, b in chunk]
+                rows: list[dict[str, Any]] = []
 
-            def finished(i: int, res) -> None:
-                p, pol, b = chunk[i]
-                hit = tuple(res.generated[:len(p.answer)]) == p.answer
-                rows.append({"key": config_key(p, pol, b, model_id), "model": model_id, "prompt_id": p.prompt_id,
-                             "length": p.length, "depth": p.depth, "seed": p.seed, "needle_key": p.key,
-                             "policy": pol.name, "label": pol.label(), "params": pol.params, "budget": int(b),
-                             "success": bool(hit), "generated": json.dumps(res.generated)})
-                bar.update(1)
+                def finished(i: int, res, chunk=chunk, rows=rows) -> None:
+                    p, pol, b = chunk[i]
+                    hit = tuple(res.generated[:len(p.answer)]) == p.answer
+                    rows.append({"key": config_key(p, pol, b, model_id), "model": model_id,
+                                 "prompt_id": p.prompt_id, "length": p.length, "depth": p.depth, "seed": p.seed,
+                                 "needle_key": p.key, "policy": pol.name, "label": pol.label(),
+                                 "params": pol.params, "budget": int(b), "success": bool(hit),
+                                 "generated": json.dumps(res.generated)})
+                    bar.update(1)
 
-            run_batch(model, jobs, backend=backend, max_rows=max_rows, on_result=finished)
-            store.add(rows)
-            acc = np.mean([r["success"] for r in rows])
-            bar.write(f"batch of {len(rows)} cells (length {chunk[0][0].length}): accuracy {acc:.2f}")
+                run_batch(model, jobs, backend=backend, max_rows=max_rows, on_result=finished)
+                store.add(rows)
+                acc = np.mean([r["success"] for r in rows])
+                bar.write(f"length {length} ({'streamed' if streams else 'prefilled'} prompts): batch of "
+                          f"{len(rows)} cells, accuracy {acc:.2f}")
+                sys.stdout.flush()
     return store.load()
 
 
