@@ -181,9 +181,10 @@ class BatchRunner:
     `VarlenKVCache` per layer holds all rows (``batch = rows``, capacities per row and KV head), so attention
     and compaction are single calls per layer and the model's weight matmuls are shared by the rows. The policy
     step runs per row on that row's slice of the layer, exactly as a one-row run does, so a batch gives the
-    results of running each configuration alone (tested). Rows must agree on whether the prompt is streamed,
-    on the prompt length and on the number of predictions (`run_batch` groups jobs that way); each distinct
-    prompt of a batch goes through the model once.
+    results of running each configuration alone (tested). Work every row does identically is shared: each
+    distinct prompt goes through the model once, and streamed prompts skip the model until the first eviction
+    in any row (`_fast_forward`). Rows must agree on whether the prompt is streamed,
+    on the prompt length and on the number of predictions (`run_batch` groups jobs that way).
     """
 
     def __init__(self, model, jobs: Sequence[BatchJob], *, backend: str = "torch", open_loop: bool = False,
@@ -257,7 +258,8 @@ class BatchRunner:
         return o.to(query.dtype).reshape(B, 1, self.n_q, self.head_dim)
 
     # ----- the policy step of every row on host arrays, as sim/engine.py calls it -----
-    def _policy_step(self, layer: int, t: int, cache) -> None:
+    def _policy_step(self, layer: int, t: int, cache) -> bool:
+        """Every row's policy step on this layer; True when some row evicted or merged a slot."""
         H = self.n_kv
         lengths_all = cache.length.cpu().numpy().astype(np.int64)
         idx, valid_all = self.slot_index[layer], np.arange(cache.max_capacity)[None, :] < lengths_all[:, None]
@@ -307,7 +309,8 @@ class BatchRunner:
                 r = t - self.record_kept[0]
                 if 0 <= r < row.kept.shape[1]:
                     row.kept[layer, r, :, :cap] = pos
-        if (keep_all.sum(1) < lengths_all).any():
+        evicted = bool((keep_all.sum(1) < lengths_all).any())
+        if evicted:
             flat = (self.starts[layer][:, None] + np.arange(width)[None, :])[valid_all]
             total = cache.total_capacity
             flat_keep = np.zeros(total, np.uint8)
@@ -322,6 +325,7 @@ class BatchRunner:
                 flat_mw[flat] = mw_all[valid_all]
                 flat_mt, flat_mw = torch.from_numpy(flat_mt).to(dev), torch.from_numpy(flat_mw).to(dev)
             cache.compact(torch.from_numpy(flat_keep).to(dev), flat_mt, flat_mw)
+        return evicted
 
     # ----- setup -----
     def _capacities(self, policy: Policy, budgets: np.ndarray, n_total: int) -> np.ndarray:
@@ -410,9 +414,10 @@ class BatchRunner:
             if not streams:
                 self._prefill(P)
             else:
-                for l, (dk, dv) in self.dense.items():   # the prompt is streamed again: start the dense copy empty
-                    self.dense[l] = [dk[:, :, :0], dv[:, :, :0]]
-                for t in range(P):
+                t_model = self._fast_forward(P)
+                for l, (dk, dv) in self.dense.items():   # the dense copy holds the tokens the cache has seen
+                    self.dense[l] = [dk[:, :, :t_model], dv[:, :, :t_model]]
+                for t in range(t_model, P):
                     self.mults = np.array([float(row.scale_fn(row.params, t + 1)) for row in rows])
                     self._check_mults(t)
                     last = self._forward([row.prompt[t] for row in rows], t)
@@ -449,6 +454,33 @@ class BatchRunner:
                 logits=torch.stack(row.logits).numpy() if self.keep_logits else None,
                 extra={"cache_elem_bytes": elem, "batch_rows": len(rows)}))
         return results
+
+    def _fast_forward(self, P: int) -> int:
+        """Stream the prompt's first tokens without the model, as long as no row has evicted anything.
+
+        Until a row's cache first drops or merges a slot, its step-t attention reads every token 0..t with unit
+        logit scale: the causal prompt forward already computed that token's q/k/v (and everything the model
+        does with them). So steps run on the captured q/k/v -- append, attention probabilities, policy step --
+        and the model streams only from the token after the first eviction in any row. Returns that token."""
+        rows, dev = self.rows, self.device
+        idx = self.prompt_of.cpu().numpy()
+        for t in range(P):
+            if any(float(row.scale_fn(row.params, t + 1)) != 1.0 for row in rows):
+                return t
+            self.t = t
+            evicted = False
+            for layer in range(self.n_layers):
+                cache = self.caches[layer]
+                k = torch.from_numpy(self.prompt_k[layer][idx, t]).to(dev)[:, :, None, :]   # [B, Hkv, 1, d]
+                v = torch.from_numpy(self.prompt_v[layer][idx, t]).to(dev)[:, :, None, :]
+                q = torch.from_numpy(self.prompt_q[layer][idx, t]).to(dev)                   # [B, Hq, d]
+                cache.append(k.to(self.cache_dtype), v.to(self.cache_dtype),
+                             positions=torch.full((len(rows), 1), t, device=dev, dtype=torch.int64))
+                cache.attend(q.to(self.cache_dtype), update_acc=False, update_ema=False)
+                evicted |= self._policy_step(layer, t, cache)
+            if evicted:
+                return t + 1
+        return P
 
     def _check_mults(self, t: int) -> None:
         bad = ~np.isfinite(self.mults) | (self.mults <= 0.0)

@@ -1,4 +1,8 @@
 """Batched closed loop: a batch of (policy, budget, prompt) rows gives each row's one-at-a-time results."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (as tests/test_validate.py)
+
 import numpy as np
 import pytest
 import torch
@@ -78,3 +82,24 @@ def test_batch_refuses_mixed_shapes(llama):
         BatchRunner(llama, [BatchJob(h2o, 8, ids[:10], n_generate=4), BatchJob(h2o, 8, ids[:12], n_generate=4)])
     with pytest.raises(ValidateError, match="at least one job"):
         BatchRunner(llama, [])
+
+
+def test_fast_forward_skips_the_model_until_the_first_eviction(llama, monkeypatch):
+    """Prompt tokens before any row's first eviction are not streamed through the model again; the result
+    equals streaming every token (up to matmul rounding) with identical kept sets."""
+    ids = _ids(5)
+    jobs = [BatchJob(get_policy("h2o"), 10, ids[:24], continuation=ids[24:32]),
+            BatchJob(get_policy("tova"), 12, ids[:24], continuation=ids[24:32])]
+    calls = []
+    hook = llama.model.embed_tokens.register_forward_hook(lambda m, i, o: calls.append(i[0].shape))
+    try:
+        fast = BatchRunner(llama, jobs, keep_logits=True, record_kept=(24, 4)).run()
+    finally:
+        hook.remove()
+    # one causal prompt forward, prompt tokens from the first eviction (step 10 -> token 11) on, 7 decode steps
+    assert len(calls) == 1 + (24 - 11) + 7
+    monkeypatch.setattr(BatchRunner, "_fast_forward", lambda self, P: 0)
+    slow = BatchRunner(llama, jobs, keep_logits=True, record_kept=(24, 4)).run()
+    for a, b in zip(fast, slow):
+        assert np.array_equal(a.kept, b.kept) and a.top1.tolist() == b.top1.tolist()
+        np.testing.assert_allclose(a.logits, b.logits, rtol=1e-4, atol=1e-5)
