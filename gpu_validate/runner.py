@@ -549,6 +549,7 @@ def run_batch(model, jobs: Sequence[BatchJob], *, backend: str = "torch", max_ro
         groups.setdefault((j.streams, len(j.prompt), j.n_pred), []).append(i)
     out: list[RunResult | None] = [None] * len(jobs)
     for idx in groups.values():
+        idx.sort(key=lambda i: jobs[i].budget)   # similar budgets together: longer shared fast-forward
         for c in range(0, len(idx), max_rows):
             chunk = idx[c:c + max_rows]
             res = BatchRunner(model, [jobs[i] for i in chunk], backend=backend, **kwargs).run()
