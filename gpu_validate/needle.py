@@ -267,8 +267,8 @@ def plot_needle(df, path: str | Path, title: str = "") -> Path:
     lengths = sorted(df.length.unique())
     depths = sorted(df.depth.unique())
     cols = ["full"] + labels
-    fig, axes = plt.subplots(len(budgets), len(cols), figsize=(1.9 * len(cols) + 1.2, 1.9 * len(budgets) + 0.9),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(budgets), len(cols), figsize=(1.7 * len(cols) + 1.0, 2.1 * len(budgets) + 0.8),
+                             squeeze=False, constrained_layout=True)
     cmap = plt.get_cmap("RdYlGn")
     full = df[df.policy == "full"]
     im = None
@@ -289,6 +289,6 @@ def plot_needle(df, path: str | Path, title: str = "") -> Path:
                 ax.set_xlabel("needle depth", fontsize=7)
             if j == 0:
                 ax.set_ylabel("context tokens", fontsize=7)
-    fig.colorbar(im, ax=axes, shrink=0.8, label="retrieval accuracy")
+    fig.colorbar(im, ax=axes, shrink=0.8, fraction=0.02, pad=0.01, label="retrieval accuracy")
     fig.suptitle(title or "needle retrieval (closed loop)", fontsize=9)
     return save_figure(fig, path, dpi=120)
