@@ -95,3 +95,32 @@ def test_threshold_and_prediction_report():
                               "model_fail_pred_fail": 1}
     with pytest.raises(ValidateError, match="both sides"):
         prediction_report(df, [0, 1])
+
+
+def test_needle_cli_on_tiny_local_model(llama, tmp_path, capsys):
+    import json
+    import string
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from sim.cli import main
+
+    vocab = {c: i for i, c in enumerate(string.printable[:100])} | {"[UNK]": 100}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(tmp_path / "m")
+    llama.save_pretrained(tmp_path / "m")
+    (tmp_path / "text.txt").write_text(TEXT)
+    out = tmp_path / "needle.json"
+    rc = main(["needle", "--model", str(tmp_path / "m"), "--text", str(tmp_path / "text.txt"), "--lengths", "260",
+               "--depths", "0,1", "--seeds", "1,2", "--policies", "streaming_llm;snapkv", "--budgets", "16",
+               "--predict", "--train-seeds", "1", "--store", str(tmp_path / "store"), "--out", str(out),
+               "--no-progress"])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["policies"] == ["streaming_llm", "snapkv"] and rep["n_prompts"] == 4
+    assert 0.0 <= rep["full_accuracy"] <= 1.0 and 0.0 <= rep["sim_agreement"] <= 1.0
+    assert rep["prediction"]["n_test_cells"] == 4 and set(rep["accuracy"]) == {"streaming_llm@16", "snapkv@16"}
+    assert (tmp_path / "needle.png").stat().st_size > 0
+    assert "simulator prediction on held-out seeds [2]" in capsys.readouterr().out
