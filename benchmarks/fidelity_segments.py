@@ -6,7 +6,7 @@ Then the within-budget Spearman rho of every simulated loss (mean over segments)
 ΔNLL and top-1 disagreement, on the text's first half and, separately, on its second half (no choice in the
 simulator's metrics was fitted on either). Writes benchmarks/results/fidelity_smollm2.json.
 
-    python benchmarks/fidelity_segments.py [--segments 16] [--prompt 128] [--decode 64] [--budget 32]
+    python benchmarks/fidelity_segments.py [--segments 8] [--prompt 64] [--decode 32] [--budget 16]   (the committed run, ~5 min)
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ def main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="/work/cache/smollm2-hf")
-    ap.add_argument("--segments", type=int, default=16, help="segments, half from each half of the text")
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=32)
+    ap.add_argument("--segments", type=int, default=8, help="segments, half from each half of the text")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--policies", default=POLICIES)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
