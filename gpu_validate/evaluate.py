@@ -24,7 +24,14 @@ def text_metrics(model, ids: Sequence[int], n_prompt: int, policy: Policy, budge
     if not 1 <= n_prompt <= len(ids) - 2:
         raise ValidateError(f"need 1 <= n_prompt <= {len(ids) - 2} for {len(ids)} tokens, got {n_prompt}")
     res = CompressedRunner(model, policy, budget, backend=backend).run(ids[:n_prompt], continuation=ids[n_prompt:])
-    full = (full_model_logits(model, ids) if full_logits is None else full_logits)[n_prompt:-1]
+    full = full_model_logits(model, ids) if full_logits is None else full_logits
+    return metrics_of_run(res, model, ids, n_prompt, full)
+
+
+def metrics_of_run(res: RunResult, model, ids: Sequence[int], n_prompt: int, full_logits: np.ndarray) -> dict[str, Any]:
+    """`text_metrics` of a finished teacher-forced run (e.g. one row of `run_batch`) against the full cache's
+    logits over ``ids``."""
+    full = full_logits[n_prompt:-1]
     logp = full - np.logaddexp.reduce(full.astype(np.float64), axis=1, keepdims=True)
     tgt = np.asarray(ids[n_prompt + 1:])
     nll_full = -logp[np.arange(len(tgt)), tgt]
@@ -37,6 +44,7 @@ def text_metrics(model, ids: Sequence[int], n_prompt: int, policy: Policy, budge
         "top1_agreement": float((res.top1[1:] == full.argmax(1)).mean()),
         "kv_bytes_mean": float(res.kv_bytes.mean()), "kv_bytes_peak": float(res.kv_bytes.max()),
         "kv_bytes_full_mean": full_bytes, "tokens_per_s": res.tokens_per_s, "n_scored": int(len(tgt)),
+        "nll_per_token": (nll_pol - nll_full).tolist(),
     }
 
 
@@ -66,19 +74,27 @@ def passkey_prompt(tokenizer, filler_ids: Sequence[int], depth: float, n_context
 
 def passkey_accuracy(model, tokenizer, filler_ids: Sequence[int], policy: Policy, budget: int, *,
                      depths: Sequence[float] = (0.1, 0.5, 0.9), n_context: int = 256, n_keys: int = 2,
-                     backend: str = "torch", seed: int = 0) -> dict[str, float]:
-    """Exact-match retrieval of a random 5-digit key by greedy decoding, per depth (mean over n_keys keys)."""
+                     backend: str = "torch", seed: int = 0, on_result=None) -> dict[str, float]:
+    """Exact-match retrieval of a random 5-digit key by greedy decoding, per depth (mean over n_keys keys).
+    All depth × key prompts run as one batch; ``on_result(label, hit)`` is called per finished prompt."""
+    from gpu_validate.runner import BatchJob, run_batch
+
     rng = np.random.default_rng(seed)
     keys = [str(int(x)) for x in rng.integers(10000, 99999, size=n_keys)]
-    out = {}
-    for depth in depths:
-        hits = 0
-        for key in keys:
-            prompt, answer = passkey_prompt(tokenizer, filler_ids, depth, n_context, key)
-            res = CompressedRunner(model, policy, budget, backend=backend).run(prompt, n_generate=len(answer))
-            hits += int(res.generated[: len(answer)] == answer)
-        out[f"{depth:g}"] = hits / len(keys)
-    return out
+    cells = [(depth, passkey_prompt(tokenizer, filler_ids, depth, n_context, key)) for depth in depths
+             for key in keys]
+    jobs = [BatchJob(policy, budget, prompt, n_generate=len(answer)) for _, (prompt, answer) in cells]
+    hits = {f"{depth:g}": 0 for depth in depths}
+
+    def done(i: int, res: RunResult) -> None:
+        depth, (_, answer) = cells[i]
+        hit = res.generated[: len(answer)] == answer
+        hits[f"{depth:g}"] += int(hit)
+        if on_result is not None:
+            on_result(f"{policy.label()} @ {budget} passkey depth {depth:g}", hit)
+
+    run_batch(model, jobs, backend=backend, on_result=done)
+    return {d: h / len(keys) for d, h in hits.items()}
 
 
 def kept_set_agreement(model, trace, policy: Policy, budget: int, n_steps: int, *,
@@ -103,6 +119,12 @@ def kept_set_agreement(model, trace, policy: Policy, budget: int, n_steps: int, 
     runner = CompressedRunner(model, policy, budget, backend=backend, open_loop=True, record_kept=(P, n_steps))
     gpu = runner.run(ids[:P], continuation=ids[P:P + n_steps + 1]).kept
     sim = sim_kept if sim_kept is not None else replay(trace, policy, budget, record_kept=(P, n_steps), threads=1).kept
+    return compare_kept(gpu, sim, n_steps)
+
+
+def compare_kept(gpu: np.ndarray, sim: np.ndarray, n_steps: int) -> dict[str, Any]:
+    """Kept-set agreement of two [L, >= n_steps, Hkv, W] position records (-1 padded): share of equal sets
+    and mean Jaccard overlap over (layer, step, KV head)."""
     equal, jac, n = 0, 0.0, 0
     for l in range(gpu.shape[0]):
         for r in range(n_steps):

@@ -7,6 +7,7 @@ plus open-loop kept-set agreement on the first decode steps, and a sim-vs-model 
 """
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -14,8 +15,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gpu_validate.evaluate import kept_set_agreement, text_metrics
-from gpu_validate.runner import ValidateError, full_model_logits
+from gpu_validate.evaluate import compare_kept, metrics_of_run
+from gpu_validate.runner import BatchJob, ValidateError, full_model_logits, run_batch
 from policies.base import Policy
 
 #: simulated losses (higher = worse) compared with the model's losses
@@ -61,9 +62,11 @@ def within_budget_correlations(rows: list[dict[str, Any]]) -> dict[str, dict[str
 
 def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets: Sequence[int], *,
                  n_prompt: int, n_open_steps: int = 16, backend: str = "torch", model_id: str = "model",
-                 log=print) -> dict[str, Any]:
+                 log=print, progress: bool = True) -> dict[str, Any]:
     """All policies × budgets through the simulator and the model; returns the JSON-ready report."""
-    from sim.replay import replay
+    from tqdm.auto import tqdm
+
+    from sim.replay import load_layers, replay
     from traces.format import load_trace
     from traces.recorder import record_trace
 
@@ -78,27 +81,43 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
     if not policies:
         raise ValidateError("no policy left to compare after skipping the oracle")
     t_start = time.perf_counter()
+    configs = [(p, int(b)) for p in policies for b in budgets]
     with tempfile.TemporaryDirectory(prefix="kvsim-fidelity-") as tmp:
         record_trace(model, ids, Path(tmp) / "trace", n_prompt=n_prompt, n_decode=n_decode, teacher_forced=True,
                      single_pass=True, progress=False, model_id=model_id)
         trace = load_trace(Path(tmp) / "trace")
+        inputs = load_layers(trace)
         full = full_model_logits(model, ids)
-        rows = []
-        for policy in policies:
-            for budget in budgets:
-                t0 = time.perf_counter()
-                res = replay(trace, policy, int(budget), record_kept=(n_prompt, n_open_steps), threads=1)
-                s = res.summary()
-                m = text_metrics(model, ids, n_prompt, policy, int(budget), backend=backend, full_logits=full)
-                a = kept_set_agreement(model, trace, policy, int(budget), n_open_steps, backend=backend,
-                                       sim_kept=res.kept)
-                row = {"policy": policy.name, "label": policy.label(), "budget": int(budget),
+        sims = [replay(trace, p, b, inputs=inputs, record_kept=(n_prompt, n_open_steps), threads=1)
+                for p, b in configs]
+        n_open = int(min(n_open_steps, n_decode))
+        with tqdm(total=2 * len(configs), desc="fidelity", unit="run", disable=not progress) as bar:
+            def kept_done(i: int, res) -> None:
+                bar.update(1)
+
+            opened = run_batch(model, [BatchJob(p, b, ids[:n_prompt], continuation=ids[n_prompt:n_prompt + n_open + 1])
+                                       for p, b in configs], backend=backend, open_loop=True,
+                               record_kept=(n_prompt, n_open), on_result=kept_done)
+            rows: list[dict[str, Any] | None] = [None] * len(configs)
+
+            def closed_done(i: int, res) -> None:
+                policy, budget = configs[i]
+                s = sims[i].summary()
+                m = metrics_of_run(res, model, ids, n_prompt, full)
+                a = compare_kept(opened[i].kept, sims[i].kept, n_open)
+                row = {"policy": policy.name, "label": policy.label(), "budget": budget,
                        **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean", "mass_mean", "slots_mean")},
                        "miss_mass": 1.0 - s["mass_mean"], **m, "top1_disagreement": 1.0 - m["top1_agreement"],
-                       **a, "seconds": time.perf_counter() - t0}
-                rows.append(row)
-                log(f"{policy.label():>24s} @ {budget:>4d}: sim err {row['err_mean']:.4f}  ΔPPL "
-                    f"{row['delta_ppl']:+.3f}  top-1 {row['top1_agreement']:.3f}  kept-set {row['kept_agreement']:.3f}")
+                       **a, "elapsed_seconds": time.perf_counter() - t_start}
+                rows[i] = row
+                bar.update(1)
+                bar.write(f"{policy.label():>24s} @ {budget:>4d}: sim err {row['err_mean']:.4f}  ΔPPL "
+                          f"{row['delta_ppl']:+.3f}  top-1 {row['top1_agreement']:.3f}  kept-set "
+                          f"{row['kept_agreement']:.3f}")
+                sys.stdout.flush()
+
+            run_batch(model, [BatchJob(p, b, ids[:n_prompt], continuation=ids[n_prompt:]) for p, b in configs],
+                      backend=backend, on_result=closed_done)
     rho = correlations(rows)
     best = {m: max(SIM_LOSSES, key=lambda s: -np.inf if np.isnan(rho[s][m]) else rho[s][m]) for m in MODEL_LOSSES}
     n_cmp = sum(r["n_compared"] for r in rows)
@@ -116,12 +135,9 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
 
 def plot_fidelity(report: dict[str, Any], path: str | Path) -> Path:
     """Scatter of the best simulated loss vs the model's ΔPPL and top-1 disagreement, one colour per policy."""
-    import matplotlib
+    from sim.plotting import agg_pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from sim.report import _save
+    plt = agg_pyplot()
 
     rows = report["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
@@ -144,4 +160,70 @@ def plot_fidelity(report: dict[str, Any], path: str | Path) -> Path:
     fig.suptitle(f"kvsim fidelity: simulator vs model ({report['model']}, {report['device']}, "
                  f"backend {report['backend']}; numbers = budget)", fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
+
+
+def segment_study(model, ids: Sequence[int], starts: Sequence[int], policies: Sequence[Policy], budget: int, *,
+                  n_prompt: int, n_decode: int, backend: str = "torch", model_id: str = "model",
+                  progress: bool = True) -> list[dict[str, Any]]:
+    """Every policy at one ``budget`` on many text segments (``ids[s : s + n_prompt + n_decode]`` per start):
+    closed-loop ΔNLL / top-1 disagreement (all segments × policies batched) and the simulated losses from a
+    teacher-forced trace of each segment. One row per (segment, policy)."""
+    from tqdm.auto import tqdm
+
+    from sim.replay import load_layers, replay
+    from traces.format import load_trace
+    from traces.recorder import record_trace
+
+    ids = [int(x) for x in ids]
+    n = n_prompt + n_decode
+    segs = [ids[s:s + n] for s in starts]
+    if any(len(x) < n for x in segs):
+        raise ValidateError(f"every segment needs {n} tokens inside the text of {len(ids)}")
+    sims: dict[tuple[int, int], dict[str, Any]] = {}
+    fulls = []
+    with tempfile.TemporaryDirectory(prefix="kvsim-segments-") as tmp:
+        for si, seg in enumerate(tqdm(segs, desc="traces", unit="segment", disable=not progress)):
+            path = Path(tmp) / f"s{si}"
+            record_trace(model, seg, path, n_prompt=n_prompt, n_decode=n_decode, teacher_forced=True,
+                         single_pass=True, progress=False, model_id=model_id)
+            trace = load_trace(path)
+            inputs = load_layers(trace)
+            for pi, p in enumerate(policies):
+                s = replay(trace, p, int(budget), inputs=inputs, threads=1).summary()
+                sims[si, pi] = {k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean")} | {
+                    "miss_mass": 1.0 - s["mass_mean"]}
+            fulls.append(full_model_logits(model, seg))
+    cells = [(si, pi) for si in range(len(segs)) for pi in range(len(policies))]
+    rows: list[dict[str, Any]] = []
+    with tqdm(total=len(cells), desc="closed loop", unit="run", disable=not progress) as bar:
+        def done(i: int, res) -> None:
+            si, pi = cells[i]
+            m = metrics_of_run(res, model, segs[si], n_prompt, fulls[si])
+            rows.append({"segment": si, "start": int(starts[si]), "policy": policies[pi].name,
+                         "label": policies[pi].label(), "budget": int(budget), **sims[si, pi],
+                         "delta_nll": m["delta_nll"], "top1_disagreement": 1.0 - m["top1_agreement"]})
+            bar.update(1)
+
+        run_batch(model, [BatchJob(policies[pi], int(budget), segs[si][:n_prompt],
+                                   continuation=segs[si][n_prompt:]) for si, pi in cells],
+                  backend=backend, on_result=done)
+    return sorted(rows, key=lambda r: (r["segment"], r["label"]))
+
+
+def split_half_reliability(table: np.ndarray, n_splits: int = 200, seed: int = 0) -> dict[str, float]:
+    """Reliability of the policy ranking by mean loss over segments. ``table`` is [segments, policies]; each
+    random split of the segments into two disjoint halves ranks the policies by each half's mean, and the
+    Spearman rho of the two rankings is averaged over splits; the Spearman-Brown step-up estimates the
+    reliability of the mean over all segments (what a comparison with the simulator is bounded by)."""
+    table = np.asarray(table, float)
+    rng = np.random.default_rng(seed)
+    n = table.shape[0]
+    rhos = []
+    for _ in range(n_splits):
+        perm = rng.permutation(n)
+        a, b = perm[:n // 2], perm[n // 2:2 * (n // 2)]
+        rhos.append(spearman(table[a].mean(0), table[b].mean(0)))
+    r = float(np.nanmean(rhos))
+    return {"split_half_rho": r, "spearman_brown": 2 * r / (1 + r) if r > -1 else float("nan"),
+            "n_segments": int(n), "n_splits": int(n_splits)}

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from gpu_validate.backends import BACKENDS, make_cache
+from gpu_validate.backends import BACKENDS, TorchVarlenKVCache, make_cache
 from policies.base import Policy, PolicyError
 from sim.contract import check_allocation, check_kept, check_scale, check_step, raise_on, slot_capacity
 
@@ -130,21 +130,80 @@ def check_run_args(policy: Policy, budget: int, backend: str) -> None:
         raise ValidateError(str(exc)) from None
 
 
-class CompressedRunner:
-    """Runs one model with ``policy`` at ``budget`` slots per KV head and layer over varlen caches."""
+@dataclass
+class BatchJob:
+    """One closed-loop configuration of a batch: a policy at a budget on a prompt, then either teacher-forced
+    ``continuation`` (NLL of each token) or ``n_generate`` greedy tokens."""
 
-    def __init__(self, model, policy: Policy, budget: int, *, backend: str = "torch", open_loop: bool = False,
+    policy: Policy
+    budget: int
+    prompt: Sequence[int]
+    continuation: Sequence[int] | None = None
+    n_generate: int = 0
+
+    @property
+    def n_pred(self) -> int:
+        return len(self.continuation) if self.continuation is not None else int(self.n_generate)
+
+    @property
+    def streams(self) -> bool:
+        """True when the prompt is streamed token by token through the compressed cache (no prefill selector,
+        and not an unscaled full cache, which keeps the prompt exactly as the model computed it)."""
+        p = self.policy
+        return not (p.has_prefill or (p.unbounded and p.logit_scale_fn is None))
+
+
+class _Row:
+    """Per-configuration state of a batch row: policy kernels, budgets, slot/head states, outputs."""
+
+    def __init__(self, job: BatchJob, n_layers: int, n_kv: int) -> None:
+        self.job, self.policy = job, job.policy
+        self.step_fn, self.prefill_fn, self.scale_fn = job.policy.kernels()
+        self.params = job.policy.param_vector()
+        self.prompt = [int(x) for x in job.prompt]
+        self.cont = None if job.continuation is None else [int(x) for x in job.continuation]
+        self.held = [0] * n_layers
+        self.preds_top1: list[int] = []
+        self.nlls: list[float] = []
+        self.logits: list[torch.Tensor] = []
+        self.generated: list[int] = []
+        self.kv_bytes: list[float] = []
+        self.kept = None
+
+    def next_token(self, r: int) -> int:
+        """Decode input r: the teacher-forced token, or the greedy argmax of the previous prediction."""
+        return self.cont[r] if self.cont is not None else self.preds_top1[-1]
+
+
+class BatchRunner:
+    """Runs many closed-loop configurations as one batch through the model.
+
+    Every batch row is a (policy, budget, prompt) configuration with its own per-head varlen cache: one
+    `VarlenKVCache` per layer holds all rows (``batch = rows``, capacities per row and KV head), so attention
+    and compaction are single calls per layer and the model's weight matmuls are shared by the rows. The policy
+    step runs per row on that row's slice of the layer, exactly as a one-row run does, so a batch gives the
+    results of running each configuration alone (tested). Work every row does identically is shared: each
+    distinct prompt goes through the model once, and streamed prompts skip the model until the first eviction
+    in any row (`_fast_forward`). Rows must agree on whether the prompt is streamed,
+    on the prompt length and on the number of predictions (`run_batch` groups jobs that way).
+    """
+
+    def __init__(self, model, jobs: Sequence[BatchJob], *, backend: str = "torch", open_loop: bool = False,
                  record_kept: tuple[int, int] | None = None, cache_dtype: torch.dtype | None = None,
                  keep_logits: bool = False) -> None:
-        check_run_args(policy, budget, backend)
-        self.model, self.policy, self.budget, self.backend = model, policy, int(budget), backend
+        if not jobs:
+            raise ValidateError("a batch needs at least one job")
+        for j in jobs:
+            check_run_args(j.policy, j.budget, backend)
+        keys = {(j.streams, len(j.prompt), j.n_pred) for j in jobs}
+        if len(keys) != 1:
+            raise ValidateError(f"a batch needs one (streams prompt, prompt length, predictions) key, got {keys}")
+        self.model, self.jobs, self.backend = model, list(jobs), backend
         self.open_loop, self.record_kept, self.keep_logits = open_loop, record_kept, keep_logits
         self.n_layers, self.n_q, self.n_kv, self.head_dim = model_geometry(model)
         self.group = self.n_q // self.n_kv
         self.device = next(model.parameters()).device
         self.cache_dtype = cache_dtype or next(model.parameters()).dtype
-        self.step_fn, self.prefill_fn, self.scale_fn = policy.kernels()
-        self.params = policy.param_vector()
         self.mode = "prompt"
         self.scale: float | None = None
 
@@ -157,33 +216,37 @@ class CompressedRunner:
             self.scale = scaling
         elif abs(self.scale - scaling) > 1e-12 * abs(scaling):
             raise ValidateError(f"layer {layer} uses softmax scale {scaling}, another layer {self.scale}")
-        if query.shape[0] != 1:
-            raise ValidateError(f"the runner supports batch size 1, got {query.shape[0]}")
         if self.mode == "prompt":
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
             kwargs.setdefault("dropout", 0.0)
             out, w = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-            self.prompt_q[layer] = query[0].transpose(0, 1).float().cpu().numpy()   # [P, Hq, d]
-            self.prompt_k[layer] = key[0].transpose(0, 1).float().cpu().numpy()     # [P, Hkv, d]
-            self.prompt_v[layer] = value[0].transpose(0, 1).float().cpu().numpy()
+            self.prompt_q[layer] = query.transpose(1, 2).float().cpu().numpy()   # [U, P, Hq, d]
+            self.prompt_k[layer] = key.transpose(1, 2).float().cpu().numpy()     # [U, P, Hkv, d]
+            self.prompt_v[layer] = value.transpose(1, 2).float().cpu().numpy()
             if self.open_loop:
-                self.dense[layer] = [key, value]
+                self.dense[layer] = [key[self.prompt_of], value[self.prompt_of]]
             return out, w
-        if query.shape[2] != 1 or key.shape[2] != 1:
-            raise ValidateError("decode steps feed one token at a time (no HF KV cache)")
+        if query.shape[0] != len(self.rows) or query.shape[2] != 1 or key.shape[2] != 1:
+            raise ValidateError("decode steps feed one token per batch row at a time (no HF KV cache)")
         return self._decode_attention(layer, query, key, value), None
 
     def _decode_attention(self, layer: int, query, key, value) -> torch.Tensor:
-        t = self.t
+        t, B = self.t, len(self.rows)
         cache = self.caches[layer]
         cache.append(key.to(self.cache_dtype), value.to(self.cache_dtype),
-                     positions=torch.tensor([[t]], device=self.device))
-        mult = float(self.scale_fn(self.params, t + 1))
-        info = np.zeros(3, np.int64)
-        raise_on(self.policy, check_scale(mult, t, info), info, layer)
-        o, _ = cache.attend(query[:, :, 0, :].to(self.cache_dtype), logit_scale=mult,
-                            update_acc=False, update_ema=False)
+                     positions=torch.full((B, 1), t, device=self.device, dtype=torch.int64))
+        mults = self.mults
+        q = query[:, :, 0, :].to(self.cache_dtype)
+        if (mults == 1.0).all():
+            o, _ = cache.attend(q, update_acc=False, update_ema=False)
+        elif isinstance(cache, TorchVarlenKVCache):
+            o, _ = cache.attend(q, logit_scale=torch.as_tensor(mults, dtype=torch.float32), update_acc=False,
+                                update_ema=False)
+        elif (mults == mults[0]).all():
+            o, _ = cache.attend(q, logit_scale=float(mults[0]), update_acc=False, update_ema=False)
+        else:
+            raise ValidateError("rows with different logit scales need the torch backend (or one batch each)")
         self._policy_step(layer, t, cache)
         if self.open_loop:
             dk, dv = self.dense[layer]
@@ -193,72 +256,107 @@ class CompressedRunner:
             kk = dk.repeat_interleave(rep, dim=1) if rep > 1 else dk
             vv = dv.repeat_interleave(rep, dim=1) if rep > 1 else dv
             o = torch.nn.functional.scaled_dot_product_attention(query, kk, vv, scale=self.scale)[:, :, 0]
-        return o.to(query.dtype).reshape(1, 1, self.n_q, self.head_dim)
+        return o.to(query.dtype).reshape(B, 1, self.n_q, self.head_dim)
 
-    # ----- the policy step on host arrays, as sim/engine.py calls it -----
-    def _policy_step(self, layer: int, t: int, cache) -> None:
-        lengths = cache.length.cpu().numpy().astype(np.int64)
-        probs = np.ascontiguousarray(cache.padded(cache.probs).transpose(1, 2).double().cpu().numpy())
-        keys = np.ascontiguousarray(cache.padded(cache.k).float().cpu().numpy())
-        values = np.ascontiguousarray(cache.padded(cache.v).float().cpu().numpy())
-        pos = np.ascontiguousarray(cache.padded(cache.positions, -1).cpu().numpy())
-        sst, hst = self.slot_state[layer], self.head_state[layer]
-        cap = sst.shape[1]
-        sst[np.arange(self.n_kv), lengths - 1] = 0.0   # the new slot starts with zero state
-        keep = np.ones((self.n_kv, cap), np.uint8)
-        merge_to = np.full((self.n_kv, cap), -1, np.int64)
-        merge_w = np.ones((self.n_kv, cap), np.float64)
-        budget = self.budgets[layer]
-        self.step_fn(self.params, layer, t, budget, lengths, probs, keys, values, pos, sst, hst, keep, merge_to,
-                     merge_w)
-        valid = np.arange(cap)[None, :] < lengths[:, None]
-        keep &= valid.astype(np.uint8)
-        kept_n = keep.sum(1).astype(np.int64)
-        info = np.zeros(3, np.int64)
-        raise_on(self.policy, check_step(lengths, keep, merge_to, budget, self.policy.head_adaptive,
-                                         not self.policy.unbounded, t, info), info, layer)
-        merging = bool((merge_to[valid] >= 0).any())
-        if (kept_n < lengths).any():
+    # ----- the policy step of every row on host arrays, as sim/engine.py calls it -----
+    def _policy_step(self, layer: int, t: int, cache) -> bool:
+        """Every row's policy step on this layer; True when some row evicted or merged a slot."""
+        H = self.n_kv
+        lengths_all = cache.length.cpu().numpy().astype(np.int64)
+        idx, valid_all = self.slot_index[layer], np.arange(cache.max_capacity)[None, :] < lengths_all[:, None]
+
+        def padded(x: torch.Tensor, fill: float) -> np.ndarray:   # cache.padded, as one numpy gather
+            out = x.detach().cpu().numpy()[idx]
+            out[~valid_all] = fill
+            return out
+
+        probs_all = padded(cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
+        keys_all = padded(cache.k, 0.0).astype(np.float32, copy=False)
+        values_all = padded(cache.v, 0.0).astype(np.float32, copy=False)
+        pos_all = padded(cache.positions, -1)
+        width = cache.max_capacity
+        keep_all = np.zeros((len(self.rows) * H, width), np.uint8)
+        mt_all = np.full((len(self.rows) * H, width), -1, np.int64)
+        mw_all = np.ones((len(self.rows) * H, width), np.float64)
+        for b, row in enumerate(self.rows):
+            sl = slice(b * H, (b + 1) * H)
+            sst, hst = row.slot_state[layer], row.head_state[layer]
+            cap = sst.shape[1]
+            lengths = lengths_all[sl]
+            probs = np.ascontiguousarray(probs_all[sl, :, :cap])
+            keys = np.ascontiguousarray(keys_all[sl, :cap])
+            values = np.ascontiguousarray(values_all[sl, :cap])
+            pos = np.ascontiguousarray(pos_all[sl, :cap])
+            sst[np.arange(H), lengths - 1] = 0.0   # the new slot starts with zero state
+            keep = np.ones((H, cap), np.uint8)
+            merge_to = np.full((H, cap), -1, np.int64)
+            merge_w = np.ones((H, cap), np.float64)
+            budget = row.budgets[layer]
+            row.step_fn(row.params, layer, t, budget, lengths, probs, keys, values, pos, sst, hst, keep, merge_to,
+                        merge_w)
+            valid = np.arange(cap)[None, :] < lengths[:, None]
+            keep &= valid.astype(np.uint8)
+            kept_n = keep.sum(1).astype(np.int64)
+            info = np.zeros(3, np.int64)
+            raise_on(row.policy, check_step(lengths, keep, merge_to, budget, row.policy.head_adaptive,
+                                            not row.policy.unbounded, t, info), info, layer)
+            keep_all[sl, :cap], mt_all[sl, :cap], mw_all[sl, :cap] = keep, merge_to, merge_w
+            if (kept_n < lengths).any():
+                order = np.argsort(1 - keep, axis=1, kind="stable")   # kept slots first, in order
+                sst[:] = np.take_along_axis(sst, order[:, :, None], 1)
+                sst[np.arange(cap)[None, :] >= kept_n[:, None]] = 0.0
+                pos = np.take_along_axis(pos, order, 1)
+                pos[np.arange(cap)[None, :] >= kept_n[:, None]] = -1
+            row.held[layer] = int(kept_n.sum())
+            if row.kept is not None:
+                r = t - self.record_kept[0]
+                if 0 <= r < row.kept.shape[1]:
+                    row.kept[layer, r, :, :cap] = pos
+        evicted = bool((keep_all.sum(1) < lengths_all).any())
+        if evicted:
+            flat = (self.starts[layer][:, None] + np.arange(width)[None, :])[valid_all]
             total = cache.total_capacity
             flat_keep = np.zeros(total, np.uint8)
-            flat_mt = np.full(total, -1, np.int32)
-            flat_mw = np.ones(total, np.float32)
-            for h in range(self.n_kv):
-                s0, n = self.starts[layer][h], lengths[h]
-                flat_keep[s0:s0 + n] = keep[h, :n]
-                flat_mt[s0:s0 + n] = merge_to[h, :n]
-                flat_mw[s0:s0 + n] = merge_w[h, :n]
+            flat_keep[flat] = keep_all[valid_all]
+            merging = bool((mt_all[valid_all] >= 0).any())
+            flat_mt = flat_mw = None
             dev = self.device
-            cache.compact(torch.from_numpy(flat_keep).to(dev),
-                          torch.from_numpy(flat_mt).to(dev) if merging else None,
-                          torch.from_numpy(flat_mw).to(dev) if merging else None)
-            for h in range(self.n_kv):
-                idx = np.flatnonzero(keep[h])
-                sst[h, :idx.size] = sst[h, idx]
-                sst[h, idx.size:] = 0.0
-                pos[h, :idx.size] = pos[h, idx]
-                pos[h, idx.size:] = -1
-        self.held[layer] = int(kept_n.sum())
-        if self.kept is not None:
-            r = t - self.record_kept[0]
-            if 0 <= r < self.kept.shape[1]:
-                self.kept[layer, r, :, :cap] = pos
+            if merging:
+                flat_mt = np.full(total, -1, np.int32)
+                flat_mw = np.ones(total, np.float32)
+                flat_mt[flat] = mt_all[valid_all]
+                flat_mw[flat] = mw_all[valid_all]
+                flat_mt, flat_mw = torch.from_numpy(flat_mt).to(dev), torch.from_numpy(flat_mw).to(dev)
+            cache.compact(torch.from_numpy(flat_keep).to(dev), flat_mt, flat_mw)
+        return evicted
 
     # ----- setup -----
-    def _forward(self, token: int, t: int):
+    def _forward(self, tokens: Sequence[int], t: int):
         self.t = t
-        ids = torch.tensor([[token]], device=self.device)
-        out = self.model(input_ids=ids, position_ids=torch.tensor([[t]], device=self.device), use_cache=False)
-        return out.logits[0, -1].float()
+        ids = torch.tensor([[int(x)] for x in tokens], device=self.device)
+        pos = torch.full((len(tokens), 1), t, device=self.device, dtype=torch.int64)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False)
+        return out.logits[:, -1].float()
 
-    def run(self, prompt_ids: Sequence[int], *, continuation: Sequence[int] | None = None,
-            n_generate: int = 0) -> RunResult:
-        """Prompt, then teacher-forced decoding of ``continuation`` (NLL of each token) or ``n_generate`` greedy
-        tokens. Prediction 0 comes from the prompt's last position, prediction r from decode position P+r-1."""
-        prompt = [int(x) for x in prompt_ids]
-        P = len(prompt)
-        cont = None if continuation is None else [int(x) for x in continuation]
-        n_pred = len(cont) if cont is not None else int(n_generate)
+    def _record(self, rows: list[_Row], logits: torch.Tensor, r: int) -> None:
+        """Store prediction r of every row (argmax, NLL of the teacher-forced token, logits if asked)."""
+        top1 = logits.argmax(-1).tolist()
+        nll = None
+        if rows[0].cont is not None:
+            logp = torch.log_softmax(logits, -1)
+            tgt = torch.tensor([row.cont[r] for row in rows], device=logits.device)
+            nll = (-logp.gather(1, tgt[:, None])[:, 0]).double().cpu().numpy()
+        for b, row in enumerate(rows):
+            row.preds_top1.append(int(top1[b]))
+            if nll is not None:
+                row.nlls.append(float(nll[b]))
+            if self.keep_logits:
+                row.logits.append(logits[b].cpu())
+
+    def run(self) -> list[RunResult]:
+        """Run every job of the batch; results in job order."""
+        jobs = self.jobs
+        P, n_pred, streams = len(jobs[0].prompt), jobs[0].n_pred, jobs[0].streams
         if P < 1 or n_pred < 1:
             raise ValidateError(f"need a prompt of >= 1 token and >= 1 token to predict, got {P} and {n_pred}")
         max_pos = getattr(self.model.config, "max_position_embeddings", None) or getattr(
@@ -266,95 +364,195 @@ class CompressedRunner:
         if max_pos and P + n_pred - 1 > max_pos:
             raise ValidateError(f"{P + n_pred - 1} positions exceed the model's context of {max_pos}")
         n_total = P + n_pred - 1   # tokens the cache will have seen after the last decode step
+        rows = self.rows = [_Row(j, self.n_layers, self.n_kv) for j in jobs]
+        prompts: dict[tuple[int, ...], int] = {}
+        for row in rows:
+            prompts.setdefault(tuple(row.prompt), len(prompts))
+        self.prompt_of = torch.tensor([prompts[tuple(row.prompt)] for row in rows], device=self.device)
         self.prompt_q, self.prompt_k, self.prompt_v, self.dense = {}, {}, {}, {}
         self.scale = None
         self.mode = "prompt"
         self.model.eval()
         with torch.no_grad(), routed(self.model, self):
-            out = self.model(input_ids=torch.tensor([prompt], device=self.device), use_cache=False)
-            last = out.logits[0, -1].float()
+            out = self.model(input_ids=torch.tensor(list(prompts), device=self.device), use_cache=False)
+            last = out.logits[:, -1].float()[self.prompt_of]
             if len(self.prompt_q) != self.n_layers:
                 raise ValidateError(f"only {len(self.prompt_q)} of {self.n_layers} layers called the attention "
                                     "interface; this model is not supported")
-            layers = [(self.prompt_q[l], self.prompt_k[l]) for l in range(self.n_layers)]
-            budgets = check_allocation(self.policy, self.policy.allocate(self.budget, self.n_kv, layers, self.scale),
-                                       self.n_layers, self.n_kv)
-            self.budgets = budgets
-            caps = np.stack([slot_capacity(self.policy, b, n_total) for b in budgets])
-            self.caches = [make_cache(self.backend, batch=1, n_kv_heads=self.n_kv, n_q_heads=self.n_q,
-                                      head_dim=self.head_dim, capacity=caps[l].tolist(), dtype=self.cache_dtype,
-                                      device=self.device, softmax_scale=self.scale, track_acc=False)
+            caps = []
+            for b, row in enumerate(rows):
+                u = int(self.prompt_of[b])
+                layers = [(self.prompt_q[l][u], self.prompt_k[l][u]) for l in range(self.n_layers)]
+                budgets = check_allocation(row.policy, row.policy.allocate(int(row.job.budget), self.n_kv, layers,
+                                                                          self.scale), self.n_layers, self.n_kv)
+                row.budgets = budgets
+                cap = np.stack([slot_capacity(row.policy, b, n_total) for b in budgets])
+                caps.append(cap)
+                row.slot_state = [np.zeros((self.n_kv, int(cap[l].max()), row.policy.slot_fields))
+                                  for l in range(self.n_layers)]
+                row.head_state = [np.zeros((self.n_kv, row.policy.head_fields)) for _ in range(self.n_layers)]
+                if self.record_kept:
+                    row.kept = np.full((self.n_layers, self.record_kept[1], self.n_kv, int(cap.max())), -1, np.int32)
+            caps_all = np.stack(caps, 1)   # [L, B, Hkv]
+            B = len(rows)
+            self.caches = [make_cache(self.backend, batch=B, n_kv_heads=self.n_kv, n_q_heads=self.n_q,
+                                      head_dim=self.head_dim, capacity=caps_all[l].reshape(-1).tolist(),
+                                      dtype=self.cache_dtype, device=self.device, softmax_scale=self.scale,
+                                      track_acc=False)
                            for l in range(self.n_layers)]
             self.starts = [c.start.cpu().numpy().astype(np.int64) for c in self.caches]
-            width = int(caps.max())
-            self.slot_state = [np.zeros((self.n_kv, int(caps[l].max()), self.policy.slot_fields))
-                               for l in range(self.n_layers)]
-            self.head_state = [np.zeros((self.n_kv, self.policy.head_fields)) for _ in range(self.n_layers)]
-            self.held = [0] * self.n_layers
-            self.kept = None
-            if self.record_kept:
-                self.kept = np.full((self.n_layers, self.record_kept[1], self.n_kv, width), -1, np.int32)
+            self.slot_index = [np.minimum(st[:, None] + np.arange(c.max_capacity)[None, :], c.total_capacity - 1)
+                               for st, c in zip(self.starts, self.caches)]
             self.mode = "decode"
-            # an unscaled full cache keeps the prompt as the model computed it: no need to stream it
-            if self.policy.has_prefill or (self.policy.unbounded and self.policy.logit_scale_fn is None):
+            if not streams:
                 self._prefill(P)
             else:
-                for l, (dk, dv) in self.dense.items():   # the prompt is streamed again: start the dense copy empty
-                    self.dense[l] = [dk[:, :, :0], dv[:, :, :0]]
-                for t, tok in enumerate(prompt):
-                    last = self._forward(tok, t)
-            preds, nlls, generated, kv_bytes = [last], [], [], []
+                t_model = self._fast_forward(P)
+                for l, (dk, dv) in self.dense.items():   # the dense copy holds the tokens the cache has seen
+                    self.dense[l] = [dk[:, :, :t_model], dv[:, :, :t_model]]
+                for t in range(t_model, P):
+                    self.mults = np.array([float(row.scale_fn(row.params, t + 1)) for row in rows])
+                    self._check_mults(t)
+                    last = self._forward([row.prompt[t] for row in rows], t)
             elem = torch.empty((), dtype=self.cache_dtype).element_size()
+            self._record(rows, last, 0)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             for r in range(n_pred - 1):
-                tok = cont[r] if cont is not None else int(preds[-1].argmax())
-                generated.append(tok)
-                preds.append(self._forward(tok, P + r))
-                kv_bytes.append(sum(self.held) * 2 * self.head_dim * elem)
+                t = P + r
+                self.mults = np.array([float(row.scale_fn(row.params, t + 1)) for row in rows])
+                self._check_mults(t)
+                tokens = [row.next_token(r) for row in rows]
+                for row, tok in zip(rows, tokens):
+                    row.generated.append(tok)
+                logits = self._forward(tokens, t)
+                self._record(rows, logits, r + 1)
+                for row in rows:
+                    row.kv_bytes.append(sum(row.held) * 2 * self.head_dim * elem)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
-            if cont is None:
-                generated.append(int(preds[-1].argmax()))
-            logits = torch.stack(preds)
-            if cont is not None:
-                logp = torch.log_softmax(logits, -1)
-                nlls = (-logp.gather(1, torch.tensor(cont, device=logits.device)[:, None])[:, 0]).cpu().numpy()
-        return RunResult(
-            positions=np.arange(P - 1, P - 1 + n_pred), top1=logits.argmax(-1).cpu().numpy(),
-            nll=None if cont is None else np.asarray(nlls, np.float64), generated=generated,
-            kv_bytes=np.asarray(kv_bytes, np.float64), decode_seconds=seconds, n_decode_steps=n_pred - 1,
-            budgets=budgets, kept=self.kept,
-            kept_steps=None if self.kept is None else np.arange(self.record_kept[0],
-                                                                  self.record_kept[0] + self.record_kept[1]),
-            logits=logits.cpu().numpy() if self.keep_logits else None, extra={"cache_elem_bytes": elem})
+        results = []
+        for row in rows:
+            if row.cont is None:
+                row.generated.append(row.preds_top1[-1])
+            results.append(RunResult(
+                positions=np.arange(P - 1, P - 1 + n_pred), top1=np.asarray(row.preds_top1, np.int64),
+                nll=None if row.cont is None else np.asarray(row.nlls, np.float64), generated=row.generated,
+                kv_bytes=np.asarray(row.kv_bytes, np.float64), decode_seconds=seconds / len(rows),
+                n_decode_steps=n_pred - 1, budgets=row.budgets, kept=row.kept,
+                kept_steps=None if row.kept is None else np.arange(self.record_kept[0],
+                                                                     self.record_kept[0] + self.record_kept[1]),
+                logits=torch.stack(row.logits).numpy() if self.keep_logits else None,
+                extra={"cache_elem_bytes": elem, "batch_rows": len(rows)}))
+        return results
+
+    def _fast_forward(self, P: int) -> int:
+        """Stream the prompt's first tokens without the model, as long as no row has evicted anything.
+
+        Until a row's cache first drops or merges a slot, its step-t attention reads every token 0..t with unit
+        logit scale: the causal prompt forward already computed that token's q/k/v (and everything the model
+        does with them). So steps run on the captured q/k/v -- append, attention probabilities, policy step --
+        and the model streams only from the token after the first eviction in any row. Returns that token."""
+        rows, dev = self.rows, self.device
+        idx = self.prompt_of.cpu().numpy()
+        for t in range(P):
+            if any(float(row.scale_fn(row.params, t + 1)) != 1.0 for row in rows):
+                return t
+            self.t = t
+            evicted = False
+            for layer in range(self.n_layers):
+                cache = self.caches[layer]
+                k = torch.from_numpy(self.prompt_k[layer][idx, t]).to(dev)[:, :, None, :]   # [B, Hkv, 1, d]
+                v = torch.from_numpy(self.prompt_v[layer][idx, t]).to(dev)[:, :, None, :]
+                q = torch.from_numpy(self.prompt_q[layer][idx, t]).to(dev)                   # [B, Hq, d]
+                cache.append(k.to(self.cache_dtype), v.to(self.cache_dtype),
+                             positions=torch.full((len(rows), 1), t, device=dev, dtype=torch.int64))
+                cache.attend(q.to(self.cache_dtype), update_acc=False, update_ema=False)
+                evicted |= self._policy_step(layer, t, cache)
+            if evicted:
+                return t + 1
+        return P
+
+    def _check_mults(self, t: int) -> None:
+        info = np.zeros(3, np.int64)
+        for row, mult in zip(self.rows, self.mults):
+            raise_on(row.policy, check_scale(float(mult), t, info), info, -1)
 
     def _prefill(self, P: int) -> None:
-        """The policy's prefill selector on the prompt's q/k/v (none: keep all), then the kept tokens loaded."""
+        """Each row's prefill selector on its prompt's q/k/v (none: keep all), then the kept tokens loaded."""
+        H, B = self.n_kv, len(self.rows)
         for layer in range(self.n_layers):
-            q = np.ascontiguousarray(self.prompt_q[layer], np.float32)
-            k = np.ascontiguousarray(self.prompt_k[layer], np.float32)
-            v = np.ascontiguousarray(self.prompt_v[layer], np.float32)
-            keep = np.ones((self.n_kv, P), np.uint8)
-            pst = np.zeros((self.n_kv, P, self.policy.slot_fields))
-            budget = self.budgets[layer]
-            if self.policy.has_prefill:
-                self.prefill_fn(self.params, layer, budget, q, k, v, float(self.scale), keep, pst, self.head_state[layer])
-            kept_n = keep.sum(1).astype(np.int64)
-            info = np.zeros(3, np.int64)
-            raise_on(self.policy, check_kept(kept_n, budget, self.policy.head_adaptive, not self.policy.unbounded, -1,
-                                             info), info, layer)
+            keep_all = np.ones((B, H, P), np.uint8)
+            for b, row in enumerate(self.rows):
+                u = int(self.prompt_of[b])
+                q = np.ascontiguousarray(self.prompt_q[layer][u], np.float32)
+                k = np.ascontiguousarray(self.prompt_k[layer][u], np.float32)
+                v = np.ascontiguousarray(self.prompt_v[layer][u], np.float32)
+                keep = keep_all[b]
+                pst = np.zeros((H, P, row.policy.slot_fields))
+                budget = row.budgets[layer]
+                if row.policy.has_prefill:
+                    row.prefill_fn(row.params, layer, budget, q, k, v, float(self.scale), keep, pst,
+                                   row.head_state[layer])
+                kept_n = keep.sum(1).astype(np.int64)
+                info = np.zeros(3, np.int64)
+                raise_on(row.policy, check_kept(kept_n, budget, row.policy.head_adaptive, not row.policy.unbounded,
+                                                -1, info), info, layer)
+                sst = row.slot_state[layer]
+                order = np.argsort(1 - keep, axis=1, kind="stable")
+                n = min(P, sst.shape[1])
+                sst[:, :n] = np.take_along_axis(pst, order[:, :n, None], 1)
+                sst[np.arange(sst.shape[1])[None, :] >= kept_n[:, None]] = 0.0
+                row.held[layer] = int(kept_n.sum())
             dev = self.device
-            kt = torch.from_numpy(k).to(dev).transpose(0, 1)[None]
-            vt = torch.from_numpy(v).to(dev).transpose(0, 1)[None]
-            self.caches[layer].prefill(kt, vt, torch.from_numpy(keep).to(dev).bool()[None])
-            sst = self.slot_state[layer]
-            for h in range(self.n_kv):
-                idx = np.flatnonzero(keep[h])
-                sst[h, :idx.size] = pst[h, idx]
-            self.held[layer] = int(kept_n.sum())
+            idx = self.prompt_of.cpu().numpy()
+            kt = torch.from_numpy(self.prompt_k[layer][idx]).to(dev).transpose(1, 2)
+            vt = torch.from_numpy(self.prompt_v[layer][idx]).to(dev).transpose(1, 2)
+            self.caches[layer].prefill(kt, vt, torch.from_numpy(keep_all).to(dev).bool())
+
+
+
+def run_batch(model, jobs: Sequence[BatchJob], *, backend: str = "torch", max_rows: int = 64,
+              on_result=None, **kwargs) -> list[RunResult]:
+    """Run ``jobs`` closed-loop, batched: jobs that agree on streaming, prompt length and predictions go
+    through the model together (at most ``max_rows`` rows at a time). Results in job order; ``on_result(i,
+    result)`` is called as each batch finishes (progress output). kwargs go to `BatchRunner`."""
+    jobs = list(jobs)
+    groups: dict[tuple, list[int]] = {}
+    for i, j in enumerate(jobs):
+        groups.setdefault((j.streams, len(j.prompt), j.n_pred), []).append(i)
+    out: list[RunResult | None] = [None] * len(jobs)
+    for idx in groups.values():
+        idx.sort(key=lambda i: jobs[i].budget)   # similar budgets together: longer shared fast-forward
+        for c in range(0, len(idx), max_rows):
+            chunk = idx[c:c + max_rows]
+            res = BatchRunner(model, [jobs[i] for i in chunk], backend=backend, **kwargs).run()
+            for i, r in zip(chunk, res):
+                out[i] = r
+                if on_result is not None:
+                    on_result(i, r)
+    return out  # type: ignore[return-value]
+
+
+class CompressedRunner:
+    """Runs one model with ``policy`` at ``budget`` slots per KV head and layer: a batch of one row."""
+
+    def __init__(self, model, policy: Policy, budget: int, *, backend: str = "torch", open_loop: bool = False,
+                 record_kept: tuple[int, int] | None = None, cache_dtype: torch.dtype | None = None,
+                 keep_logits: bool = False) -> None:
+        check_run_args(policy, budget, backend)
+        self.model, self.policy, self.budget, self.backend = model, policy, int(budget), backend
+        self.kwargs = dict(open_loop=open_loop, record_kept=record_kept, cache_dtype=cache_dtype,
+                           keep_logits=keep_logits)
+
+    def run(self, prompt_ids: Sequence[int], *, continuation: Sequence[int] | None = None,
+            n_generate: int = 0) -> RunResult:
+        """Prompt, then teacher-forced decoding of ``continuation`` (NLL of each token) or ``n_generate`` greedy
+        tokens. Prediction 0 comes from the prompt's last position, prediction r from decode position P+r-1."""
+        job = BatchJob(self.policy, self.budget, list(prompt_ids), continuation, n_generate)
+        return BatchRunner(self.model, [job], backend=self.backend, **self.kwargs).run()[0]
 
 
 def full_model_logits(model, ids: Sequence[int]) -> np.ndarray:

@@ -6,23 +6,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sim.plotting import save_figure as _save
+
 #: columns a ranked table shows, with the header users see
 _SHOWN = {"label": "policy", "rank": "rank", "err_mean": "err", "mass_mean": "mass", "kl_mean": "KL",
           "err_gap": "err-oracle", "slots_mean": "slots"}
 _LEGEND = ("rank: mean rank over budgets by err · err: relative L2 error of the attention output vs the full "
            "cache · mass: share of full attention on kept tokens · KL: KL(cache ‖ full) · err-oracle: gap to "
            "the oracle · slots: mean slots held per KV head")
-
-
-def _save(fig, path: str | Path, dpi: int = 130) -> Path:
-    """Write a matplotlib figure (format from the suffix) and free it."""
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-    return path
 
 
 def ranked_table(df: pd.DataFrame, metric: str = "err_mean") -> pd.DataFrame:

@@ -207,6 +207,9 @@ def test_fidelity_report_on_tiny_model(llama, ids, tmp_path):
     rep = run_fidelity(llama, ids[:40], [get_policy("window"), get_policy("h2o"), get_policy("oracle")], [6, 10],
                        n_prompt=16, n_open_steps=8, log=lambda *_: None)
     assert rep["skipped"] == ["oracle"] and len(rep["rows"]) == 4
+    solo = text_metrics(llama, ids[:40], 16, get_policy("h2o"), 6)   # the batched closed loop gives solo results
+    row = next(r for r in rep["rows"] if r["policy"] == "h2o" and r["budget"] == 6)
+    assert row["delta_nll"] == pytest.approx(solo["delta_nll"], abs=1e-5)
     assert rep["kept_agreement"] == 1.0
     assert set(rep["spearman"]) >= {"err_mean", "kl_mean"} and "delta_nll" in rep["spearman"]["err_mean"]
     assert set(rep["spearman_within_budget"]) == set(rep["spearman"])
@@ -249,5 +252,23 @@ def test_validate_cli_on_tiny_local_model(llama, tmp_path, capsys):
                "--policy", "window", "--budget", "8", "--prompt", "24", "--decode", "12", "--passkey-depths", "",
                "--json"])
     assert rc == 0
-    out = capsys.readouterr().out
-    assert '"top1_agreement"' in out and '"delta_ppl"' in out
+    captured = capsys.readouterr()
+    assert '"top1_agreement"' in captured.out and '"delta_ppl"' in captured.out
+    assert "window @ 8 text: ΔPPL" in captured.err   # a progress line per finished run, on stderr
+
+
+def test_segment_study_and_split_half_reliability(llama, ids):
+    from gpu_validate.fidelity import segment_study, split_half_reliability
+
+    pols = [get_policy("window"), get_policy("h2o")]
+    rows = segment_study(llama, ids, [0, 8, 16], pols, 6, n_prompt=12, n_decode=12, progress=False)
+    assert len(rows) == 6 and {r["segment"] for r in rows} == {0, 1, 2}
+    solo = text_metrics(llama, ids[8:32], 12, get_policy("h2o"), 6)
+    row = next(r for r in rows if r["segment"] == 1 and r["policy"] == "h2o")
+    assert row["delta_nll"] == pytest.approx(solo["delta_nll"], abs=1e-5)
+    assert np.isfinite(row["err_mean"]) and 0.0 <= row["miss_mass"] <= 1.0
+    # a ranking every segment agrees on is perfectly reliable; pure noise is not
+    clean = np.tile(np.arange(5.0), (10, 1))
+    assert split_half_reliability(clean)["split_half_rho"] == pytest.approx(1.0)
+    noise = np.random.default_rng(3).normal(size=(40, 5))
+    assert split_half_reliability(noise)["split_half_rho"] < 0.6

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from sim.commands._common import add_budget_option, add_model_option, add_policy_option, positive_int
 
@@ -86,16 +87,31 @@ def run(args: argparse.Namespace) -> int:
     model, tok, ids, device, backend = load_model_and_ids(args)
     res = {"model": args.model, "policy": policy.label(), "budget": args.budget, "device": device,
            "backend": backend, "n_prompt": args.prompt, "n_decode": args.decode}
-    res.update(text_metrics(model, ids[:args.prompt + args.decode], args.prompt, policy, args.budget,
-                            backend=backend))
-    if args.passkey_depths:
-        filler = ids[args.prompt + args.decode:] or ids
-        kw = dict(depths=args.passkey_depths, n_context=args.passkey_context, n_keys=args.passkey_keys,
-                  backend=backend)
-        res["passkey"] = passkey_accuracy(model, tok, filler, policy, args.budget, **kw)
-        from policies.registry import get_policy
+    from tqdm.auto import tqdm
 
-        res["passkey_full_cache"] = passkey_accuracy(model, tok, filler, get_policy("full"), args.budget, **kw)
+    n_runs = 1 + (2 * len(args.passkey_depths) * args.passkey_keys if args.passkey_depths else 0)
+    with tqdm(total=n_runs, desc="validate", unit="run", file=sys.stderr) as bar:
+        m = text_metrics(model, ids[:args.prompt + args.decode], args.prompt, policy, args.budget, backend=backend)
+        m.pop("nll_per_token")
+        res.update(m)
+        bar.update(1)
+        bar.write(f"{policy.label()} @ {args.budget} text: ΔPPL {m['delta_ppl']:+.3f}  top-1 "
+                  f"{m['top1_agreement']:.3f}  {m['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+        sys.stderr.flush()
+
+        def done(label: str, hit: bool) -> None:
+            bar.update(1)
+            bar.write(f"{label}: {'retrieved' if hit else 'missed'}", file=sys.stderr)
+            sys.stderr.flush()
+
+        if args.passkey_depths:
+            filler = ids[args.prompt + args.decode:] or ids
+            kw = dict(depths=args.passkey_depths, n_context=args.passkey_context, n_keys=args.passkey_keys,
+                      backend=backend, on_result=done)
+            res["passkey"] = passkey_accuracy(model, tok, filler, policy, args.budget, **kw)
+            from policies.registry import get_policy
+
+            res["passkey_full_cache"] = passkey_accuracy(model, tok, filler, get_policy("full"), args.budget, **kw)
     if args.json:
         print(json.dumps(res, indent=1))
         return 0

@@ -1,0 +1,38 @@
+"""Needle retrieval on SmolLM2-135M, closed loop on CPU (torch backend), with the simulator's prediction:
+`kvsim needle` with the settings of the committed results (benchmarks/results/needle.json and .png).
+
+    python benchmarks/needle.py [--model /work/cache/smollm2-hf] [extra `kvsim needle` arguments]
+
+The grid was sized for a shared 2-core machine (see the JSON for what ran); the store is resumable, so a
+larger grid (more --lengths / --seeds) adds only the missing cells.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+
+POLICIES = "streaming_llm;h2o;tova;snapkv;pyramidkv;ada_snapkv;bumblebee;buzz"
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    from sim.cli import main as kvsim
+
+    torch.set_num_threads(1)
+    model = "/work/cache/smollm2-hf"
+    if "--model" in argv:
+        i = argv.index("--model")
+        model = argv[i + 1]
+        argv = argv[:i] + argv[i + 2:]
+    return kvsim(["needle", "--model", model, "--lengths", "128", "--depths", "0,0.25,0.5,0.75,1",
+                  "--seeds", "1,2,3", "--budgets", "32,64", "--policies", POLICIES, "--predict",
+                  "--train-seeds", "1", "--store", "results/needle", "--out", "benchmarks/results/needle.json",
+                  *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,294 @@
+"""Needle-in-a-haystack retrieval, closed loop on a real model, and the simulator's prediction of it.
+
+Prompts (RULER / kvpress "passkey" style): an instruction, real filler text (a seed-dependent window of the
+shipped held-out text, so every prompt's haystack differs), the needle line "The pass key is NNNNN. Remember
+it. NNNNN is the pass key." at a relative depth, and the question "What is the pass key? The pass key is".
+Every prompt has exactly ``length`` tokens, so prompts of one length batch together. A configuration
+(prompt, policy, budget) succeeds when greedy decoding reproduces the key's tokens exactly.
+
+The simulator's prediction (`needle_features`): the same prompt plus the answer is recorded as a
+teacher-forced trace; each policy is replayed on it and, at the answer steps, the share of the full-cache
+attention on the key's tokens that falls on tokens the policy still holds (over layers, query heads and
+answer steps) is the predictor; a threshold fitted on some seeds turns it into a success prediction.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from gpu_validate.runner import BatchJob, ValidateError, run_batch
+from policies.base import Policy
+
+INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+               "I will quiz you about the pass key.\n")
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+@dataclass(frozen=True)
+class NeedlePrompt:
+    """One haystack: its grid coordinates, key, token ids, the answer's ids and where the key's tokens sit."""
+
+    length: int
+    depth: float
+    seed: int
+    key: str
+    ids: tuple[int, ...]
+    answer: tuple[int, ...]
+    key_positions: tuple[int, ...]
+
+    @property
+    def prompt_id(self) -> str:
+        return f"L{self.length}-d{self.depth:g}-s{self.seed}"
+
+
+def _find_all(seq: Sequence[int], sub: Sequence[int]) -> list[int]:
+    n = len(sub)
+    return [i for i in range(len(seq) - n + 1) if list(seq[i:i + n]) == list(sub)]
+
+
+def make_prompt(tokenizer, filler_ids: Sequence[int], length: int, depth: float, seed: int) -> NeedlePrompt:
+    """The needle prompt of exactly ``length`` tokens for (depth, seed); the key and the filler window are
+    drawn from ``seed`` (and the length and depth, so every grid cell has its own key)."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValidateError(f"needle depth must lie in [0, 1], got {depth}")
+    h = int(hashlib.sha256(f"{length}/{depth:g}/{seed}".encode()).hexdigest()[:8], 16)
+    rng = np.random.default_rng([seed, h])
+    key = str(int(rng.integers(10000, 100000)))
+    head = tokenizer.encode(INSTRUCTION)
+    needle = tokenizer.encode(NEEDLE.format(key=key))
+    question = tokenizer.encode(QUESTION)
+    answer = tokenizer.encode(f" {key}")
+    n_fill = length - len(head) - len(needle) - len(question)
+    if n_fill < 1:
+        raise ValidateError(f"needle length {length} leaves no room for filler (needs > "
+                            f"{len(head) + len(needle) + len(question)} tokens)")
+    if len(filler_ids) < n_fill:
+        raise ValidateError(f"the filler text has {len(filler_ids)} tokens; length {length} needs {n_fill}")
+    off = int(rng.integers(0, len(filler_ids) - n_fill + 1))
+    fill = [int(x) for x in filler_ids[off:off + n_fill]]
+    cut = int(round(depth * n_fill))
+    ids = head + fill[:cut] + needle + fill[cut:] + question
+    key_ids = tokenizer.encode(f" {key}")[-len(tokenizer.encode(key)):] if key else []
+    start = len(head) + cut
+    pos = [start + i + j for i in _find_all(needle, key_ids) for j in range(len(key_ids))]
+    if len(ids) != length or not pos:
+        raise ValidateError(f"needle prompt construction failed (got {len(ids)} tokens, key found {len(pos)} times)")
+    return NeedlePrompt(length, float(depth), int(seed), key, tuple(ids), tuple(int(a) for a in answer),
+                        tuple(pos))
+
+
+def make_grid(tokenizer, filler_text: str, lengths: Sequence[int], depths: Sequence[float],
+              seeds: Sequence[int]) -> list[NeedlePrompt]:
+    """Every (length, depth, seed) prompt of the grid."""
+    filler = tokenizer(filler_text, verbose=False)["input_ids"]
+    return [make_prompt(tokenizer, filler, L, d, s) for L in lengths for d in depths for s in seeds]
+
+
+def config_key(prompt: NeedlePrompt, policy: Policy, budget: int, model_id: str) -> str:
+    """Stable store key of a (model, prompt, policy with its parameters, budget) cell."""
+    payload = json.dumps([model_id, prompt.prompt_id, prompt.key, policy.name, policy.params, int(budget)],
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[Policy, int]], store, *,
+               model_id: str, backend: str = "torch", max_rows: int = 48, progress: bool = True,
+               log: Callable[[str], None] = print) -> "Any":
+    """Closed-loop retrieval of every prompt × (policy, budget) not yet in ``store`` (a `sim.store.ResultStore`);
+    each finished batch is written as its own part file (resumable). Returns the store's table."""
+    from tqdm.auto import tqdm
+
+    done = store.keys()
+    todo = [(p, pol, b) for p in prompts for pol, b in configs
+            if config_key(p, pol, b, model_id) not in done]
+    if len(todo) < len(prompts) * len(configs):
+        log(f"resuming: {len(prompts) * len(configs) - len(todo)} cells already in {store.root}")
+    # a batch shares one prompt length and one way of loading the prompt (streamed or prefilled); each batch
+    # is stored as soon as it finishes
+    groups: dict[tuple[int, bool], list] = {}
+    for c in todo:
+        groups.setdefault((c[0].length, BatchJob(c[1], c[2], c[0].ids).streams), []).append(c)
+    with tqdm(total=len(todo), desc="needle", unit="cell", disable=not progress) as bar:
+        for (length, streams), cells in sorted(groups.items()):
+            for c in range(0, len(cells), max_rows):
+                chunk = cells[c:c + max_rows]
+                jobs = [BatchJob(pol, b, p.ids, n_generate=len(p.answer)) for p, pol, b in chunk]
+                rows: list[dict[str, Any]] = []
+
+                def finished(i: int, res, chunk=chunk, rows=rows) -> None:
+                    p, pol, b = chunk[i]
+                    hit = tuple(res.generated[:len(p.answer)]) == p.answer
+                    rows.append({"key": config_key(p, pol, b, model_id), "model": model_id,
+                                 "prompt_id": p.prompt_id, "length": p.length, "depth": p.depth, "seed": p.seed,
+                                 "needle_key": p.key, "policy": pol.name, "label": pol.label(),
+                                 "params": pol.params, "budget": int(b), "success": bool(hit),
+                                 "generated": json.dumps(res.generated)})
+                    bar.update(1)
+
+                run_batch(model, jobs, backend=backend, max_rows=max_rows, on_result=finished)
+                store.add(rows)
+                acc = np.mean([r["success"] for r in rows])
+                bar.write(f"length {length} ({'streamed' if streams else 'prefilled'} prompts): batch of "
+                          f"{len(rows)} cells, accuracy {acc:.2f}")
+                sys.stdout.flush()
+    return store.load()
+
+
+# ----- the simulator's prediction -----
+
+def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy, int]], *,
+                    model_id: str = "model") -> list[float]:
+    """Per (policy, budget): the retained share of the full-cache attention on the key's tokens at the answer
+    steps, from a teacher-forced trace of prompt + answer replayed in the simulator."""
+    from sim.replay import load_layers, replay
+    from traces.format import load_trace
+    from traces.recorder import record_trace
+
+    ids = list(prompt.ids) + list(prompt.answer)
+    P, n_ans = len(prompt.ids), len(prompt.answer)
+    with tempfile.TemporaryDirectory(prefix="kvsim-needle-") as tmp:
+        record_trace(model, ids, Path(tmp) / "t", n_prompt=P, n_decode=n_ans, teacher_forced=True,
+                     single_pass=True, progress=False, model_id=model_id)
+        trace = load_trace(Path(tmp) / "t")
+        inputs = load_layers(trace)
+        attn = _key_attention(inputs, trace.meta.softmax_scale, P, n_ans, np.asarray(prompt.key_positions))
+        out = []
+        for policy, budget in configs:
+            res = replay(trace, policy, int(budget), inputs=inputs, record_kept=(P, n_ans), threads=1)
+            out.append(_retained_share(attn, res.kept, np.asarray(prompt.key_positions)))
+    return out
+
+
+def _key_attention(inputs, scale: float, P: int, n_ans: int, key_pos: np.ndarray) -> np.ndarray:
+    """Full-cache attention [L, n_ans, Hq, n_key] of the answer-step queries (positions P-1 .. P+n_ans-2,
+    those that predict the answer's tokens) on the key's token positions."""
+    out = []
+    for li in inputs:
+        q = np.asarray(li.q[P - 1:P + n_ans - 1], np.float64)                 # [A, Hq, d]
+        k = np.asarray(li.k[:P + n_ans - 1], np.float64)                      # [T, Hkv, d]
+        g = q.shape[1] // k.shape[1]
+        kk = np.repeat(k, g, axis=1)                                          # [T, Hq, d]
+        logits = np.einsum("ahd,thd->aht", q, kk) * scale
+        T = kk.shape[0]
+        causal = np.arange(T)[None, :] <= (P - 1 + np.arange(q.shape[0]))[:, None]
+        logits = np.where(causal[:, None, :], logits, -np.inf)
+        logits -= logits.max(-1, keepdims=True)
+        p = np.exp(logits)
+        p /= p.sum(-1, keepdims=True)
+        out.append(p[:, :, key_pos])
+    return np.stack(out)
+
+
+def _retained_share(attn: np.ndarray, kept: np.ndarray, key_pos: np.ndarray) -> float:
+    """Share of ``attn`` [L, A, Hq, n_key] on key tokens the policy holds. kept [L, >= A-1, Hkv, W] are the positions
+    cached after decode steps P, P+1, ...; the query at P-1 (first answer token) reads the cache the prompt left,
+    approximated by the state after step P (the prompt's cache plus one token)."""
+    L, A, Hq, _ = attn.shape
+    Hkv = kept.shape[2]
+    g = Hq // Hkv
+    held = np.zeros((L, A, Hq, key_pos.size), bool)
+    for a in range(A):
+        r = max(0, a - 1)
+        for h in range(Hkv):
+            for l in range(L):
+                hk = np.isin(key_pos, kept[l, r, h])
+                held[l, a, h * g:(h + 1) * g] = hk[None, :]
+    total = attn.sum()
+    return float((attn * held).sum() / total) if total > 0 else 0.0
+
+
+def fit_threshold(feature: np.ndarray, success: np.ndarray) -> float:
+    """The cut t maximising agreement of (feature >= t) with ``success`` (midpoints between sorted values;
+    ties go to the lowest cut)."""
+    feature, success = np.asarray(feature, float), np.asarray(success, bool)
+    vals = np.unique(feature)
+    cands = np.concatenate([[vals[0] - 1e-9], (vals[:-1] + vals[1:]) / 2, [vals[-1] + 1e-9]])
+    agree = [((feature >= c) == success).mean() for c in cands]
+    return float(cands[int(np.argmax(agree))])
+
+
+def prediction_report(df, train_seeds: Sequence[int]) -> dict[str, Any]:
+    """Fit the threshold on ``train_seeds`` rows of ``df`` (columns seed, feature, success; lossy policies
+    only) and score the other seeds: agreement and confusion matrix (rows: model outcome, columns:
+    prediction), overall and per policy."""
+    train = df[df.seed.isin(train_seeds)]
+    test = df[~df.seed.isin(train_seeds)]
+    if train.empty or test.empty:
+        raise ValidateError(f"need rows on both sides of the seed split (train seeds {list(train_seeds)})")
+    cut = fit_threshold(train.feature.to_numpy(), train.success.to_numpy())
+    pred = test.feature.to_numpy() >= cut
+    truth = test.success.to_numpy().astype(bool)
+
+    def confusion(t: np.ndarray, p: np.ndarray) -> dict[str, int]:
+        return {"model_ok_pred_ok": int((t & p).sum()), "model_ok_pred_fail": int((t & ~p).sum()),
+                "model_fail_pred_ok": int((~t & p).sum()), "model_fail_pred_fail": int((~t & ~p).sum())}
+
+    per_policy = {}
+    for label, part in test.groupby("label"):
+        pp = part.feature.to_numpy() >= cut
+        tt = part.success.to_numpy().astype(bool)
+        per_policy[label] = {"agreement": float((pp == tt).mean()), "accuracy": float(tt.mean()),
+                             "predicted_accuracy": float(pp.mean()), "n": int(len(tt))}
+    return {"threshold": cut, "train_seeds": sorted(int(s) for s in train_seeds),
+            "test_seeds": sorted(int(s) for s in test.seed.unique()),
+            "train_agreement": float(((train.feature.to_numpy() >= cut) == train.success.to_numpy()).mean()),
+            "sim_agreement": float((pred == truth).mean()), "n_test_cells": int(len(truth)),
+            "confusion": confusion(truth, pred), "per_policy": per_policy}
+
+
+def summarize(df) -> dict[str, Any]:
+    """Accuracy per (policy label, budget), per (label, budget, length), and the full cache's."""
+    full = df[df.policy == "full"]
+    lossy = df[df.policy != "full"]
+    acc = {f"{lab}@{b}": float(part.success.mean()) for (lab, b), part in lossy.groupby(["label", "budget"])}
+    by_len = {f"{lab}@{b}": {int(L): float(p.success.mean()) for L, p in part.groupby("length")}
+              for (lab, b), part in lossy.groupby(["label", "budget"])}
+    return {"full_accuracy": float(full.success.mean()) if len(full) else float("nan"),
+            "full_accuracy_by_length": {int(L): float(p.success.mean()) for L, p in full.groupby("length")},
+            "accuracy": acc, "accuracy_by_length": by_len}
+
+
+def plot_needle(df, path: str | Path, title: str = "") -> Path:
+    """Needle heatmaps in the kvpress / RULER style: one panel per policy (full cache first), context length
+    on the y axis, needle depth on the x axis, colour = retrieval accuracy over seeds; one row per budget."""
+    from sim.plotting import agg_pyplot, save_figure
+
+    plt = agg_pyplot()
+    budgets = sorted(df[df.policy != "full"].budget.unique())
+    labels = sorted(df[df.policy != "full"].label.unique())
+    lengths = sorted(df.length.unique())
+    depths = sorted(df.depth.unique())
+    cols = ["full"] + labels
+    fig, axes = plt.subplots(len(budgets), len(cols), figsize=(1.7 * len(cols) + 1.0, 2.1 * len(budgets) + 0.8),
+                             squeeze=False, constrained_layout=True)
+    cmap = plt.get_cmap("RdYlGn")
+    full = df[df.policy == "full"]
+    im = None
+    for i, b in enumerate(budgets):
+        for j, lab in enumerate(cols):
+            ax = axes[i, j]
+            part = full if lab == "full" else df[(df.label == lab) & (df.budget == b)]
+            grid = np.full((len(lengths), len(depths)), np.nan)
+            for (L, d), cell in part.groupby(["length", "depth"]):
+                grid[lengths.index(L), depths.index(d)] = cell.success.mean()
+            im = ax.imshow(grid, cmap=cmap, vmin=0, vmax=1, aspect="auto", origin="lower")
+            ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=6)
+            ax.set_yticks(range(len(lengths)), [str(L) for L in lengths], fontsize=6)
+            mean = np.nanmean(grid) if np.isfinite(grid).any() else float("nan")
+            ax.set_title(f"{'full cache' if lab == 'full' else lab}\n{'' if lab == 'full' else f'b={b} '}"
+                         f"acc {mean:.2f}", fontsize=7)
+            if i == len(budgets) - 1:
+                ax.set_xlabel("needle depth", fontsize=7)
+            if j == 0:
+                ax.set_ylabel("context tokens", fontsize=7)
+    fig.colorbar(im, ax=axes, shrink=0.8, fraction=0.02, pad=0.01, label="retrieval accuracy")
+    fig.suptitle(title or "needle retrieval (closed loop)", fontsize=9)
+    return save_figure(fig, path, dpi=120)

@@ -1,0 +1,35 @@
+"""Plot helpers shared by the simulator (sim.report) and the model-side tools (gpu_validate): one public home,
+so neither package reaches into the other's private functions."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def agg_pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend (headless machines, CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path, dpi: int = 130) -> Path:
+    """Write a matplotlib figure atomically (temp file + rename; format from the suffix) and free it."""
+    import os
+    import tempfile
+
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".fig-", suffix=path.suffix or ".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)
+    return path
