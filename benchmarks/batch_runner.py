@@ -2,7 +2,7 @@
 one at a time vs as one batch (`gpu_validate.runner.run_batch`), and the batched results checked against the
 solo ones. Writes benchmarks/results/batch_runner.json.
 
-    python benchmarks/batch_runner.py [--model /work/cache/smollm2-hf] [--prompt 128] [--decode 32]
+    python benchmarks/batch_runner.py [--model smollm2-135m] [--prompt 128] [--decode 32]
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def main(argv: list[str]) -> int:
     from gpu_validate.runner import BatchJob, CompressedRunner, run_batch
     from sim.specs import parse_policy
     from traces.model import default_text
-    from traces.recorder import load_model
+    from traces.models import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="/work/cache/smollm2-hf")
+    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--budgets", default="32,64")

@@ -14,14 +14,14 @@ from numba import njit
 
 from benchmarks._util import machine, write_result
 from policies import get_policy
-from policies.bumblebee import (F_ACC, F_NN, F_NNPOS, F_NORM, P_SIM, _cos_from, _dots_to, _step, greedy_select,
+from policies.bumblebee import (F_ACC, F_NN, F_NNPOS, F_NORM, P, _cos_from, _dots_to, _step, greedy_select,
                                 kernel_sim, prompt_importance, similarity_matrix)
 
 
 @njit(cache=True)
 def _recompute_neighbours(params, lengths, keys, positions, slot_state):
     """Reference: every slot's nearest neighbour from scratch over the whole cache, O(n^2 d)."""
-    mode = int(params[P_SIM])
+    mode = int(params[P.similarity])
     for h in range(lengths.shape[0]):
         n = lengths[h]
         for i in range(n):

@@ -30,10 +30,10 @@ def main(argv: list[str]) -> int:
     from gpu_validate.fidelity import MODEL_LOSSES, SIM_LOSSES, segment_study, spearman, split_half_reliability
     from sim.specs import parse_policy
     from traces.model import default_text
-    from traces.recorder import load_model
+    from traces.models import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="/work/cache/smollm2-hf")
+    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--segments", type=int, default=8, help="segments, half from each half of the text")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode", type=int, default=32)

@@ -1,7 +1,7 @@
 """All policies on one trace at a few budgets: a markdown table (for the README) and a JSON result from a
 ``kvsim sweep`` results store.
 
-    kvsim sweep /work/cache/traces/smollm2-1024-256 --budgets 64,128,256 --out STORE --policies "...;all"
+    kvsim sweep TRACE --budgets 64,128,256 --out STORE --policies all
     python -m benchmarks.policy_table STORE --name policies_smollm2
 """
 from __future__ import annotations

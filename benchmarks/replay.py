@@ -45,8 +45,8 @@ from sim.replay import load_layers, replay, replay_oracle  # noqa: E402
 from traces.format import load_trace  # noqa: E402
 
 #: where the shared SmolLM2-135M trace and HF folder live; rewire to the model registry when it lands
-DEFAULT_TRACE = "/work/cache/traces/smollm2-1024-256"
-DEFAULT_MODEL = "/work/cache/smollm2-hf"
+DEFAULT_TRACE = "kvsim-out/smollm2-135m-1024-256"
+DEFAULT_MODEL = "smollm2-135m"
 BUDGET = 128
 ORACLE_BUDGETS = (64, 128, 256)
 SWEEP_BUDGETS = (16, 32, 64, 128, 192, 256, 512, 1024)
@@ -176,7 +176,8 @@ def closed_loop_runner(model, ids: list[int], n_prompt: int, n_decode: int) -> f
 def ensure_trace(trace_dir: str, model_dir: str):
     """The trace at ``trace_dir``, recorded first (1024 prompt + 256 teacher-forced tokens) when missing."""
     if not Path(trace_dir).exists():
-        from traces.recorder import load_model, record_trace
+        from traces.models import load_model
+        from traces.recorder import record_trace
 
         model, tok = load_model(model_dir)
         text = (ROOT / "traces" / "model" / "data" / "heldout.txt").read_text()
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     save()
     if args.quick:
         return
-    from traces.recorder import load_model
+    from traces.models import load_model
 
     model, _ = load_model(args.model)
     model.eval()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy
+from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, param_indices
 from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
 from policies.h2o import recent_slots
 from policies.registry import register
@@ -39,8 +39,19 @@ CONCAVE = ("power", "log")
 SIMILARITY = ("relu_cos", "one_plus_cos", "abs_cos")
 GREEDY = ("lazy", "naive")
 
-# parameter vector layout (schema order)
-P_LAM, P_CONCAVE, P_ALPHA, P_BETA, P_SIM, P_RECENT, P_GROUP, P_GREEDY = range(8)
+SCHEMA = (
+    Param("lam", 0.3, "float", 0.0, 1.0, doc="mixture weight of facility-location diversity (eq. 4)"),
+    Param("concave", "power", "choice", choices=CONCAVE,
+          doc="phi of the importance term: inverse of alpha y^(1/alpha) + beta y (power) or log(1 + x)"),
+    Param("alpha", 0.04, "float", 0.005, 1.0, log=True, doc="curvature of the power concave function"),
+    Param("beta", 1.0, "float", 0.0, 10.0, doc="linear part of the power concave function"),
+    Param("similarity", "relu_cos", "choice", choices=SIMILARITY, doc="facility-location kernel on keys"),
+    Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as local window (Fig. 1)"),
+    Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query heads"),
+    Param("greedy", "lazy", "choice", choices=GREEDY, searchable=False,
+          doc="prompt greedy: lazy (Minoux) or naive; identical selections"),
+)
+P = param_indices(SCHEMA)
 # slot_state fields
 F_ACC, F_NN, F_NNPOS, F_NORM = range(4)
 
@@ -289,22 +300,22 @@ def prompt_importance(q, k, scale, h, mode):
 
 @njit(PREFILL_SIG, cache=True)
 def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
-    lam = params[P_LAM]
-    kind = int(params[P_CONCAVE])
-    alpha, beta = params[P_ALPHA], params[P_BETA]
-    mode = int(params[P_SIM])
-    P = k.shape[0]
+    lam = params[P.lam]
+    kind = int(params[P.concave])
+    alpha, beta = params[P.alpha], params[P.beta]
+    mode = int(params[P.similarity])
+    n_prompt = k.shape[0]
     for h in range(k.shape[1]):
-        m = prompt_importance(q, k, scale, h, int(params[P_GROUP]))
+        m = prompt_importance(q, k, scale, h, int(params[P.group_reduce]))
         S = similarity_matrix(k[:, h, :], mode)
-        recent = recent_slots(budget[h], params[P_RECENT])
-        forced = np.zeros(P, np.uint8)
-        forced[max(0, P - recent):] = 1
-        sel, _ = greedy_select(S, m, budget[h], forced, lam, kind, alpha, beta, params[P_GREEDY] == 0.0)
-        inset = np.zeros(P, np.uint8)
+        recent = recent_slots(budget[h], params[P.recent_ratio])
+        forced = np.zeros(n_prompt, np.uint8)
+        forced[max(0, n_prompt - recent):] = 1
+        sel, _ = greedy_select(S, m, budget[h], forced, lam, kind, alpha, beta, params[P.greedy] == 0.0)
+        inset = np.zeros(n_prompt, np.uint8)
         for e in sel:
             inset[e] = 1
-        for i in range(P):
+        for i in range(n_prompt):
             keep[h, i] = inset[i]
             if inset[i] == 0:
                 continue
@@ -314,7 +325,7 @@ def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state
                 nrm += np.float64(k[i, h, x]) ** 2
             slot_state[h, i, F_NORM] = np.sqrt(nrm)
             best, best_s = -1, 0.0
-            for j in range(P):
+            for j in range(n_prompt):
                 if j != i and inset[j] != 0 and (best < 0 or S[i, j] > best_s):
                     best, best_s = j, S[i, j]
             slot_state[h, i, F_NN] = best_s
@@ -340,11 +351,11 @@ def _nearest(keys, slot_state, positions, keep, h, i, n, mode):
 @njit(STEP_SIG, cache=True)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
-    lam = params[P_LAM]
-    kind = int(params[P_CONCAVE])
-    alpha, beta = params[P_ALPHA], params[P_BETA]
-    mode = int(params[P_SIM])
-    gmode = int(params[P_GROUP])
+    lam = params[P.lam]
+    kind = int(params[P.concave])
+    alpha, beta = params[P.alpha], params[P.beta]
+    mode = int(params[P.similarity])
+    gmode = int(params[P.group_reduce])
     g_n = probs.shape[1]
     ss = self_sim(mode)
     gone = np.zeros(g_n, np.float64)
@@ -374,7 +385,7 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
         excess = n - budget[h]
         if excess <= 0:
             continue
-        recent = recent_slots(budget[h], params[P_RECENT])
+        recent = recent_slots(budget[h], params[P.recent_ratio])
         hi_pos = t - recent + 1
         for g in range(g_n):
             gone[g] = 0.0
@@ -449,18 +460,8 @@ class BumbleBee(Policy):
 
     name = "bumblebee"
     summary = "submodular diversity + importance"
-    schema = (
-        Param("lam", 0.3, "float", 0.0, 1.0, doc="mixture weight of facility-location diversity (eq. 4)"),
-        Param("concave", "power", "choice", choices=CONCAVE,
-              doc="phi of the importance term: inverse of alpha y^(1/alpha) + beta y (power) or log(1 + x)"),
-        Param("alpha", 0.04, "float", 0.005, 1.0, log=True, doc="curvature of the power concave function"),
-        Param("beta", 1.0, "float", 0.0, 10.0, doc="linear part of the power concave function"),
-        Param("similarity", "relu_cos", "choice", choices=SIMILARITY, doc="facility-location kernel on keys"),
-        Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as local window (Fig. 1)"),
-        Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query heads"),
-        Param("greedy", "lazy", "choice", choices=GREEDY, searchable=False,
-              doc="prompt greedy: lazy (Minoux) or naive; identical selections"),
-    )
+    schema = SCHEMA
+    P = P
     slot_fields = 4
     step_fn = _step
     prefill_fn = _prefill
