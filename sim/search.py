@@ -59,21 +59,14 @@ def search_space(policy: str, fixed: Sequence[str] = ()) -> list[Param]:
 
 
 def split_search_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``NAME`` or ``NAME:param=value,...`` -> (name, the parameters held fixed during the search).
+    """``NAME``, ``NAME:param=value,...`` or a wrapper such as ``ada(knorm:n_sink=2)`` -> (registry name, the
+    parameters held fixed during the search). The same spec grammar as everywhere; values are validated by the
+    policy's schema (a combinator's schema holds its scorer's parameters and its own)."""
+    from sim.specs import parse_policy, policy_parts
 
-    The same spec grammar as everywhere; the values are validated by the policy's schema. Wrapper specs
-    (``ada(...)``) have no flat schema to search and are refused.
-    """
-    from policies import PolicyError
-    from sim.specs import parse_policy
-
-    spec = spec.strip()
-    if "(" in spec:
-        raise PolicyError(f"search --policy {spec!r}: search a plain NAME[:param=value,...] spec, not a wrapper")
     base = parse_policy(spec)              # validates name and values
-    name, _, rest = spec.partition(":")
-    given = [item.partition("=")[0].strip() for item in rest.split(",") if item.strip()]
-    return name.strip(), {k: base.params[k] for k in given}
+    name, given = policy_parts(spec)
+    return name, {k: base.params[k] for k in given}
 
 
 @dataclass

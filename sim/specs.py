@@ -39,7 +39,7 @@ def _kv(spec: str, items: list[str]) -> dict[str, Any]:
     return params
 
 
-def _parse(spec: str) -> tuple[str, dict[str, Any]]:
+def policy_parts(spec: str) -> tuple[str, dict[str, Any]]:
     """``spec`` -> (registry name, params), combinators flattened: ``ada(knorm:n_sink=4, floor_alpha=0.2)`` ->
     (``ada(knorm)``, {n_sink: 4, floor_alpha: 0.2})."""
     spec = spec.strip()
@@ -48,7 +48,7 @@ def _parse(spec: str) -> tuple[str, dict[str, Any]]:
         if not rest.rstrip().endswith(")"):
             raise PolicyError(f"policy spec {spec!r}: unbalanced parentheses; expected wrapper(INNER[, k=v ...])")
         inner, *items = _split_top(rest.rstrip()[:-1])
-        inner_name, params = _parse(inner)
+        inner_name, params = policy_parts(inner)
         own = _kv(spec, items)
         both = sorted(set(own) & set(params))
         if both:
@@ -63,7 +63,7 @@ def parse_policy(spec: str) -> Policy:
     ``wrapper(INNER[, param=value ...])`` such as ``ada(knorm)`` or
     ``decoding(snapkv:window_size=64, every=64, target=128)``. A combinator's policy carries the inner
     scorer's parameters and its own; ``policy_spec`` writes the spec back."""
-    name, params = _parse(spec)
+    name, params = policy_parts(spec)
     return get_policy(name, **params)
 
 

@@ -221,6 +221,17 @@ def test_search_cli_takes_a_full_spec_and_holds_its_params(tmp_path, capsys):
                  "--trials", "1", "--quiet", "--out", str(tmp_path / "s")]) == 2
 
 
+def test_search_cli_takes_a_wrapper_spec(tmp_path, capsys):
+    from sim.search import split_search_spec
+
+    assert split_search_spec("ada(knorm:n_sink=2, floor_alpha=0.3)") == ("ada(knorm)", {"n_sink": 2, "floor_alpha": 0.3})
+    assert main(["search", "synthetic:zipf", *SMALL, "--policy", "ada(knorm, floor_alpha=0.3)", "--budgets", "16",
+                 "--trials", "2", "--workers", "1", "--quiet", "--out", str(tmp_path / "s")]) == 0
+    df = pd.read_parquet(tmp_path / "s")
+    assert set(df.policy) == {"ada(knorm)"}
+    assert all((json.loads(p) if isinstance(p, str) else p)["floor_alpha"] == 0.3 for p in df.params)
+
+
 def test_fuzz_cli_policies_option_and_positionals(tmp_path, capsys):
     out = tmp_path / "f"
     assert main(["fuzz", "--policies", f"{FULL_SPEC};window", "--examples", "3", "--save-failures", str(out)]) == 0
