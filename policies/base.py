@@ -156,8 +156,14 @@ class Policy:
     step_fn: ClassVar[Any] = None
     prefill_fn: ClassVar[Any] = None
     logit_scale_fn: ClassVar[Any] = None
+    #: named bundles of parameter values selected by a ``preset`` parameter (e.g. a released code's behaviour);
+    #: values the user gives explicitly win over the preset's
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __init__(self, **params: Any) -> None:
+        preset = self.presets.get(str(params.get("preset", "")))
+        if preset:
+            params = {**preset, **params}
         known = {p.name: p for p in self.schema}
         unknown = sorted(set(params) - set(known))
         if unknown:

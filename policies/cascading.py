@@ -65,7 +65,6 @@ import math
 import numpy as np
 from numba import njit
 
-from typing import Any
 
 from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, param_indices, stream_prefill
 from policies.registry import register
@@ -334,14 +333,10 @@ class Cascading(Policy):
     summary = "sinks + cascading sub-caches with EMA-scored token selection"
     schema = SCHEMA
     P = P
+    presets = {"reference": REFERENCE}
     slot_fields = 2
     head_fields = MAX_CASCADES
     step_fn = _step
-
-    def __init__(self, **params: Any) -> None:
-        if str(params.get("preset", "paper")) == "reference":
-            params = {**REFERENCE, **params}
-        super().__init__(**params)
 
     @property
     def has_prefill(self) -> bool:

@@ -58,7 +58,7 @@ layer's tau when ``ema_scope="layer"``).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 from numba import njit
@@ -416,15 +416,11 @@ class D2O(Policy):
     summary = "layer budgets by attention variance + H2O-style eviction + EMA-threshold merging"
     schema = SCHEMA
     P = P
+    presets = {"reference": REFERENCE}
     slot_fields = 1
     head_fields = 2
     step_fn = _step
     prefill_fn = _prefill_once
-
-    def __init__(self, **params: Any) -> None:
-        if str(params.get("preset", "paper")) == "reference":
-            params = {**REFERENCE, **params}
-        super().__init__(**params)
 
     @property
     def has_prefill(self) -> bool:
