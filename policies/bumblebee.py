@@ -286,15 +286,15 @@ def greedy_select(S, m, budget, forced, lam, kind, alpha, beta, lazy):
 
 @njit(cache=True)
 def prompt_importance(q, k, scale, h, mode):
-    """Attention each prompt key of KV head h accumulates over all prompt queries (Alg. 1 line 3): float64 [P].
+    """Attention each prompt key of KV head h accumulates over all prompt queries (Alg. 1 line 3): float64 [n_prompt].
 
     Per query row the G query heads' causal probabilities are reduced like ``group_score`` (mean/sum/max).
-    Blocked GEMM tiles (``causal_attention_scores``), O(P^2 G d) time.
+    Blocked GEMM tiles (``causal_attention_scores``), O(n_prompt^2 G d) time.
     """
-    P, hq_n, _ = q.shape
+    n_prompt, hq_n, _ = q.shape
     g_n = hq_n // k.shape[1]
-    acc = np.zeros(P, np.float64)
-    causal_attention_scores(q, k, scale, h * g_n, g_n, h, 0, P, mode, acc, np.zeros((1, 1)), 0)
+    acc = np.zeros(n_prompt, np.float64)
+    causal_attention_scores(q, k, scale, h * g_n, g_n, h, 0, n_prompt, mode, acc, np.zeros((1, 1)), 0)
     return acc
 
 
