@@ -14,7 +14,8 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
-POLICIES = "streaming_llm;h2o;tova;snapkv;pyramidkv;ada_snapkv;bumblebee;buzz"
+POLICIES = ("streaming_llm;h2o;tova;snapkv;pyramidkv;ada_snapkv;bumblebee;buzz;knorm;"
+            "expected_attention:rope_theta=100000")   # SmolLM2's RoPE base
 
 
 def main(argv: list[str]) -> int:
@@ -28,8 +29,8 @@ def main(argv: list[str]) -> int:
         i = argv.index("--model")
         model = argv[i + 1]
         argv = argv[:i] + argv[i + 2:]
-    return kvsim(["needle", "--model", model, "--lengths", "128", "--depths", "0,0.25,0.5,0.75,1",
-                  "--seeds", "1,2,3", "--budgets", "32,64", "--policies", POLICIES, "--predict",
+    return kvsim(["needle", "--model", model, "--lengths", "512,1024,2048", "--depths", "0,0.25,0.5,0.75,1",
+                  "--seeds", "1,2,3", "--budgets", "64,128", "--policies", POLICIES, "--predict",
                   "--train-seeds", "1", "--store", "results/needle", "--out", "benchmarks/results/needle.json",
                   *argv])
 

@@ -32,17 +32,24 @@ class TorchVarlenKVCache(VarlenKVCache):
         n_heads, g = self.batch * self.n_kv_heads, self.group
         scale = torch.as_tensor(logit_scale, dtype=torch.float32, device=self.device).flatten()
         scale = (scale if scale.numel() == 1 else scale.repeat_interleave(self.n_kv_heads))[:, None, None]
-        kp = self.padded(self.k).float()                                  # [BH, C, d]
-        vp = self.padded(self.v).float()
+        idx = self._slot_rows()
+        kp = self.k[idx].float()             # [BH, C, d]; slots past a head's length hold stale finite values,
+        vp = self.v[idx].float()             # masked out of the softmax below (so no fill is needed)
         qf = q.float().reshape(n_heads, g, d)
         logits = torch.bmm(qf, kp.transpose(1, 2)) * (self.softmax_scale * scale)   # [BH, G, C]
         valid = torch.arange(self.max_capacity, device=self.device)[None, :] < self.length.long()[:, None]
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
         p = torch.softmax(logits, -1).nan_to_num(0.0)                     # an empty head gives p = o = 0
         o = torch.bmm(p, vp).reshape(bsz, n_q, d)
-        rows = (self.start.long()[:, None] + torch.arange(self.max_capacity, device=self.device)[None, :])[valid]
-        self.probs[rows] = p.transpose(1, 2)[valid]
+        self.probs[idx[valid]] = p.transpose(1, 2)[valid]
         return o.to(q.dtype), (self.probs if want_probs else None)
+
+    def _slot_rows(self) -> torch.Tensor:
+        """[B*Hkv, max_capacity] flat row of every head's slot i (clamped to the buffer); fixed per cache."""
+        if getattr(self, "_rows", None) is None:
+            ar = torch.arange(self.max_capacity, device=self.device)
+            self._rows = (self.start.long()[:, None] + ar[None, :]).clamp(max=max(self.total_capacity - 1, 0))
+        return self._rows
 
     def compact(self, keep: torch.Tensor | None, merge_to: torch.Tensor | None = None,
                 merge_w: torch.Tensor | None = None, *, k_new: torch.Tensor | None = None,

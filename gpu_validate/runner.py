@@ -26,6 +26,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
+from numba import njit
 
 from gpu_validate.backends import BACKENDS, TorchVarlenKVCache, make_cache
 from policies.base import Policy, PolicyError
@@ -33,6 +34,29 @@ from sim.contract import check_allocation, check_kept, check_scale, check_step, 
 
 IMPL_NAME = "kvsim_validate"
 _ACTIVE: list["CompressedRunner"] = []
+
+
+@njit(cache=True, nogil=True)
+def keep_kept_first(keep, lengths, slot_state, positions):
+    """Apply one step's keep mask to a row's host-side slot state: clear ``keep`` past each head's length, move
+    the kept slots' state and positions to the front in order (what the cache's compaction does to k/v), zero
+    the freed tail (positions -1). Returns the kept count per head."""
+    H, cap = keep.shape
+    kept_n = np.zeros(H, np.int64)
+    for h in range(H):
+        j = 0
+        for i in range(cap):
+            if i < lengths[h] and keep[h, i] != 0:
+                if j != i:
+                    slot_state[h, j, :] = slot_state[h, i, :]
+                    positions[h, j] = positions[h, i]
+                j += 1
+            else:
+                keep[h, i] = 0
+        slot_state[h, j:, :] = 0.0
+        positions[h, j:] = -1
+        kept_n[h] = j
+    return kept_n
 
 
 class ValidateError(ValueError):
@@ -294,19 +318,11 @@ class BatchRunner:
             budget = row.budgets[layer]
             row.step_fn(row.params, layer, t, budget, lengths, probs, keys, values, pos, sst, hst, keep, merge_to,
                         merge_w)
-            valid = np.arange(cap)[None, :] < lengths[:, None]
-            keep &= valid.astype(np.uint8)
-            kept_n = keep.sum(1).astype(np.int64)
             info = np.zeros(3, np.int64)
             raise_on(row.policy, check_step(lengths, keep, merge_to, budget, row.policy.head_adaptive,
                                             not row.policy.unbounded, t, info), info, layer)
+            kept_n = keep_kept_first(keep, lengths, sst, pos)
             keep_all[sl, :cap], mt_all[sl, :cap], mw_all[sl, :cap] = keep, merge_to, merge_w
-            if (kept_n < lengths).any():
-                order = np.argsort(1 - keep, axis=1, kind="stable")   # kept slots first, in order
-                sst[:] = np.take_along_axis(sst, order[:, :, None], 1)
-                sst[np.arange(cap)[None, :] >= kept_n[:, None]] = 0.0
-                pos = np.take_along_axis(pos, order, 1)
-                pos[np.arange(cap)[None, :] >= kept_n[:, None]] = -1
             row.held[layer] = int(kept_n.sum())
             if row.kept is not None:
                 r = t - self.record_kept[0]
@@ -331,10 +347,16 @@ class BatchRunner:
         return evicted
 
     # ----- setup -----
-    def _forward(self, tokens: Sequence[int], t: int):
+    def _forward(self, tokens: Sequence[int], t: int, *, logits: bool = True):
+        """Feed one token per row at position t; the next-token logits, or None with ``logits=False`` (streamed
+        prompt tokens: their predictions are never read, so the LM head -- a fifth of SmolLM2's decode
+        FLOPs -- is skipped by running only the decoder stack)."""
         self.t = t
         ids = torch.tensor([[int(x)] for x in tokens], device=self.device)
         pos = torch.full((len(tokens), 1), t, device=self.device, dtype=torch.int64)
+        if not logits:
+            self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False)
+            return None
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False)
         return out.logits[:, -1].float()
 
@@ -413,7 +435,7 @@ class BatchRunner:
                 for t in range(t_model, P):
                     self.mults = np.array([float(row.scale_fn(row.params, t + 1)) for row in rows])
                     self._check_mults(t)
-                    last = self._forward([row.prompt[t] for row in rows], t)
+                    last = self._forward([row.prompt[t] for row in rows], t, logits=t == P - 1)
             elem = torch.empty((), dtype=self.cache_dtype).element_size()
             self._record(rows, last, 0)
             if self.device.type == "cuda":
