@@ -146,3 +146,12 @@ def add_model_option(p: argparse.ArgumentParser, *, default: str | None = "smoll
     p.add_argument("--model", default=default, required=default is None, metavar="NAME|DIR|FILE.gguf",
                    help="a registered model (`kvsim models`: smollm2-135m, tiny), a local Hugging Face folder, or a "
                         "llama-family .gguf file")
+
+
+def add_text_option(p: argparse.ArgumentParser, *, what: str = "text") -> None:
+    """``--text NAME|FILE``: a shipped text (traces.model.SHIPPED_TEXTS) or a UTF-8 file."""
+    from traces.model import SHIPPED_TEXTS
+
+    p.add_argument("--text", default="default", metavar="NAME|FILE",
+                   help=f"{what}: a shipped text ({', '.join(SHIPPED_TEXTS)}: 'default' is the held-out pydoc "
+                        "chapters, 'idle' the IDLE chapter of the Python docs) or a UTF-8 text file")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from sim.commands._common import (add_budgets_option, add_model_option, add_out_option, add_policies_option,
-                                  add_quiet_option, int_list, positive_int)
+                                  add_quiet_option, add_text_option, int_list, positive_int)
 
 
 def _floats(text: str) -> list[float]:
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "prompt as a teacher-forced trace, replay the policies and predict the outcome "
                                    "from the retained attention on the key (threshold fitted on --train-seeds).")
     add_model_option(p)
-    p.add_argument("--text", default=None, help="filler text file (none: the shipped held-out text)")
+    add_text_option(p, what="filler text")
     p.add_argument("--lengths", type=int_list, default=[256, 512, 1024], help="context lengths in tokens")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--seeds", type=int_list, default=[1, 2, 3], help="seeds (>= 1): key and filler window")
@@ -71,12 +71,9 @@ def run(args: argparse.Namespace) -> int:
     full = get_policy("full")
     model, tok = load_model(args.model, device="cpu")
     model_id = name_of(args.model)
-    if args.text:
-        text = Path(args.text).read_text(encoding="utf-8")
-    else:
-        from traces.model import default_text
+    from traces.model import read_text
 
-        text = default_text()
+    text = read_text(args.text)[0]
     prompts = make_grid(tok, text, args.lengths, args.depths, args.seeds)
     print(f"{len(prompts)} prompts x {len(configs)} configurations (+ full cache) on {model_id}", flush=True)
     store = ResultStore(args.store)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sim.commands._common import add_model_option
+from sim.commands._common import add_model_option, add_text_option
 
 
 def _index_list(text: str) -> tuple[int, ...]:
@@ -34,7 +34,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "(registered name, local HF folder or .gguf), capture q/k/v of every (or the chosen) layer, "
                     "check faithfulness, write a trace.")
     add_model_option(p)
-    p.add_argument("--text", default="default", help="UTF-8 text file, or 'default' (held-out text of the model)")
+    add_text_option(p, what="text to record")
     p.add_argument("--prompt-tokens", type=_positive, default=512, help="prompt (prefill) length N")
     p.add_argument("--decode-tokens", type=_positive, default=256, help="decoded tokens M")
     p.add_argument("--out", type=Path, required=True, help="trace directory to create")
@@ -63,15 +63,10 @@ def run(args: argparse.Namespace) -> int:
         raise RecordError(f"--device must be cpu or cuda[:i], got {args.device!r}")
     if args.prompt_tokens < 1:
         raise RecordError("--prompt-tokens must be >= 1")
-    source = {}
-    if args.text == "default":
-        from traces.model import DEFAULT_TEXT_ID, default_text
-        text, source["text_id"] = default_text(), DEFAULT_TEXT_ID
-    else:
-        path = Path(args.text)
-        if not path.is_file():
-            raise RecordError(f"--text {args.text!r}: file not found")
-        text, source["text_id"] = path.read_text(encoding="utf-8", errors="replace"), path.name
+    from traces.model import read_text
+
+    text, text_id = read_text(args.text)
+    source = {"text_id": text_id}
     model, tok = load_model(args.model, device=args.device, torch_dtype=args.model_dtype)
     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
     res = record_trace(model, ids, args.out, n_prompt=args.prompt_tokens, n_decode=args.decode_tokens,

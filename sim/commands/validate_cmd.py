@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from sim.commands._common import add_budget_option, add_model_option, add_policy_option, positive_int
+from sim.commands._common import (add_budget_option, add_model_option, add_policy_option, add_text_option,
+                                 positive_int)
 
 
 def _floats(text: str) -> list[float]:
@@ -21,7 +22,7 @@ def _floats(text: str) -> list[float]:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--text/--device/--backend/--prompt shared by validate and fidelity."""
     add_model_option(p)
-    p.add_argument("--text", default=None, help="UTF-8 text file to score (default: the shipped held-out text)")
+    add_text_option(p, what="text to score")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--backend", choices=("torch", "triton"), default=None,
                    help="cache kernels: triton (default on cuda) or the torch reference (default on cpu)")
@@ -42,15 +43,9 @@ def load_model_and_ids(args: argparse.Namespace):
     if args.prompt < 1 or args.decode < 2:
         raise ValueError(f"--prompt must be >= 1 and --decode >= 2, got {args.prompt} and {args.decode}")
     model, tok = load_model(args.model, device=device)
-    if args.text:
-        path = Path(args.text)
-        if not path.is_file():
-            raise FileNotFoundError(f"--text {args.text}: no such file")
-        text = path.read_text(encoding="utf-8")
-    else:
-        from traces.model import default_text
+    from traces.model import read_text
 
-        text = default_text()
+    text = read_text(args.text)[0]
     ids = tok(text, verbose=False)["input_ids"]
     need = args.prompt + args.decode
     if len(ids) < need:

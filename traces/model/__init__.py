@@ -14,6 +14,29 @@ HERE = Path(__file__).resolve().parent
 MODEL_DIR = SHIPPED_DIR
 HELDOUT_TEXT = HERE / "data" / "heldout.txt"
 DEFAULT_TEXT_ID = "kvsim-heldout:pydoc(debugger,exceptions,execmodel,naming)"
+#: shipped texts by name: (file, text id). 'default' is the held-out pydoc chapters; 'idle' is a second,
+#: independent real text (the IDLE chapter of the Python 3.12 library reference, PSF licence, as plain text)
+#: so that anything fitted on one text can be judged on another.
+SHIPPED_TEXTS = {
+    "default": (HELDOUT_TEXT, DEFAULT_TEXT_ID),
+    "idle": (HERE / "data" / "idle_help.txt", "python-docs-3.12:library/idle"),
+}
+
+
+class TextError(ValueError):
+    """A --text that is neither a shipped text's name nor a readable file."""
+
+
+def read_text(spec: str | None) -> tuple[str, str]:
+    """(text, text id) of a shipped text's name (None = 'default'; see SHIPPED_TEXTS) or of a UTF-8 file."""
+    spec = spec or "default"
+    if spec in SHIPPED_TEXTS:
+        path, text_id = SHIPPED_TEXTS[spec]
+        return path.read_text(encoding="utf-8"), text_id
+    path = Path(spec)
+    if not path.is_file():
+        raise TextError(f"--text {spec!r}: not a shipped text ({', '.join(SHIPPED_TEXTS)}) and no such file")
+    return path.read_text(encoding="utf-8", errors="replace"), path.name
 
 
 def default_model_path() -> Path:
@@ -30,7 +53,7 @@ def load_default_model(device: str = "cpu", model: str = "tiny"):
 
 def default_text() -> str:
     """Real English text none of kvsim's models trained on (held-out CPython pydoc topics)."""
-    return HELDOUT_TEXT.read_text(encoding="utf-8")
+    return read_text("default")[0]
 
 
 def record_default_trace(out_dir: str | Path, n_prompt: int = 512, n_decode: int = 512, *,
