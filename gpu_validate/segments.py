@@ -1,0 +1,122 @@
+"""Fidelity at equal budget over many text segments: the model's closed-loop losses and the simulator's losses of
+every (segment, policy, budget), as two tables that join on (segment, label, budget).
+
+The closed-loop side is the expensive one (every configuration through the model, batched), so it lives in a
+resumable `sim.store.ResultStore`: a rerun, or a new simulator metric, never repeats a model run. The simulator
+side records one teacher-forced trace per segment and replays every configuration on it (seconds).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from gpu_validate.evaluate import metrics_of_run
+from gpu_validate.runner import BatchJob, ValidateError, full_model_logits, run_batch
+from policies.base import Policy
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``ids`` = n_prompt prompt tokens + the continuation scored teacher-forced; ``text`` names its source."""
+
+    text: str
+    start: int
+    ids: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.text}@{self.start}"
+
+
+def make_segments(texts: dict[str, Sequence[int]], n_per_text: int, n_tokens: int) -> list[Segment]:
+    """``n_per_text`` evenly spaced, non-overlapping windows of ``n_tokens`` token ids from each named text."""
+    out = []
+    for name, ids in texts.items():
+        ids = [int(x) for x in ids]
+        if len(ids) < n_per_text * n_tokens:
+            raise ValidateError(f"text {name!r} has {len(ids)} tokens: too few for {n_per_text} disjoint segments "
+                                f"of {n_tokens}")
+        for s in np.linspace(0, len(ids) - n_tokens, n_per_text).astype(int):
+            out.append(Segment(name, int(s), tuple(ids[s:s + n_tokens])))
+    return out
+
+
+def cell_key(model_id: str, seg: Segment, n_prompt: int, policy: Policy, budget: int) -> str:
+    """Stable store key of one closed-loop (model, segment, prompt split, policy with params, budget) cell."""
+    payload = json.dumps([model_id, seg.name, len(seg.ids), hashlib.sha256(str(seg.ids).encode()).hexdigest()[:16],
+                          n_prompt, policy.name, policy.params, int(budget)], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy, int]], store, *, n_prompt: int,
+                model_id: str, max_rows: int = 48, progress: bool = True,
+                log: Callable[[str], None] = print) -> "Any":
+    """ΔNLL and top-1 disagreement (vs the full cache) of every segment × (policy, budget) not yet in ``store``,
+    run batched through the model; each batch is stored as soon as it finishes. Returns the store's table."""
+    from tqdm.auto import tqdm
+
+    done = store.keys()
+    todo = [(s, p, b) for s in segments for p, b in configs if cell_key(model_id, s, n_prompt, p, b) not in done]
+    if len(todo) < len(segments) * len(configs):
+        log(f"resuming: {len(segments) * len(configs) - len(todo)} cells already in {store.root}")
+    # batch rows must agree on streaming (and length): group, then cut into batches
+    todo.sort(key=lambda c: (BatchJob(c[1], c[2], c[0].ids[:n_prompt]).streams, c[2]))
+    fulls: dict[str, np.ndarray] = {}
+    with tqdm(total=len(todo), desc="closed loop", unit="run", disable=not progress) as bar:
+        for c in range(0, len(todo), max_rows):
+            chunk = todo[c:c + max_rows]
+            for seg, _, _ in chunk:
+                if seg.name not in fulls:
+                    fulls[seg.name] = full_model_logits(model, seg.ids)
+            rows: list[dict[str, Any]] = []
+
+            def finished(i: int, res, chunk=chunk, rows=rows) -> None:
+                seg, pol, b = chunk[i]
+                m = metrics_of_run(res, model, seg.ids, n_prompt, fulls[seg.name])
+                rows.append({"key": cell_key(model_id, seg, n_prompt, pol, b), "model": model_id, "text": seg.text,
+                             "start": seg.start, "segment": seg.name, "n_prompt": n_prompt,
+                             "n_decode": len(seg.ids) - n_prompt, "policy": pol.name, "label": pol.label(),
+                             "params": pol.params, "budget": int(b), "delta_nll": m["delta_nll"],
+                             "top1_disagreement": 1.0 - m["top1_agreement"],
+                             "nll_per_token": json.dumps(m["nll_per_token"])})
+                bar.update(1)
+
+            run_batch(model, [BatchJob(p, b, s.ids[:n_prompt], continuation=s.ids[n_prompt:]) for s, p, b in chunk],
+                      max_rows=max_rows, on_result=finished)
+            store.add(rows)
+            bar.write(f"batch of {len(rows)}: mean ΔNLL {np.mean([r['delta_nll'] for r in rows]):.4f}")
+            sys.stdout.flush()
+    return store.load()
+
+
+def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy, int]], *, n_prompt: int,
+              model_id: str, progress: bool = True) -> list[dict[str, Any]]:
+    """The simulator's losses of every segment × (policy, budget): one teacher-forced trace per segment, every
+    configuration replayed on it. One row per cell, with the per-layer mean error (``err_by_layer``)."""
+    from tqdm.auto import tqdm
+
+    from sim.replay import load_layers, replay
+    from traces.format import load_trace
+    from traces.recorder import record_trace
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvsim-segments-") as tmp:
+        for si, seg in enumerate(tqdm(segments, desc="simulate", unit="segment", disable=not progress)):
+            path = Path(tmp) / f"s{si}"
+            record_trace(model, list(seg.ids), path, n_prompt=n_prompt, n_decode=len(seg.ids) - n_prompt,
+                         teacher_forced=True, single_pass=True, progress=False, model_id=model_id)
+            trace = load_trace(path)
+            inputs = load_layers(trace)
+            for pol, b in configs:
+                s = replay(trace, pol, int(b), inputs=inputs, threads=1).summary()
+                rows.append({"segment": seg.name, "text": seg.text, "label": pol.label(), "budget": int(b),
+                             **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean")},
+                             "miss_mass": 1.0 - s["mass_mean"], "err_by_layer": s["err_by_layer"]})
+    return rows
