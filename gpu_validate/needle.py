@@ -8,8 +8,9 @@ Every prompt has exactly ``length`` tokens, so prompts of one length batch toget
 
 The simulator's prediction (`needle_features`): the same prompt plus the answer is recorded as a
 teacher-forced trace; each policy is replayed on it and, at the answer steps, the share of the full-cache
-attention on the key's tokens that falls on tokens the policy still holds (over layers, query heads and
-answer steps) is the predictor; a threshold fitted on some seeds turns it into a success prediction.
+attention on the key's tokens that falls on tokens the policy still holds is measured several ways
+(`FEATURES`: over all heads, over the retrieval heads, at the first answer step, in the weakest layer). The
+predictor and its threshold are chosen on some seeds and judged on the others.
 """
 from __future__ import annotations
 
@@ -144,10 +145,21 @@ def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[P
 
 # ----- the simulator's prediction -----
 
+#: candidate predictors of retrieval, each a share in [0, 1] of the full-cache attention that the answer-step
+#: queries put on the key's tokens and that falls on tokens the policy still holds; which one predicts is chosen
+#: (with its threshold) on the training seeds only.
+FEATURES = {
+    "retained_share": "over all layers, query heads and answer steps",
+    "retrieval_heads": "over the (layer, query head) pairs in the top 10% by attention on the key (retrieval heads)",
+    "first_answer_step": "at the first answer token's step only",
+    "weakest_layer": "the lowest per-layer share",
+}
+
+
 def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy, int]], *,
-                    model_id: str = "model") -> list[float]:
-    """Per (policy, budget): the retained share of the full-cache attention on the key's tokens at the answer
-    steps, from a teacher-forced trace of prompt + answer replayed in the simulator."""
+                    model_id: str = "model") -> list[dict[str, float]]:
+    """Per (policy, budget): every `FEATURES` value, from a teacher-forced trace of prompt + answer replayed in
+    the simulator."""
     from sim.replay import load_layers, replay
     from traces.format import load_trace
     from traces.recorder import record_trace
@@ -163,7 +175,7 @@ def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy,
         out = []
         for policy, budget in configs:
             res = replay(trace, policy, int(budget), inputs=inputs, record_kept=(P, n_ans), threads=1)
-            out.append(_retained_share(attn, res.kept, np.asarray(prompt.key_positions)))
+            out.append(_features(attn, _held(res.kept, np.asarray(prompt.key_positions), attn.shape)))
     return out
 
 
@@ -187,22 +199,36 @@ def _key_attention(inputs, scale: float, P: int, n_ans: int, key_pos: np.ndarray
     return np.stack(out)
 
 
-def _retained_share(attn: np.ndarray, kept: np.ndarray, key_pos: np.ndarray) -> float:
-    """Share of ``attn`` [L, A, Hq, n_key] on key tokens the policy holds. kept [L, >= A-1, Hkv, W] are the positions
-    cached after decode steps P, P+1, ...; the query at P-1 (first answer token) reads the cache the prompt left,
-    approximated by the state after step P (the prompt's cache plus one token)."""
-    L, A, Hq, _ = attn.shape
+def _held(kept: np.ndarray, key_pos: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """[L, A, Hq, n_key] True where the policy holds that key token for that query. kept [L, >= A-1, Hkv, W] are
+    the positions cached after decode steps P, P+1, ...; the query at P-1 (first answer token) reads the cache
+    the prompt left, approximated by the state after step P (the prompt's cache plus one token)."""
+    L, A, Hq, _ = shape
     Hkv = kept.shape[2]
     g = Hq // Hkv
-    held = np.zeros((L, A, Hq, key_pos.size), bool)
+    held = np.zeros(shape, bool)
     for a in range(A):
         r = max(0, a - 1)
         for h in range(Hkv):
             for l in range(L):
-                hk = np.isin(key_pos, kept[l, r, h])
-                held[l, a, h * g:(h + 1) * g] = hk[None, :]
+                held[l, a, h * g:(h + 1) * g] = np.isin(key_pos, kept[l, r, h])[None, :]
+    return held
+
+
+def _share(attn: np.ndarray, held: np.ndarray) -> float:
     total = attn.sum()
     return float((attn * held).sum() / total) if total > 0 else 0.0
+
+
+def _features(attn: np.ndarray, held: np.ndarray) -> dict[str, float]:
+    """Every `FEATURES` value of one replay (``attn`` [L, A, Hq, n_key] full-cache attention on the key)."""
+    per_head = attn.sum(axis=(1, 3))                                          # [L, Hq]
+    top = per_head >= np.quantile(per_head, 0.9)
+    per_layer = [_share(attn[l], held[l]) for l in range(attn.shape[0])]
+    return {"retained_share": _share(attn, held),
+            "retrieval_heads": _share(attn * top[:, None, :, None], held),
+            "first_answer_step": _share(attn[:, :1], held[:, :1]),
+            "weakest_layer": float(min(per_layer))}
 
 
 def fit_threshold(feature: np.ndarray, success: np.ndarray) -> float:
@@ -215,17 +241,27 @@ def fit_threshold(feature: np.ndarray, success: np.ndarray) -> float:
     return float(cands[int(np.argmax(agree))])
 
 
-def prediction_report(df, train_seeds: Sequence[int]) -> dict[str, Any]:
-    """Fit the threshold on ``train_seeds`` rows of ``df`` (columns seed, feature, success; lossy policies
-    only) and score the other seeds: agreement and confusion matrix (rows: model outcome, columns:
-    prediction), overall and per policy."""
+def prediction_report(df, train_seeds: Sequence[int], features: Sequence[str] | None = None) -> dict[str, Any]:
+    """Choose the predictor and its threshold on ``train_seeds`` rows of ``df`` (columns seed, success, and one
+    column per candidate in ``features``, default the `FEATURES` present; lossy policies only), then score the
+    other seeds: agreement and confusion matrix (rows: model outcome, columns: prediction), overall and per
+    policy, and every candidate's train / held-out agreement for reference."""
+    features = [f for f in (features or FEATURES) if f in df.columns]
+    if not features:
+        raise ValidateError(f"no predictor column in the table (expected one of {list(FEATURES)})")
     train = df[df.seed.isin(train_seeds)]
     test = df[~df.seed.isin(train_seeds)]
     if train.empty or test.empty:
         raise ValidateError(f"need rows on both sides of the seed split (train seeds {list(train_seeds)})")
-    cut = fit_threshold(train.feature.to_numpy(), train.success.to_numpy())
-    pred = test.feature.to_numpy() >= cut
-    truth = test.success.to_numpy().astype(bool)
+    y_train, truth = train.success.to_numpy().astype(bool), test.success.to_numpy().astype(bool)
+    candidates = {}
+    for f in features:
+        cut = fit_threshold(train[f].to_numpy(), y_train)
+        candidates[f] = {"threshold": cut, "train_agreement": float(((train[f].to_numpy() >= cut) == y_train).mean()),
+                         "heldout_agreement": float(((test[f].to_numpy() >= cut) == truth).mean())}
+    best = max(features, key=lambda f: candidates[f]["train_agreement"])   # first listed wins ties
+    cut = candidates[best]["threshold"]
+    pred = test[best].to_numpy() >= cut
 
     def confusion(t: np.ndarray, p: np.ndarray) -> dict[str, int]:
         return {"model_ok_pred_ok": int((t & p).sum()), "model_ok_pred_fail": int((t & ~p).sum()),
@@ -233,15 +269,16 @@ def prediction_report(df, train_seeds: Sequence[int]) -> dict[str, Any]:
 
     per_policy = {}
     for label, part in test.groupby("label"):
-        pp = part.feature.to_numpy() >= cut
+        pp = part[best].to_numpy() >= cut
         tt = part.success.to_numpy().astype(bool)
         per_policy[label] = {"agreement": float((pp == tt).mean()), "accuracy": float(tt.mean()),
                              "predicted_accuracy": float(pp.mean()), "n": int(len(tt))}
-    return {"threshold": cut, "train_seeds": sorted(int(s) for s in train_seeds),
+    return {"feature": best, "feature_doc": FEATURES.get(best, best), "threshold": cut,
+            "train_seeds": sorted(int(s) for s in train_seeds),
             "test_seeds": sorted(int(s) for s in test.seed.unique()),
-            "train_agreement": float(((train.feature.to_numpy() >= cut) == train.success.to_numpy()).mean()),
+            "train_agreement": candidates[best]["train_agreement"],
             "sim_agreement": float((pred == truth).mean()), "n_test_cells": int(len(truth)),
-            "confusion": confusion(truth, pred), "per_policy": per_policy}
+            "confusion": confusion(truth, pred), "per_policy": per_policy, "candidates": candidates}
 
 
 def summarize(df) -> dict[str, Any]:

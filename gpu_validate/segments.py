@@ -120,3 +120,44 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
                              **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean")},
                              "miss_mass": 1.0 - s["mass_mean"], "err_by_layer": s["err_by_layer"]})
     return rows
+
+
+# ----- analysis: the model's own reliability, then the simulator against it -----
+
+def cell_table(df, value: str, labels: Sequence[str], segments: Sequence[str]) -> np.ndarray:
+    """[segments, policies] of one column of ``df`` (rows keyed by segment and label; one budget, one text)."""
+    idx = {(r.segment, r.label): getattr(r, value) for r in df.itertuples()}
+    missing = [(s, lab) for s in segments for lab in labels if (s, lab) not in idx]
+    if missing:
+        raise ValidateError(f"{len(missing)} cells missing from the table, e.g. {missing[0]}")
+    return np.array([[idx[s, lab] for lab in labels] for s in segments], float)
+
+
+def fidelity_by_text(merged, sim_losses: Sequence[str], model_losses: Sequence[str]) -> dict[str, Any]:
+    """Per text and budget: split-half reliability of the model's policy ranking (mean over segments) and the
+    Spearman rho of each simulated loss's policy means with each model loss's; plus rho pooled over budgets.
+    ``merged`` joins closed-loop and simulated rows (columns text, segment, label, budget and the losses)."""
+    from gpu_validate.fidelity import spearman, split_half_reliability
+
+    out: dict[str, Any] = {}
+    for text, part in merged.groupby("text"):
+        labels = sorted(part.label.unique())
+        segs = sorted(part.segment.unique())
+        per_budget, pooled_x, pooled_y = {}, {s: [] for s in sim_losses}, {m: [] for m in model_losses}
+        for b, cell in part.groupby("budget"):
+            tables = {k: cell_table(cell, k, labels, segs) for k in (*sim_losses, *model_losses)}
+            means = {k: t.mean(0) for k, t in tables.items()}
+            per_budget[int(b)] = {
+                "reliability": {m: split_half_reliability(tables[m]) for m in model_losses},
+                "rho": {s: {m: spearman(means[s], means[m]) for m in model_losses} for s in sim_losses},
+                "policy_means": {lab: {k: float(means[k][i]) for k in means} for i, lab in enumerate(labels)}}
+            for s in sim_losses:
+                pooled_x[s] += list(means[s])
+            for m in model_losses:
+                pooled_y[m] += list(means[m])
+        within = {s: {m: float(np.nanmean([v["rho"][s][m] for v in per_budget.values()])) for m in model_losses}
+                  for s in sim_losses}
+        pooled = {s: {m: spearman(pooled_x[s], pooled_y[m]) for m in model_losses} for s in sim_losses}
+        out[text] = {"n_segments": len(segs), "policies": labels, "within_budget_rho": within,
+                     "pooled_rho": pooled, "by_budget": per_budget}
+    return out

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 import torch
 
-from gpu_validate.needle import (fit_threshold, make_grid, make_prompt, needle_features, plot_needle,
+from gpu_validate.needle import (FEATURES, fit_threshold, make_grid, make_prompt, needle_features, plot_needle,
                                  prediction_report, run_needle, summarize)
 from gpu_validate.runner import ValidateError
 from policies.registry import get_policy
@@ -79,16 +79,19 @@ def test_features_full_budget_retains_everything_and_small_budget_less(llama):
     tok = CharTok()
     p = make_prompt(tok, tok.encode(TEXT), 280, 0.5, 0)
     f = needle_features(llama, p, [(get_policy("streaming_llm"), 286), (get_policy("streaming_llm", n_sinks=4), 8)])
-    assert f[0] == pytest.approx(1.0)
-    assert 0.0 <= f[1] < 1.0
+    assert set(f[0]) == set(FEATURES)
+    assert all(v == pytest.approx(1.0) for v in f[0].values())
+    assert 0.0 <= f[1]["retained_share"] < 1.0 and 0.0 <= f[1]["weakest_layer"] <= f[1]["retained_share"]
 
 
 def test_threshold_and_prediction_report():
     assert fit_threshold(np.array([0.1, 0.2, 0.8, 0.9]), np.array([0, 0, 1, 1])) == pytest.approx(0.5)
     df = pd.DataFrame({"seed": [0, 0, 0, 0, 1, 1, 1, 1], "label": ["a"] * 8,
-                       "feature": [0.1, 0.2, 0.8, 0.9, 0.15, 0.7, 0.95, 0.4],
+                       "retained_share": [0.1, 0.2, 0.8, 0.9, 0.15, 0.7, 0.95, 0.4],
+                       "weakest_layer": [0.9, 0.2, 0.8, 0.1, 0.0, 0.0, 0.0, 0.0],   # useless on the train seed
                        "success": [False, False, True, True, False, True, True, True]})
     r = prediction_report(df, [0])
+    assert r["feature"] == "retained_share" and r["candidates"]["weakest_layer"]["train_agreement"] < 1.0
     assert r["threshold"] == pytest.approx(0.5)
     assert r["sim_agreement"] == pytest.approx(0.75)
     assert r["confusion"] == {"model_ok_pred_ok": 2, "model_ok_pred_fail": 1, "model_fail_pred_ok": 0,

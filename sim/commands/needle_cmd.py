@@ -92,15 +92,17 @@ def run(args: argparse.Namespace) -> int:
         feats = []
         for p in tqdm(prompts, desc="predict", unit="prompt", disable=args.quiet):
             f = needle_features(model, p, configs, model_id=model_id)
-            feats += [{"prompt_id": p.prompt_id, "label": pol.label(), "budget": b, "feature": x}
+            feats += [{"prompt_id": p.prompt_id, "label": pol.label(), "budget": b, **x}
                       for (pol, b), x in zip(configs, f)]
         merged = df[df.policy != "full"].merge(pd.DataFrame(feats), on=["prompt_id", "label", "budget"])
         train = args.train_seeds if args.train_seeds is not None else args.seeds[:max(1, len(args.seeds) // 2)]
         pred = prediction_report(merged, train)
         report.update({"sim_agreement": pred["sim_agreement"], "prediction": pred,
-                       "predictor": "retained share of full-cache attention on the key tokens at the answer steps"})
+                       "predictor": f"{pred['feature']}: retained share of the full-cache attention on the key's "
+                                    f"tokens at the answer steps, {pred['feature_doc']}"})
         print(f"simulator prediction on held-out seeds {pred['test_seeds']}: agreement {pred['sim_agreement']:.3f} "
-              f"(threshold {pred['threshold']:.3f} fitted on seeds {pred['train_seeds']}); "
+              f"(predictor {pred['feature']}, threshold {pred['threshold']:.3f}, both chosen on seeds "
+              f"{pred['train_seeds']}); "
               f"confusion {pred['confusion']}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
