@@ -63,9 +63,47 @@ def main(argv: list[str]) -> int:
         print(f"round {i + 1}/{args.segments} done at {time.perf_counter() - t0:.0f} s", flush=True)
     if args.closed_loop_only:
         return 0
-    from benchmarks.fidelity_report import report
-
     return report(model, segments, configs, store, args=args, model_id=model_id, t0=t0)
+
+
+def report(model, segments, configs, store, *, args, model_id: str, t0: float) -> int:
+    """Stages 2 and 3: simulate every cell, join with the closed-loop rows, write the JSON and the plot."""
+    import pandas as pd
+
+    from benchmarks._util import RESULTS, machine, write_result
+    from gpu_validate.fidelity import MODEL_LOSSES, SIM_LOSSES
+    from gpu_validate.segments import fidelity_by_text, plot_segment_fidelity, simulated
+
+    closed = store.load()
+    closed = closed[closed.model == model_id]
+    sim = pd.DataFrame(simulated(model, segments, configs, n_prompt=args.prompt, model_id=model_id))
+    merged = closed.drop(columns=["text"]).merge(sim, on=["segment", "label", "budget"])
+    if len(merged) < len(sim):
+        print(f"note: {len(sim) - len(merged)} cells have no closed-loop row yet (run again to finish them)")
+    res = fidelity_by_text(merged, list(SIM_LOSSES), list(MODEL_LOSSES))
+    out = {"model": model_id, "policies": [p.label() for p, _ in configs[::len(set(b for _, b in configs))]],
+           "budgets": sorted({int(b) for _, b in configs}), "n_prompt": args.prompt, "n_decode": args.decode,
+           "texts": {t: read_id(t) for t in res}, "segments_per_text": args.segments, "backend": "torch",
+           "device": "cpu", "sim_losses": SIM_LOSSES, "model_losses": MODEL_LOSSES, "by_text": res,
+           "rows": merged.drop(columns=["nll_per_token", "key"]).to_dict("records"),
+           "seconds": time.perf_counter() - t0, "machine": machine()}
+    path = write_result("fidelity_smollm2", out)
+    plot_segment_fidelity(res, RESULTS / "fidelity_smollm2.png", title=f"simulator vs closed loop on {model_id}")
+    for text, r in res.items():
+        for b, v in r["by_budget"].items():
+            rel = v["reliability"]["delta_nll"]
+            print(f"{text:>8s} b={b:<4d} model reliability (split-half, Spearman-Brown) {rel['split_half_rho']:.3f} / "
+                  f"{rel['spearman_brown']:.3f}; rho(err_mean, ΔNLL) {v['rho']['err_mean']['delta_nll']:+.3f}")
+        print(f"{text:>8s} within-budget rho vs ΔNLL: " + ", ".join(
+            f"{s} {r['within_budget_rho'][s]['delta_nll']:+.3f}" for s in SIM_LOSSES))
+    print(f"wrote {path}")
+    return 0
+
+
+def read_id(name: str) -> str:
+    from traces.model import SHIPPED_TEXTS
+
+    return SHIPPED_TEXTS[name][1]
 
 
 if __name__ == "__main__":

@@ -161,3 +161,39 @@ def fidelity_by_text(merged, sim_losses: Sequence[str], model_losses: Sequence[s
         out[text] = {"n_segments": len(segs), "policies": labels, "within_budget_rho": within,
                      "pooled_rho": pooled, "by_budget": per_budget}
     return out
+
+
+def plot_segment_fidelity(res: dict[str, Any], path: str | Path, title: str = "") -> Path:
+    """One panel per (text, budget): each policy's mean simulated error against its mean closed-loop ΔNLL
+    over the segments, with the within-budget rho and the model's own split-half reliability in the title."""
+    from sim.plotting import agg_pyplot, save_figure
+
+    plt = agg_pyplot()
+    texts = list(res)
+    budgets = sorted({int(b) for r in res.values() for b in r["by_budget"]})
+    fig, axes = plt.subplots(len(texts), len(budgets), figsize=(4.2 * len(budgets), 3.6 * len(texts)),
+                             squeeze=False, constrained_layout=True)
+    labels = sorted({lab for r in res.values() for lab in r["policies"]})
+    cmap = plt.get_cmap("tab20")
+    for i, text in enumerate(texts):
+        for j, b in enumerate(budgets):
+            ax = axes[i, j]
+            v = res[text]["by_budget"].get(b) or res[text]["by_budget"].get(str(b))
+            if v is None:
+                ax.set_axis_off()
+                continue
+            for k, lab in enumerate(labels):
+                m = v["policy_means"].get(lab)
+                if m is None:
+                    continue
+                ax.scatter(m["err_mean"], m["delta_nll"], color=cmap(k % 20), marker="os^Dv"[k % 5], s=30,
+                           label=lab if (i, j) == (0, 0) else None)
+            rel = v["reliability"]["delta_nll"]["spearman_brown"]
+            ax.set_title(f"{text}, budget {b}: ρ = {v['rho']['err_mean']['delta_nll']:+.2f} "
+                         f"(model reliability {rel:.2f})", fontsize=8)
+            ax.set_xlabel("simulated mean attention error", fontsize=8)
+            ax.set_ylabel("closed-loop ΔNLL", fontsize=8)
+            ax.grid(alpha=0.3)
+    fig.legend(loc="outside right center", fontsize=7)
+    fig.suptitle(title or "simulator vs closed loop at equal budget", fontsize=10)
+    return save_figure(fig, path, dpi=110)
