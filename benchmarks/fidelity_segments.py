@@ -72,7 +72,8 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
 
     from benchmarks._util import RESULTS, machine, write_result
     from gpu_validate.fidelity import MODEL_LOSSES, SIM_LOSSES
-    from gpu_validate.segments import fidelity_by_text, plot_segment_fidelity, simulated
+    from gpu_validate.segments import (fidelity_by_text, fit_layer_weights, plot_segment_fidelity, simulated,
+                                       weighted_error)
 
     closed = store.load()
     closed = closed[closed.model == model_id]
@@ -80,11 +81,23 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
     merged = closed.drop(columns=["text"]).merge(sim, on=["segment", "label", "budget"])
     if len(merged) < len(sim):
         print(f"note: {len(sim) - len(merged)} cells have no closed-loop row yet (run again to finish them)")
-    res = fidelity_by_text(merged, list(SIM_LOSSES), list(MODEL_LOSSES))
+    weights = {}
+    for base, name in (("err_by_layer", "layerfit_err"), ("err_wo_by_layer", "layerfit_wo")):
+        for fit_text in TEXTS:   # per-layer weights fitted on one text, applied to both
+            w = fit_layer_weights(merged[merged.text == fit_text], base)
+            weights[f"{name}@{fit_text}"] = w.tolist()
+            score = weighted_error(merged, w, base)
+            same = merged.text == fit_text
+            merged.loc[same, f"{name}_insample"] = score[same]
+            merged.loc[~same, f"{name}_heldout"] = score[~same]
+    losses = [*SIM_LOSSES, "err_wo_mean", "layerfit_err_insample", "layerfit_err_heldout", "layerfit_wo_insample",
+              "layerfit_wo_heldout"]
+    res = fidelity_by_text(merged, losses, list(MODEL_LOSSES))
     out = {"model": model_id, "policies": [p.label() for p, _ in configs[::len(set(b for _, b in configs))]],
            "budgets": sorted({int(b) for _, b in configs}), "n_prompt": args.prompt, "n_decode": args.decode,
            "texts": {t: read_id(t) for t in res}, "segments_per_text": args.segments, "backend": "torch",
-           "device": "cpu", "sim_losses": SIM_LOSSES, "model_losses": MODEL_LOSSES, "by_text": res,
+           "device": "cpu", "sim_losses": losses, "model_losses": MODEL_LOSSES, "by_text": res,
+           "layer_weights": weights,
            "rows": merged.drop(columns=["nll_per_token", "key"]).to_dict("records"),
            "seconds": time.perf_counter() - t0, "machine": machine()}
     path = write_result("fidelity_smollm2", out)
@@ -95,7 +108,7 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
             print(f"{text:>8s} b={b:<4d} model reliability (split-half, Spearman-Brown) {rel['split_half_rho']:.3f} / "
                   f"{rel['spearman_brown']:.3f}; rho(err_mean, ΔNLL) {v['rho']['err_mean']['delta_nll']:+.3f}")
         print(f"{text:>8s} within-budget rho vs ΔNLL: " + ", ".join(
-            f"{s} {r['within_budget_rho'][s]['delta_nll']:+.3f}" for s in SIM_LOSSES))
+            f"{s} {r['within_budget_rho'][s]['delta_nll']:+.3f}" for s in losses))
     print(f"wrote {path}")
     return 0
 

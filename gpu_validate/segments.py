@@ -99,13 +99,16 @@ def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Poli
 def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy, int]], *, n_prompt: int,
               model_id: str, progress: bool = True) -> list[dict[str, Any]]:
     """The simulator's losses of every segment × (policy, budget): one teacher-forced trace per segment, every
-    configuration replayed on it. One row per cell, with the per-layer mean error (``err_by_layer``)."""
+    configuration replayed on it. One row per cell, with the per-layer mean error (``err_by_layer``) and the
+    error after the output projection W_O (`sim.projected_error`; ``err_wo_mean``, ``err_wo_by_layer``)."""
     from tqdm.auto import tqdm
 
+    from sim.projected_error import model_wo, projected_errors
     from sim.replay import load_layers, replay
     from traces.format import load_trace
     from traces.recorder import record_trace
 
+    wo = model_wo(model)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvsim-segments-") as tmp:
         for si, seg in enumerate(tqdm(segments, desc="simulate", unit="segment", disable=not progress)):
@@ -114,11 +117,15 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
                          teacher_forced=True, single_pass=True, progress=False, model_id=model_id)
             trace = load_trace(path)
             inputs = load_layers(trace)
+            n_dec = len(seg.ids) - n_prompt
             for pol, b in configs:
-                s = replay(trace, pol, int(b), inputs=inputs, threads=1).summary()
+                res = replay(trace, pol, int(b), inputs=inputs, record_kept=(n_prompt, n_dec), threads=1)
+                s = res.summary()
+                err_wo = projected_errors(inputs, res.kept, wo, n_prompt, trace.meta.softmax_scale)
                 rows.append({"segment": seg.name, "text": seg.text, "label": pol.label(), "budget": int(b),
                              **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean")},
-                             "miss_mass": 1.0 - s["mass_mean"], "err_by_layer": s["err_by_layer"]})
+                             "miss_mass": 1.0 - s["mass_mean"], "err_by_layer": s["err_by_layer"],
+                             "err_wo_mean": float(err_wo.mean()), "err_wo_by_layer": err_wo.tolist()})
     return rows
 
 
@@ -197,3 +204,26 @@ def plot_segment_fidelity(res: dict[str, Any], path: str | Path, title: str = ""
     fig.legend(loc="outside right center", fontsize=7)
     fig.suptitle(title or "simulator vs closed loop at equal budget", fontsize=10)
     return save_figure(fig, path, dpi=110)
+
+
+def fit_layer_weights(merged, by_layer: str = "err_by_layer", target: str = "delta_nll",
+                      ridge: float = 1e-2) -> np.ndarray:
+    """Non-negative per-layer weights w with ``sum_l w_l * err_l`` ≈ the model loss, fitted on the (label, budget)
+    means over segments of ``merged`` (one text). Ridge ``ridge`` x mean squared feature keeps the 30 weights
+    of a 30-layer model determined by ~40 cells; fixed a priori, not tuned."""
+    from scipy.optimize import nnls
+
+    cells = merged.groupby(["label", "budget"])
+    X = np.array([np.mean(np.stack([np.asarray(v, float) for v in part[by_layer]]), axis=0) for _, part in cells])
+    y = np.array([part[target].mean() for _, part in cells])
+    lam = ridge * float((X ** 2).mean()) * len(X)
+    A = np.vstack([X, np.sqrt(lam) * np.eye(X.shape[1])])
+    w, _ = nnls(A, np.concatenate([y, np.zeros(X.shape[1])]))
+    return w
+
+
+def weighted_error(merged, w: np.ndarray, by_layer: str = "err_by_layer"):
+    """``sum_l w_l * err_l`` of every row (a pandas Series aligned with ``merged``)."""
+    import pandas as pd
+
+    return pd.Series([float(np.dot(w, np.asarray(v, float))) for v in merged[by_layer]], index=merged.index)
