@@ -44,6 +44,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--store", default="results/fidelity_segments")
     ap.add_argument("--closed-loop-only", action="store_true", help="stop after the model runs (stage 1)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="skip the model runs; report on the segments whose cells are all in the store")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -57,7 +59,7 @@ def main(argv: list[str]) -> int:
     configs = [(p, b) for p in policies for b in budgets]
     store = ResultStore(args.store)
     by_index = [[s for s in segments if s.text == name] for name in TEXTS]
-    for i in range(args.segments):   # one segment of each text per round: a partial run stays balanced
+    for i in range(0 if args.report_only else args.segments):   # a segment of each text per round: balanced
         closed_loop(model, [segs[i] for segs in by_index], configs, store, n_prompt=args.prompt,
                     model_id=model_id, max_rows=64)
         print(f"round {i + 1}/{args.segments} done at {time.perf_counter() - t0:.0f} s", flush=True)
@@ -77,6 +79,9 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
 
     closed = store.load()
     closed = closed[closed.model == model_id]
+    complete = closed.groupby("segment").size()
+    segments = [s for s in segments if complete.get(s.name, 0) >= len(configs)]
+    print(f"reporting on {len(segments)} segments with every cell run: {[s.name for s in segments]}", flush=True)
     sim = pd.DataFrame(simulated(model, segments, configs, n_prompt=args.prompt, model_id=model_id))
     merged = closed.drop(columns=["text"]).merge(sim, on=["segment", "label", "budget"])
     if len(merged) < len(sim):
