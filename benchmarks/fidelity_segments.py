@@ -74,6 +74,7 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
 
     from benchmarks._util import RESULTS, machine, write_result
     from gpu_validate.fidelity import MODEL_LOSSES, SIM_LOSSES
+    from sim.store import ResultStore
     from gpu_validate.segments import (fidelity_by_text, fit_layer_weights, plot_segment_fidelity, simulated,
                                        weighted_error)
 
@@ -82,8 +83,9 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
     complete = closed.groupby("segment").size()
     segments = [s for s in segments if complete.get(s.name, 0) >= len(configs)]
     print(f"reporting on {len(segments)} segments with every cell run: {[s.name for s in segments]}", flush=True)
-    sim = pd.DataFrame(simulated(model, segments, configs, n_prompt=args.prompt, model_id=model_id))
-    merged = closed.drop(columns=["text"]).merge(sim, on=["segment", "label", "budget"])
+    sim = pd.DataFrame(simulated(model, segments, configs, n_prompt=args.prompt, model_id=model_id,
+                                 store=ResultStore(args.store + "-sim")))
+    merged = closed.drop(columns=["text", "key"]).merge(sim.drop(columns=["key"]), on=["segment", "label", "budget"])
     if len(merged) < len(sim):
         print(f"note: {len(sim) - len(merged)} cells have no closed-loop row yet (run again to finish them)")
     weights = {}
@@ -103,7 +105,7 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
            "texts": {t: read_id(t) for t in res}, "segments_per_text": {t: sum(s.text == t for s in segments) for t in TEXTS}, "backend": "torch",
            "device": "cpu", "sim_losses": losses, "model_losses": MODEL_LOSSES, "by_text": res,
            "layer_weights": weights,
-           "rows": merged.drop(columns=["nll_per_token", "key"]).to_dict("records"),
+           "rows": merged.drop(columns=["nll_per_token"]).to_dict("records"),
            "seconds": time.perf_counter() - t0, "machine": machine()}
     path = write_result("fidelity_smollm2", out)
     plot_segment_fidelity(res, RESULTS / "fidelity_smollm2.png", title=f"simulator vs closed loop on {model_id}")

@@ -97,10 +97,11 @@ def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Poli
 
 
 def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy, int]], *, n_prompt: int,
-              model_id: str, progress: bool = True) -> list[dict[str, Any]]:
+              model_id: str, store=None, progress: bool = True) -> list[dict[str, Any]]:
     """The simulator's losses of every segment × (policy, budget): one teacher-forced trace per segment, every
     configuration replayed on it. One row per cell, with the per-layer mean error (``err_by_layer``) and the
-    error after the output projection W_O (`sim.projected_error`; ``err_wo_mean``, ``err_wo_by_layer``)."""
+    error after the output projection W_O (`sim.projected_error`; ``err_wo_mean``, ``err_wo_by_layer``).
+    With a ``store`` (a `sim.store.ResultStore`), segments already simulated are read back, new ones added."""
     from tqdm.auto import tqdm
 
     from sim.projected_error import model_wo, projected_errors
@@ -109,9 +110,17 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
     from traces.recorder import record_trace
 
     wo = model_wo(model)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    known = store.load() if store is not None else None
     with tempfile.TemporaryDirectory(prefix="kvsim-segments-") as tmp:
         for si, seg in enumerate(tqdm(segments, desc="simulate", unit="segment", disable=not progress)):
+            keys = [cell_key(model_id, seg, n_prompt, pol, b) for pol, b in configs]
+            if known is not None and len(known) and set(keys) <= set(known.key):
+                part = known.set_index("key").loc[keys].reset_index()
+                rows += [{**r, "err_by_layer": list(r["err_by_layer"]), "err_wo_by_layer": list(r["err_wo_by_layer"])}
+                         for r in part.drop(columns=["model"]).to_dict("records")]
+                continue
+            seg_rows = []
             path = Path(tmp) / f"s{si}"
             record_trace(model, list(seg.ids), path, n_prompt=n_prompt, n_decode=len(seg.ids) - n_prompt,
                          teacher_forced=True, single_pass=True, progress=False, model_id=model_id)
@@ -122,10 +131,14 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
                 res = replay(trace, pol, int(b), inputs=inputs, record_kept=(n_prompt, n_dec), threads=1)
                 s = res.summary()
                 err_wo = projected_errors(inputs, res.kept, wo, n_prompt, trace.meta.softmax_scale)
-                rows.append({"segment": seg.name, "text": seg.text, "label": pol.label(), "budget": int(b),
-                             **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean")},
-                             "miss_mass": 1.0 - s["mass_mean"], "err_by_layer": s["err_by_layer"],
-                             "err_wo_mean": float(err_wo.mean()), "err_wo_by_layer": err_wo.tolist()})
+                seg_rows.append({"key": cell_key(model_id, seg, n_prompt, pol, b), "segment": seg.name,
+                                 "text": seg.text, "label": pol.label(), "budget": int(b),
+                                 **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean")},
+                                 "miss_mass": 1.0 - s["mass_mean"], "err_by_layer": s["err_by_layer"],
+                                 "err_wo_mean": float(err_wo.mean()), "err_wo_by_layer": err_wo.tolist()})
+            if store is not None:
+                store.add([{**r, "model": model_id} for r in seg_rows])
+            rows += seg_rows
     return rows
 
 

@@ -3,7 +3,7 @@
 The engine's ``err`` is the relative error of each query head's attention output. What the next layer sees is
 W_O applied to all heads' outputs together, so heads whose value subspace W_O shrinks matter less and errors of
 different heads can cancel or add (CriticalKV's argument, arXiv 2502.03805). This module recomputes, per layer
-and decode step, ``||W_O (o_cache - o_full)|| / ||W_O o_full||`` in blocked numpy (one einsum per layer).
+and decode step, ``||W_O (o_cache - o_full)|| / ||W_O o_full||`` in numpy, one GEMM per KV head and layer.
 
 The cache of decode step P+r is the replay's kept set after step P+r-1 plus the new token: exact for every
 eviction policy; a policy that merges values (D2O) or scales logits (BUZZ log-n) is approximated by its kept
@@ -40,7 +40,6 @@ def projected_errors(inputs: Sequence, kept: np.ndarray, wo: Sequence[np.ndarray
         qs = q[n_prompt + 1:T].reshape(S, hkv, g, d)
         k = np.asarray(li.k[:T], np.float32)
         v = np.asarray(li.v[:T], np.float32)
-        logits = np.einsum("shgd,thd->shgt", qs, k) * np.float32(scale)            # [S, Hkv, G, T]
         step = n_prompt + 1 + np.arange(S)
         causal = np.arange(T)[None, :] <= step[:, None]                            # [S, T]
         held = np.zeros((S, hkv, T + 1), bool)                                     # column T absorbs the -1 pads
@@ -48,12 +47,17 @@ def projected_errors(inputs: Sequence, kept: np.ndarray, wo: Sequence[np.ndarray
         np.put_along_axis(held, np.where(ks >= 0, ks, T), True, axis=2)
         held = held[:, :, :T]
         held[np.arange(S), :, step] = True                                         # the step's own new token
+        o_cache = np.empty((S, hkv, g, d), np.float32)
+        for h in range(hkv):   # one GEMM per KV head and side (BLAS on contiguous operands), not an einsum
+            kh, vh = np.ascontiguousarray(k[:, h]), np.ascontiguousarray(v[:, h])
+            logits = (np.ascontiguousarray(qs[:, h]).reshape(S * g, d) @ kh.T).reshape(S, g, T) * np.float32(scale)
+            logits = np.where((causal & held[:, h])[:, None, :], logits, -np.inf)
+            logits -= logits.max(-1, keepdims=True)
+            p = np.exp(logits)
+            p /= p.sum(-1, keepdims=True)
+            o_cache[:, h] = (p.reshape(S * g, T) @ vh).reshape(S, g, d)
+        o_cache = o_cache.reshape(S, hq * d)
         o_full = np.asarray(li.o[n_prompt + 1:T], np.float32).reshape(S, hq * d)
-        logits = np.where((causal[:, None, :] & held)[:, :, None, :], logits, -np.inf)
-        logits -= logits.max(-1, keepdims=True)
-        p = np.exp(logits)
-        p /= p.sum(-1, keepdims=True)
-        o_cache = np.einsum("shgt,thd->shgd", p, v).reshape(S, hq * d)
         num = np.linalg.norm((o_cache - o_full) @ w.T, axis=1)
         den = np.linalg.norm(o_full @ w.T, axis=1)
         out[l] = float(np.mean(num / np.maximum(den, 1e-30)))
