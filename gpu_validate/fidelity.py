@@ -163,54 +163,6 @@ def plot_fidelity(report: dict[str, Any], path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
-def segment_study(model, ids: Sequence[int], starts: Sequence[int], policies: Sequence[Policy], budget: int, *,
-                  n_prompt: int, n_decode: int, backend: str = "torch", model_id: str = "model",
-                  progress: bool = True) -> list[dict[str, Any]]:
-    """Every policy at one ``budget`` on many text segments (``ids[s : s + n_prompt + n_decode]`` per start):
-    closed-loop ΔNLL / top-1 disagreement (all segments × policies batched) and the simulated losses from a
-    teacher-forced trace of each segment. One row per (segment, policy)."""
-    from tqdm.auto import tqdm
-
-    from sim.replay import load_layers, replay
-    from traces.format import load_trace
-    from traces.recorder import record_trace
-
-    ids = [int(x) for x in ids]
-    n = n_prompt + n_decode
-    segs = [ids[s:s + n] for s in starts]
-    if any(len(x) < n for x in segs):
-        raise ValidateError(f"every segment needs {n} tokens inside the text of {len(ids)}")
-    sims: dict[tuple[int, int], dict[str, Any]] = {}
-    fulls = []
-    with tempfile.TemporaryDirectory(prefix="kvsim-segments-") as tmp:
-        for si, seg in enumerate(tqdm(segs, desc="traces", unit="segment", disable=not progress)):
-            path = Path(tmp) / f"s{si}"
-            record_trace(model, seg, path, n_prompt=n_prompt, n_decode=n_decode, teacher_forced=True,
-                         single_pass=True, progress=False, model_id=model_id)
-            trace = load_trace(path)
-            inputs = load_layers(trace)
-            for pi, p in enumerate(policies):
-                s = replay(trace, p, int(budget), inputs=inputs, threads=1).summary()
-                sims[si, pi] = {k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean")} | {
-                    "miss_mass": 1.0 - s["mass_mean"]}
-            fulls.append(full_model_logits(model, seg))
-    cells = [(si, pi) for si in range(len(segs)) for pi in range(len(policies))]
-    rows: list[dict[str, Any]] = []
-    with tqdm(total=len(cells), desc="closed loop", unit="run", disable=not progress) as bar:
-        def done(i: int, res) -> None:
-            si, pi = cells[i]
-            m = metrics_of_run(res, model, segs[si], n_prompt, fulls[si])
-            rows.append({"segment": si, "start": int(starts[si]), "policy": policies[pi].name,
-                         "label": policies[pi].label(), "budget": int(budget), **sims[si, pi],
-                         "delta_nll": m["delta_nll"], "top1_disagreement": 1.0 - m["top1_agreement"]})
-            bar.update(1)
-
-        run_batch(model, [BatchJob(policies[pi], int(budget), segs[si][:n_prompt],
-                                   continuation=segs[si][n_prompt:]) for si, pi in cells],
-                  backend=backend, on_result=done)
-    return sorted(rows, key=lambda r: (r["segment"], r["label"]))
-
-
 def split_half_reliability(table: np.ndarray, n_splits: int = 200, seed: int = 0) -> dict[str, float]:
     """Reliability of the policy ranking by mean loss over segments. ``table`` is [segments, policies]; each
     random split of the segments into two disjoint halves ranks the policies by each half's mean, and the

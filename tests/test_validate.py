@@ -257,16 +257,34 @@ def test_validate_cli_on_tiny_local_model(llama, tmp_path, capsys):
     assert "window @ 8 text: ΔPPL" in captured.err   # a progress line per finished run, on stderr
 
 
-def test_segment_study_and_split_half_reliability(llama, ids):
-    from gpu_validate.fidelity import segment_study, split_half_reliability
+def test_segment_study_closed_loop_resumes_and_joins_the_simulator(llama, ids, tmp_path):
+    import pandas as pd
 
-    pols = [get_policy("window"), get_policy("h2o")]
-    rows = segment_study(llama, ids, [0, 8, 16], pols, 6, n_prompt=12, n_decode=12, progress=False)
-    assert len(rows) == 6 and {r["segment"] for r in rows} == {0, 1, 2}
-    solo = text_metrics(llama, ids[8:32], 12, get_policy("h2o"), 6)
-    row = next(r for r in rows if r["segment"] == 1 and r["policy"] == "h2o")
-    assert row["delta_nll"] == pytest.approx(solo["delta_nll"], abs=1e-5)
-    assert np.isfinite(row["err_mean"]) and 0.0 <= row["miss_mass"] <= 1.0
+    from gpu_validate.fidelity import split_half_reliability
+    from gpu_validate.segments import closed_loop, fidelity_by_text, make_segments, simulated
+    from sim.store import ResultStore
+
+    segs = make_segments({"a": ids[:48], "b": ids[::-1][:48]}, 3, 16)
+    assert [s.name for s in segs] == ["a@0", "a@16", "a@32", "b@0", "b@16", "b@32"]
+    configs = [(get_policy("window"), 6), (get_policy("h2o"), 6), (get_policy("streaming_llm", n_sinks=2), 6)]
+    store = ResultStore(tmp_path / "closed")
+    df = closed_loop(llama, segs, configs, store, n_prompt=10, model_id="t", progress=False, log=lambda s: None)
+    assert len(df) == 18
+    n_parts = len(store.parts())
+    closed_loop(llama, segs, configs, store, n_prompt=10, model_id="t", progress=False, log=lambda s: None)
+    assert len(store.parts()) == n_parts   # nothing rerun
+    solo = text_metrics(llama, list(segs[1].ids), 10, get_policy("h2o"), 6)
+    row = df[(df.segment == "a@16") & (df.policy == "h2o")].iloc[0]
+    assert row.delta_nll == pytest.approx(solo["delta_nll"], abs=1e-5)
+    sim_store = ResultStore(tmp_path / "sim")
+    sim = pd.DataFrame(simulated(llama, segs, configs, n_prompt=10, model_id="t", store=sim_store, progress=False))
+    again = pd.DataFrame(simulated(llama, segs, configs, n_prompt=10, model_id="t", store=sim_store, progress=False))
+    assert np.allclose(sim.err_wo_mean, again.err_wo_mean) and len(sim_store.parts()) == len(segs)
+    assert np.isfinite(sim.err_mean).all() and (sim.miss_mass.between(0, 1)).all()
+    merged = df.drop(columns=["text", "key"]).merge(sim.drop(columns=["key"]), on=["segment", "label", "budget"])
+    res = fidelity_by_text(merged, ["err_mean", "err_wo_mean"], ["delta_nll"])
+    assert set(res) == {"a", "b"} and res["a"]["n_segments"] == 3
+    assert -1.0 <= res["a"]["by_budget"][6]["rho"]["err_mean"]["delta_nll"] <= 1.0
     # a ranking every segment agrees on is perfectly reliable; pure noise is not
     clean = np.tile(np.arange(5.0), (10, 1))
     assert split_half_reliability(clean)["split_half_rho"] == pytest.approx(1.0)
