@@ -273,7 +273,14 @@ def prediction_report(df, train_seeds: Sequence[int], features: Sequence[str] | 
         tt = part.success.to_numpy().astype(bool)
         per_policy[label] = {"agreement": float((pp == tt).mean()), "accuracy": float(tt.mean()),
                              "predicted_accuracy": float(pp.mean()), "n": int(len(tt))}
-    return {"feature": best, "feature_doc": FEATURES.get(best, best), "threshold": cut,
+    gated = {}
+    if "full_success" in test.columns:   # one full-cache run per prompt plus the simulator: no retrieval the model
+        full_ok = test.full_success.to_numpy().astype(bool)   # cannot do with the full cache is predicted
+        gp = pred & full_ok
+        gated = {"sim_and_full_agreement": float((gp == truth).mean()), "confusion_sim_and_full": confusion(truth, gp),
+                 "sim_agreement_where_full_succeeds": float((pred[full_ok] == truth[full_ok]).mean())
+                 if full_ok.any() else float("nan"), "n_test_cells_where_full_succeeds": int(full_ok.sum())}
+    return {"feature": best, "feature_doc": FEATURES.get(best, best), "threshold": cut, **gated,
             "train_seeds": sorted(int(s) for s in train_seeds),
             "test_seeds": sorted(int(s) for s in test.seed.unique()),
             "train_agreement": candidates[best]["train_agreement"],

@@ -98,6 +98,12 @@ def test_threshold_and_prediction_report():
                               "model_fail_pred_fail": 1}
     with pytest.raises(ValidateError, match="both sides"):
         prediction_report(df, [0, 1])
+    # with the full cache's outcome per prompt: a prompt the full cache fails is predicted as a miss
+    df["full_success"] = [True, True, True, True, True, True, False, True]
+    r = prediction_report(df, [0])
+    assert r["sim_and_full_agreement"] == pytest.approx(0.5)   # seed 1's third cell is now predicted a miss
+    assert r["sim_agreement_where_full_succeeds"] == pytest.approx(2 / 3)
+    assert r["n_test_cells_where_full_succeeds"] == 3
 
 
 def test_needle_cli_on_tiny_local_model(llama, tmp_path, capsys):

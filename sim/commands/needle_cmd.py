@@ -94,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
             f = needle_features(model, p, configs, model_id=model_id)
             feats += [{"prompt_id": p.prompt_id, "label": pol.label(), "budget": b, **x}
                       for (pol, b), x in zip(configs, f)]
+        full_ok = df[df.policy == "full"].set_index("prompt_id").success.rename("full_success")
         merged = df[df.policy != "full"].merge(pd.DataFrame(feats), on=["prompt_id", "label", "budget"])
+        merged = merged.join(full_ok, on="prompt_id")
         train = args.train_seeds if args.train_seeds is not None else args.seeds[:max(1, len(args.seeds) // 2)]
         pred = prediction_report(merged, train)
         report.update({"sim_agreement": pred["sim_agreement"], "prediction": pred,
@@ -102,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
                                     f"tokens at the answer steps, {pred['feature_doc']}"})
         print(f"simulator prediction on held-out seeds {pred['test_seeds']}: agreement {pred['sim_agreement']:.3f} "
               f"(predictor {pred['feature']}, threshold {pred['threshold']:.3f}, both chosen on seeds "
-              f"{pred['train_seeds']}); "
+              f"{pred['train_seeds']}); with the full cache's outcome per prompt: "
+              f"{pred.get('sim_and_full_agreement', float('nan')):.3f}; "
               f"confusion {pred['confusion']}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
