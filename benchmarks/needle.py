@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
         i = argv.index("--model")
         model = argv[i + 1]
         argv = argv[:i] + argv[i + 2:]
-    return kvsim(["needle", "--model", model, "--lengths", "512,1024,2048", "--depths", "0,0.25,0.5,0.75,1",
+    return kvsim(["needle", "--model", model, "--lengths", "256,512,1024", "--depths", "0,0.25,0.5,0.75,1",
                   "--seeds", "1,2,3", "--budgets", "64,128", "--policies", POLICIES, "--predict",
                   "--train-seeds", "1", "--store", "results/needle", "--out", "benchmarks/results/needle.json",
                   *argv])
