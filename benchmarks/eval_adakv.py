@@ -53,7 +53,7 @@ def hetero_trace(n_layers: int, n_kv_heads: int, group: int, head_dim: int, n_to
                                               n_tokens=n_tokens, n_prompt=n_prompt,
                                               seed=seed * 1000 + layer * 100 + h).layer(0))
         layers.append(LayerArrays(*(np.concatenate([getattr(p, f) for p in parts], axis=1)
-                                    for f in LayerArrays._fields)))
+                                    for f in ("q", "k", "v", "lse", "o"))))
     model = ModelInfo("synthetic-hetero", n_layers, n_kv_heads * group, n_kv_heads, head_dim, rope="none",
                       layer_ids=tuple(range(n_layers)))
     meta = TraceMeta(model, n_tokens, n_prompt, dtype="float32", softmax_scale=head_dim ** -0.5, kind="synthetic",

@@ -104,12 +104,11 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
     With a ``store`` (a `sim.store.ResultStore`), segments already simulated are read back, new ones added."""
     from tqdm.auto import tqdm
 
-    from sim.projected_error import model_wo, projected_errors
+    from sim.projected_error import projected_errors
     from sim.replay import load_layers, replay
     from traces.format import load_trace
     from traces.recorder import record_trace
 
-    wo = model_wo(model)
     rows: list[dict[str, Any]] = []
     known = store.load() if store is not None else None
     with tempfile.TemporaryDirectory(prefix="kvsim-segments-") as tmp:
@@ -126,6 +125,7 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
                          teacher_forced=True, single_pass=True, progress=False, model_id=model_id)
             trace = load_trace(path)
             inputs = load_layers(trace)
+            wo = trace.wo()
             n_dec = len(seg.ids) - n_prompt
             for pol, b in configs:
                 res = replay(trace, pol, int(b), inputs=inputs, record_kept=(n_prompt, n_dec), threads=1)

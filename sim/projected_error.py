@@ -62,9 +62,3 @@ def projected_errors(inputs: Sequence, kept: np.ndarray, wo: Sequence[np.ndarray
         den = np.linalg.norm(o_full @ w.T, axis=1)
         out[l] = float(np.mean(num / np.maximum(den, 1e-30)))
     return out
-
-
-def model_wo(model) -> list[np.ndarray]:
-    """Per decoder layer, the attention output projection's weight [hidden, Hq * d] of an HF Llama-family model."""
-    layers = model.get_decoder().layers
-    return [layer.self_attn.o_proj.weight.detach().float().cpu().numpy() for layer in layers]

@@ -97,6 +97,10 @@ def test_gqa_grouping_query_head_uses_kv_head_h_div_group(llama, ids, tmp_path):
     sub = load_trace(tmp_path / "sub")
     assert sub.meta.model.layer_ids == (0, 2) and (sub.meta.model.n_q_heads, sub.meta.model.n_kv_heads) == (2, 1)
     assert sub.meta.source["q_heads"] == [2, 3]
+    # W_O is stored per layer, restricted to the kept query heads' columns (head_dim 16 here)
+    assert full.has_wo and full.meta.model.hidden_size == 64
+    np.testing.assert_array_equal(full.wo()[1], llama.model.layers[1].self_attn.o_proj.weight.detach().numpy())
+    np.testing.assert_array_equal(sub.wo()[1], full.wo()[2][:, 32:64])
     for i, layer in enumerate((0, 2)):
         a, b = sub.layer(i), full.layer(layer)
         np.testing.assert_array_equal(a.q, np.asarray(b.q)[:, 2:4])

@@ -11,7 +11,8 @@ import torch
 from sim.commands import record_cmd
 from traces.faithful import verify_trace_against_model
 from traces.format import load_trace
-from traces.model import MODEL_DIR, default_model_path, default_text, load_default_model, record_default_trace
+from traces.model import (MODEL_DIR, TextError, default_model_path, default_text, load_default_model,
+                          record_default_trace)
 from traces.models import ModelError
 from traces.recorder import RecordError
 
@@ -82,14 +83,14 @@ def test_cli_rejects_malformed_arguments(tmp_path, argv, capsys):
 
 @pytest.mark.parametrize("argv, match", [
     (["--model", "/nonexistent/model"], "not a model name"),
-    (["--model", "default", "--text", "/nonexistent.txt"], "file not found"),
+    (["--model", "default", "--text", "/nonexistent.txt"], "not a shipped text .* no such file"),
     (["--model", "default", "--prompt-tokens", "0"], "prompt-tokens"),
     (["--model", "default", "--device", "tpu"], "--device"),
     (["--model", "default", "--keep-layers", "9"], r"layers \[9\] out of range"),
     (["--model", "default", "--prompt-tokens", "2000", "--decode-tokens", "100"], "context of 2048"),
 ])
 def test_cli_reports_bad_values(tmp_path, argv, match):
-    with pytest.raises((RecordError, ModelError), match=match):
+    with pytest.raises((RecordError, ModelError, TextError), match=match):
         _cli(["record", "--out", str(tmp_path / "t"), "--no-progress", *argv])
     assert not (tmp_path / "t").exists()
 

@@ -187,3 +187,33 @@ def test_model_geometry_is_validated():
         TraceMeta(ModelInfo("m", 1, 4, 2, 16), n_tokens=5, n_prompt=9)
     with pytest.raises(TraceError, match="dtype"):
         TraceMeta(ModelInfo("m", 1, 4, 2, 16), n_tokens=5, n_prompt=1, dtype="int8")
+
+
+def test_optional_wo_round_trip_missing_and_tampered(tmp_path, small):
+    from dataclasses import replace
+
+    rng = np.random.default_rng(0)
+    meta = replace(small.meta, model=replace(small.meta.model, hidden_size=12))
+    wos = [rng.normal(size=(12, 4 * 16)).astype(np.float32) for _ in range(2)]
+    path = write_trace(tmp_path / "wo", meta, [small.layer(i)._replace(wo=wos[i]) for i in range(2)])
+    tr = load_trace(path)
+    assert tr.has_wo and tr.meta.model.hidden_size == 12
+    for got, want in zip(tr.wo(), wos):
+        np.testing.assert_array_equal(got, want)
+    # a trace without W_O loads as before, and asking for W_O names the problem and the fix
+    with pytest.raises(TraceError, match="no W_O .*kvsim record"):
+        load_trace(small.save(tmp_path / "plain")).wo()
+    # all layers or none; the width must be Hq*d; hidden_size must be known
+    with pytest.raises(TraceError, match="all layers or none"):
+        write_trace(tmp_path / "a", meta, [small.layer(0)._replace(wo=wos[0]), small.layer(1)])
+    with pytest.raises(TraceError, match="array 'wo': shape"):
+        write_trace(tmp_path / "b", meta, [small.layer(i)._replace(wo=wos[i][:, :8]) for i in range(2)])
+    with pytest.raises(TraceError, match="hidden_size"):
+        write_trace(tmp_path / "c", small.meta, [small.layer(i)._replace(wo=wos[i]) for i in range(2)])
+    # a modified W_O file fails its checksum
+    f = path / "layers/001/wo.npy"
+    arr = np.load(f)
+    arr[0, 0] += 1.0
+    np.save(f, arr)
+    with pytest.raises(TraceError, match="layers/001/wo.npy: checksum mismatch"):
+        load_trace(path)

@@ -8,6 +8,8 @@ Layout (format version 1)::
     layers/<i:03d>/v.npy        [T, Hkv, d]  values
     layers/<i:03d>/lse.npy      [T, Hq]      float32 full causal attention log-sum-exp (optional)
     layers/<i:03d>/o.npy        [T, Hq, d]   float32 full causal attention output (optional)
+    layers/<i:03d>/wo.npy       [hidden, Hq*d] float32 the layer's attention output projection W_O, as torch's
+                                             Linear stores o_proj.weight (optional; for W_O-aware metrics/policies)
     tokens.parquet              position, token_id, text, is_prompt, top1_id, nll (optional)
 
 Writes are atomic: everything goes into a sibling temp directory that is renamed into place only
@@ -31,7 +33,8 @@ FORMAT_NAME = "kvsim-trace"
 FORMAT_VERSION = 1
 STORAGE_DTYPES = ("float16", "float32")
 ARRAY_NAMES = ("q", "k", "v", "lse", "o")
-_ARRAY_PATH = re.compile(r"^layers/\d{3}/(q|k|v|lse|o)\.npy$")
+WO = "wo"   # the optional output-projection array, present for all layers or none ("has_wo" in the manifest)
+_ARRAY_PATH = re.compile(r"^layers/\d{3}/(q|k|v|lse|o|wo)\.npy$")
 _CHUNK_BYTES = 1 << 24
 
 
@@ -50,6 +53,7 @@ class ModelInfo:
     head_dim: int
     rope: str = "rope"
     layer_ids: tuple[int, ...] = ()
+    hidden_size: int = 0   # the residual width (W_O's rows); 0 when unknown (a trace without W_O arrays)
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "n_q_heads", "n_kv_heads", "head_dim"):
@@ -60,6 +64,8 @@ class ModelInfo:
             raise TraceError(
                 f"model.n_q_heads ({self.n_q_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads}) (GQA)"
             )
+        if not isinstance(self.hidden_size, (int, np.integer)) or self.hidden_size < 0:
+            raise TraceError(f"model.hidden_size must be a non-negative integer, got {self.hidden_size!r}")
         ids = tuple(int(i) for i in (self.layer_ids or range(self.n_layers)))
         if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
             raise TraceError(f"model.layer_ids must be distinct non-negative integers, got {ids}")
@@ -104,10 +110,11 @@ class TraceMeta:
             "v": (t, m.n_kv_heads, m.head_dim),
             "lse": (t, m.n_q_heads),
             "o": (t, m.n_q_heads, m.head_dim),
+            WO: (m.hidden_size, m.n_q_heads * m.head_dim),
         }[name]
 
     def expected_dtype(self, name: str) -> np.dtype:
-        return np.dtype("float32") if name in ("lse", "o") else np.dtype(self.dtype)
+        return np.dtype("float32") if name in ("lse", "o", WO) else np.dtype(self.dtype)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -134,13 +141,14 @@ class TraceMeta:
 
 
 class LayerArrays(NamedTuple):
-    """One layer's arrays; lse/o are the full-cache reference and may be absent."""
+    """One layer's arrays; lse/o are the full-cache reference and wo the output projection, each may be absent."""
 
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
     lse: np.ndarray | None = None
     o: np.ndarray | None = None
+    wo: np.ndarray | None = None
 
 
 def array_path(layer_index: int, name: str) -> str:
@@ -202,6 +210,7 @@ class TraceWriter:
         self._entries: dict[str, dict[str, Any]] = {}
         self._n_layers_written = 0
         self._has_reference: bool | None = None
+        self._has_wo: bool | None = None
         self._tokens_written = False
 
     def __enter__(self) -> "TraceWriter":
@@ -226,10 +235,19 @@ class TraceWriter:
             self._has_reference = has_ref
         elif self._has_reference != has_ref:
             raise TraceError(f"layer {i}: reference lse/o must be present for all layers or none")
+        has_wo = arrays.wo is not None
+        if self._has_wo is None:
+            self._has_wo = has_wo
+        elif self._has_wo != has_wo:
+            raise TraceError(f"layer {i}: the W_O array must be present for all layers or none")
+        if has_wo and self.meta.model.hidden_size < 1:
+            raise TraceError(f"layer {i}: a W_O array needs model.hidden_size (its number of rows) in the manifest")
         (self._tmp / f"layers/{i:03d}").mkdir(parents=True, exist_ok=True)
         named = {"q": arrays.q, "k": arrays.k, "v": arrays.v}
         if has_ref:
             named.update(lse=lse, o=o)
+        if has_wo:
+            named[WO] = arrays.wo
         for name, arr in named.items():
             arr = np.asarray(arr)
             where = f"layer {i} array {name!r}"
@@ -277,6 +295,7 @@ class TraceWriter:
                 "version": FORMAT_VERSION,
                 **self.meta.to_json(),
                 "has_reference": bool(self._has_reference),
+                "has_wo": bool(self._has_wo),
                 "arrays": self._entries,
             }
             atomic_write_text(self._tmp / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
@@ -307,10 +326,12 @@ def write_trace(out_dir: str | os.PathLike, meta: TraceMeta, layers: Iterable[La
 class Trace:
     """A loaded trace: metadata plus lazily memory-mapped layer arrays."""
 
-    def __init__(self, path: Path, meta: TraceMeta, has_reference: bool, entries: dict[str, dict[str, Any]]):
+    def __init__(self, path: Path, meta: TraceMeta, has_reference: bool, entries: dict[str, dict[str, Any]],
+                 has_wo: bool = False):
         self.path = path
         self.meta = meta
         self.has_reference = has_reference
+        self.has_wo = has_wo
         self._entries = entries
 
     @property
@@ -323,7 +344,14 @@ class Trace:
             raise IndexError(f"layer {i} out of range: trace has {self.n_layers} layers")
         load = lambda name: np.load(self.path / array_path(i, name), mmap_mode="r", allow_pickle=False)
         ref = (load("lse"), load("o")) if self.has_reference else (None, None)
-        return LayerArrays(load("q"), load("k"), load("v"), *ref)
+        return LayerArrays(load("q"), load("k"), load("v"), *ref, load(WO) if self.has_wo else None)
+
+    def wo(self) -> list[np.ndarray]:
+        """Every layer's output projection W_O [hidden, Hq*d]; a clear error when the trace was recorded without."""
+        if not self.has_wo:
+            raise TraceError(f"trace {self.path} has no W_O (o_proj) arrays; record it again with `kvsim record` "
+                             "(which stores them) to use W_O-aware metrics or policies")
+        return [np.asarray(self.layer(i).wo) for i in range(self.n_layers)]
 
     @property
     def tokens(self) -> Any:
@@ -392,7 +420,10 @@ def load_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
         if rel != "tokens.parquet" and not _ARRAY_PATH.match(rel):
             raise TraceError(f"{mpath}: field 'arrays' names {rel!r}, which is not a trace array path")
     has_ref = bool(manifest.get("has_reference", False))
-    names = ARRAY_NAMES if has_ref else ARRAY_NAMES[:3]
+    has_wo = bool(manifest.get("has_wo", False))
+    if has_wo and meta.model.hidden_size < 1:
+        raise TraceError(f"{mpath}: has_wo is set but model.hidden_size is missing")
+    names = (ARRAY_NAMES if has_ref else ARRAY_NAMES[:3]) + ((WO,) if has_wo else ())
     for i in range(len(meta.model.layer_ids)):
         for name in names:
             rel = array_path(i, name)
@@ -416,7 +447,7 @@ def load_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
             raise TraceError("tokens.parquet: file missing")
         if verify and _sha256_and_finite(tpath, np.zeros(0))[0] != entries["tokens.parquet"].get("sha256"):
             raise TraceError("tokens.parquet: checksum mismatch: the file was modified or corrupted")
-    return Trace(root, meta, has_ref, entries)
+    return Trace(root, meta, has_ref, entries, has_wo)
 
 
 class InMemoryTrace(Trace):
@@ -424,7 +455,7 @@ class InMemoryTrace(Trace):
 
     def __init__(self, meta: TraceMeta, layers: list[LayerArrays], tokens: Any = None):
         has_ref = all(la.lse is not None for la in layers)
-        super().__init__(Path("<memory>"), meta, has_ref, {})
+        super().__init__(Path("<memory>"), meta, has_ref, {}, bool(layers) and all(la.wo is not None for la in layers))
         if len(layers) != len(meta.model.layer_ids):
             raise TraceError(f"{len(layers)} layers given, model.layer_ids declares {len(meta.model.layer_ids)}")
         for i, la in enumerate(layers):

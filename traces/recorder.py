@@ -127,20 +127,23 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
         raise CaptureError(f"layers use different softmax scales {sorted(scales)}; record them separately")
     scale = cap.scaling[layer_ids[0]] if layer_ids[0] in cap.scaling else shape.head_dim ** -0.5
 
+    cols = np.concatenate([np.arange(h * shape.head_dim, (h + 1) * shape.head_dim) for h in cap.q_heads])
     layers_out, faith = [], []
     for layer in layer_ids:
         q, k, v, model_o = cap.arrays(layer)
         res, lse, o = layer_faithfulness(layer, q, k, v, model_o, scale)
         faith.append(res)
-        layers_out.append(LayerArrays(q, k, v, lse, o))
+        wo = output_projection(model, layer)
+        layers_out.append(LayerArrays(q, k, v, lse, o, None if wo is None else wo[:, cols]))
     compute = str(next(model.parameters()).dtype)
     assert_faithful(faith, default_tolerance(dtype, compute) if tol is None else tol)
 
     decode_nll = [x for x in nll[n_prompt:] if not math.isnan(x)]
     mean_nll = float(np.mean(decode_nll)) if decode_nll else math.nan
     name = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    hidden = layers_out[0].wo.shape[0] if layers_out[0].wo is not None else 0
     info = ModelInfo(model_id=str(name), n_layers=shape.n_layers, n_q_heads=len(kv) * group, n_kv_heads=len(kv),
-                     head_dim=shape.head_dim, rope=shape.rope, layer_ids=layer_ids)
+                     head_dim=shape.head_dim, rope=shape.rope, layer_ids=layer_ids, hidden_size=hidden)
     src = {
         **(source or {}),
         "recorder": "traces.recorder",
@@ -171,3 +174,13 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
             w.add_layer(la)
         w.set_tokens(tokens)
     return RecordResult(out_dir, faith, mean_nll)
+
+
+def output_projection(model, layer: int) -> np.ndarray | None:
+    """The attention output projection W_O [hidden, Hq*d] of decoder layer ``layer`` in torch's Linear layout
+    (``o = W_O @ concat(heads)``), float32; None for an architecture without ``self_attn.o_proj``."""
+    try:
+        lin = model.get_decoder().layers[layer].self_attn.o_proj
+    except (AttributeError, IndexError, TypeError):
+        return None
+    return lin.weight.detach().float().cpu().numpy()
