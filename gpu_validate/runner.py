@@ -412,7 +412,8 @@ class BatchRunner:
                 caps.append(cap)
                 row.slot_state = [np.zeros((self.n_kv, int(cap[l].max()), row.policy.slot_fields))
                                   for l in range(self.n_layers)]
-                row.head_state = [np.zeros((self.n_kv, row.policy.head_fields)) for _ in range(self.n_layers)]
+                row.head_state = [row.policy.head_state_init(self.n_kv, self._wo(l) if row.policy.needs_wo else None)
+                                  for l in range(self.n_layers)]
                 if self.record_kept:
                     row.kept = np.full((self.n_layers, self.record_kept[1], self.n_kv, int(cap.max())), -1, np.int32)
             caps_all = np.stack(caps, 1)   # [L, B, Hkv]
@@ -496,6 +497,19 @@ class BatchRunner:
             if evicted:
                 return t + 1
         return P
+
+    def _wo(self, layer: int) -> np.ndarray:
+        """The model's W_O of ``layer`` (for policies that read it), read once per batch."""
+        from traces.recorder import output_projection
+
+        cache = self.__dict__.setdefault("_wo_cache", {})
+        if layer not in cache:
+            wo = output_projection(self.model, layer)
+            if wo is None:
+                raise ValidateError(f"{type(self.model).__name__} has no self_attn.o_proj in layer {layer}: a policy "
+                                    "that reads W_O cannot run on it")
+            cache[layer] = wo
+        return cache[layer]
 
     def _check_mults(self, t: int) -> None:
         info = np.zeros(3, np.int64)

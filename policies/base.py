@@ -153,6 +153,7 @@ class Policy:
     is_oracle: ClassVar[bool] = False       # needs future attention: cannot run closed-loop in a model
     replay_strategy: ClassVar[str] = "step"  # how sim.replay replays it (sim.replay.STRATEGIES)
     compresses_below_budget: ClassVar[bool] = False   # evicts even when everything fits (decoding())
+    needs_wo: ClassVar[bool] = False        # reads the layer's output projection W_O (head_state_init)
     step_fn: ClassVar[Any] = None
     prefill_fn: ClassVar[Any] = None
     logit_scale_fn: ClassVar[Any] = None
@@ -206,6 +207,11 @@ class Policy:
         Ada-KV) may read them. The total should stay ``budget * L * Hkv``.
         """
         return np.full((len(prompt_layers), n_kv_heads), budget, dtype=np.int64)
+
+    def head_state_init(self, n_kv_heads: int, wo: np.ndarray | None = None) -> np.ndarray:
+        """One layer's initial head state [Hkv, width >= head_fields]: zeros, unless the policy keeps per-layer
+        constants there (``needs_wo`` policies get the layer's W_O [hidden, Hq*d], e.g. CriticalKV)."""
+        return np.zeros((n_kv_heads, self.head_fields))
 
     def kernels(self) -> tuple[Callable, Callable, Callable]:
         """The (step, prefill, logit_scale) kernels handed to the replay engine."""

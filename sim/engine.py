@@ -188,9 +188,10 @@ def _move_left(ck, cv, cpos, dirty, cst, i, j, dst):
 #: the policy and run settings of one layer's replay (numba reads it as a typed named tuple)
 #:   params float64[n_params]; layer; scale softmax scale; has_prefill; metric_start first measured step (the
 #:   prompt length); budget int64[Hkv]; head_adaptive; bounded (checks the budget); cap slots per head buffer;
-#:   n_slot_fields / n_head_fields state widths; rec_start first step whose kept positions are recorded
+#:   n_slot_fields state width; head_init [Hkv, n_head_fields] the initial head state (Policy.head_state_init);
+#:   rec_start first step whose kept positions are recorded
 EngineConfig = namedtuple("EngineConfig", "params layer scale has_prefill metric_start budget head_adaptive bounded "
-                                          "cap n_slot_fields n_head_fields rec_start")
+                                          "cap n_slot_fields head_init rec_start")
 #: one layer of the trace: q [T,Hq,d], k/v [T,Hkv,d] float32; lse [T,Hq], o [T,Hq,d] the full-attention
 #: reference; vmax1 [T,Hkv] running max of ||v||_1 (for the Ada-KV bound)
 LayerData = namedtuple("LayerData", "q k v lse o vmax1")
@@ -284,7 +285,8 @@ def replay_layer(kernels, cfg, data, out):
     hkv = k.shape[1]
     g_n = hq_n // hkv
     ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, cap, cfg.n_slot_fields,
-                                                                                 cfg.n_head_fields)
+                                                                                 cfg.head_init.shape[1])
+    hst[:, :] = cfg.head_init
     metric_row = np.zeros((hq_n, N_METRICS), np.float64)
     dots = np.zeros((g_n, cap), np.float32)
     xs = np.zeros(cap, np.float32)

@@ -40,6 +40,7 @@ class LayerInputs:
     lse: np.ndarray
     o: np.ndarray
     vmax1: np.ndarray
+    wo: np.ndarray | None = None   # the layer's output projection [hidden, Hq*d] when the trace has it
 
     @staticmethod
     def from_arrays(la: LayerArrays, scale: float) -> "LayerInputs":
@@ -50,7 +51,7 @@ class LayerInputs:
         else:
             lse, o = f32(la.lse), f32(la.o)
         vmax1 = np.maximum.accumulate(np.abs(v).sum(axis=2, dtype=np.float64), axis=0)
-        return LayerInputs(q, k, v, lse, o, np.ascontiguousarray(vmax1))
+        return LayerInputs(q, k, v, lse, o, np.ascontiguousarray(vmax1), None if la.wo is None else f32(la.wo))
 
 
 @dataclass
@@ -209,7 +210,8 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
                             info=np.zeros(3, np.int64))
         cfg = EngineConfig(params=params, layer=layer, scale=float(meta.softmax_scale), has_prefill=policy.has_prefill,
                            metric_start=P, budget=b, head_adaptive=policy.head_adaptive, bounded=not policy.unbounded,
-                           cap=cap, n_slot_fields=policy.slot_fields, n_head_fields=policy.head_fields,
+                           cap=cap, n_slot_fields=policy.slot_fields,
+                           head_init=np.ascontiguousarray(policy.head_state_init(hkv, li.wo), np.float64),
                            rec_start=rec_start)
         status = replay_layer(kernels, cfg, LayerData(li.q, li.k, li.v, li.lse, li.o, li.vmax1), out)
         raise_on(policy, status, out.info, layer)
