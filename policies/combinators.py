@@ -1,4 +1,5 @@
-"""Combinators over any scorer: ``ada(<scorer>)`` and ``decoding(<scorer>, every=N, target=B)``.
+"""Combinators over any scorer: ``ada(<scorer>)``, ``decoding(<scorer>, every=N, target=B)`` and
+``critical(<scorer>)``.
 
 A combinator is a policy class built on demand from a scorer class (policies/scorer.py): it keeps the scorer's
 kernels and parameters, appends its own parameters at the end of the schema and its state after the scorer's
@@ -18,11 +19,25 @@ a scorer written as one file gets both combinators with no other edit.
   is compressed once to the target (kvpress leaves prefill to the wrapped press; here the budget must hold
   from the first step). kvpress defaults to ``compression_interval=512, target_size=2048``; kvsim budgets are
   smaller, so the default interval is 16. With ``every=1`` this is the scorer's per-step eviction.
+- ``critical``: CriticalKV (Feng et al., 2025, arXiv 2502.03805; kvpress's CriticalKVPress). A token's output
+  contribution is its attention times its value *after* the output projection, so the scorer's score alone
+  misjudges tokens whose values W_O shrinks or amplifies. Two stages per head: the top
+  ``first_stage_ratio`` x budget tokens by the scorer's score are kept; the rest compete on
+  ``(score + critical_epsilon) * mean_j ||W_O^(j) v||_1`` over the group's query heads j (kvpress's L1 norm and group
+  mean; paper and kvpress default ratio 0.5, epsilon 1e-4). Choices: (a) kvpress applies it once, at prefill;
+  kvsim's scorers also evict per decode step, and ``critical`` applies the same two stages at every step (the
+  stage-1 set is recomputed each step); (b) stage 1 ranks every held token, protected sinks / recent window
+  included, as kvpress ranks every prompt token; (c) the rescaling assumes non-negative attention-like scores
+  (``expected_attention``, SnapKV-like); over a negative score (``knorm`` scores are minus the key norm) the
+  product inverts the ranking exactly as kvpress's does. W_O comes from the trace (``wo`` arrays, written by
+  ``kvsim record``) or, closed loop, from the model's ``o_proj``.
 """
 from __future__ import annotations
 
 import functools
 from typing import Any
+
+import numpy as np
 
 from policies.adakv import FLOOR_ALPHA
 from policies.base import Param, Policy, PolicyError, param_indices
@@ -31,6 +46,11 @@ from policies.scorer import ScorerPolicy
 EVERY = Param("every", 16, "int", 1, 1024, log=True, doc="decode steps between compressions (kvpress compression_interval)")
 TARGET = Param("target", 0, "int", 0, 1 << 20,
                doc="slots per head after a compression; 0: budget - every + 1 (peak = budget)", searchable=False)
+EPSILON = Param("critical_epsilon", 1e-4, "float", 0.0, 1.0,
+                doc="added to the score before the W_O rescaling (CriticalKV, kvpress: epsilon)",
+                searchable=False)
+FIRST_STAGE_RATIO = Param("first_stage_ratio", 0.5, "float", 0.0, 1.0,
+                          doc="share of the budget selected by the plain score before the W_O rescaling (CriticalKV)")
 
 
 class Combined(ScorerPolicy):
@@ -73,7 +93,31 @@ class DecodingScorer(Combined):
                               f"{super().min_budget()} (its protected tokens plus one)")
 
 
-WRAPPERS: dict[str, type[ScorerPolicy]] = {"ada": AdaScorer, "decoding": DecodingScorer}
+class CriticalScorer(Combined):
+    """CriticalKV over a scorer: W_O-projected value norms rescale the scores beyond a first-stage top set."""
+
+    wrapper = "critical"
+    extra = (EPSILON, FIRST_STAGE_RATIO)
+    extra_slot_fields = 1        # the slot's projected value norm, computed once
+    needs_wo = True
+
+    def head_state_init(self, n_kv_heads: int, wo: np.ndarray | None = None) -> np.ndarray:
+        """The scorer's zeros, then per KV head its query group's W_O block [hidden, G*d] (row-major), G*d and
+        hidden (read by ``policies.scorer.wo_l1``)."""
+        if wo is None:
+            raise PolicyError(f"{self.label()} needs the layer's output projection W_O, and this trace has none: "
+                              "record it again with `kvsim record` (which stores W_O for Llama-family models)")
+        wo = np.asarray(wo, np.float64)
+        hidden, width = wo.shape
+        if width % n_kv_heads:
+            raise PolicyError(f"{self.label()}: W_O has {width} columns, not a multiple of {n_kv_heads} KV heads")
+        gd = width // n_kv_heads
+        blocks = wo.reshape(hidden, n_kv_heads, gd).transpose(1, 0, 2).reshape(n_kv_heads, hidden * gd)
+        tail = np.tile([float(gd), float(hidden)], (n_kv_heads, 1))
+        return np.hstack([np.zeros((n_kv_heads, self.head_fields)), blocks, tail])
+
+
+WRAPPERS: dict[str, type[ScorerPolicy]] = {"ada": AdaScorer, "decoding": DecodingScorer, "critical": CriticalScorer}
 
 #: hand-written policies that already are a combinator over a policy not built on the scorer base:
 #: ``ada(snapkv)`` is Ada-SnapKV, etc. (their scores need the observation-window ring state those kernels keep)
@@ -121,7 +165,8 @@ def combined_class(wrapper: str, inner: type[Policy]) -> type[Policy]:
         raise PolicyError(f"{wrapper}({inner.name}): parameter name(s) {sorted(clash)} clash with the combinator's")
     attrs = {"name": f"{wrapper}({inner.name})", "summary": f"{inner.summary} + {base.__doc__.splitlines()[0]}",
              "schema": schema, "P": param_indices(schema), "mode": wrapper,
-             "head_fields": inner.head_fields + base.extra_head_fields, "__doc__": base.__doc__,
+             "head_fields": inner.head_fields + base.extra_head_fields,
+             "slot_fields": inner.slot_fields + base.extra_slot_fields, "__doc__": base.__doc__,
              "__module__": inner.__module__}
     return type(f"{base.__name__}_{inner.__name__}", (base, inner), attrs)
 
@@ -140,6 +185,11 @@ def _wrap(wrapper: str, inner: Policy | type[Policy] | str, params: dict[str, An
 def ada(inner: Policy | type[Policy] | str, **params: Any) -> Policy:
     """``ada(get_policy("knorm"), floor_alpha=0.2)``: Ada-KV head-wise allocation over a scorer."""
     return _wrap("ada", inner, params)
+
+
+def critical(inner: Policy | type[Policy] | str, **params: Any) -> Policy:
+    """``critical(get_policy("expected_attention", use_vnorm=False))``: CriticalKV's W_O rescaling over a scorer."""
+    return _wrap("critical", inner, params)
 
 
 def decoding(inner: Policy | type[Policy] | str, **params: Any) -> Policy:

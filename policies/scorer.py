@@ -155,11 +155,86 @@ def decoding_prompt_h(params, budget, scores, keep, head_state):
     decoding_prompt(params, budget, scores, keep)
 
 
-#: mode -> (prompt eviction, step eviction) globals of the generated kernels
-MODES: dict[str, tuple[Callable, Callable]] = {
-    "plain": (plain_prompt, plain_step),
-    "ada": (ada_prompt, ada_step),
-    "decoding": (decoding_prompt_h, decoding_step),
+@njit(cache=True)
+def keep_scores_step(params, budget, lengths, values, slot_state, head_state, scores):
+    """No rescaling (every mode but ``critical``)."""
+
+
+@njit(cache=True)
+def keep_scores_prompt(params, budget, v, slot_state, head_state, scores):
+    """No rescaling (every mode but ``critical``)."""
+
+
+@njit(cache=True)
+def wo_l1(head_state, h, vec):
+    """CriticalKV's projected value norm of KV head h: the L1 norm of W_O^(j) v averaged over the query heads j
+    of its group. The head state ends with the group's W_O block [hidden, G*d] row-major, then G*d and hidden
+    (``CriticalScorer.head_state_init``)."""
+    hs_n = head_state.shape[1]
+    gd = int(head_state[h, hs_n - 2])
+    hidden = int(head_state[h, hs_n - 1])
+    d = vec.shape[0]
+    base = hs_n - 2 - hidden * gd
+    total = 0.0
+    for g in range(gd // d):
+        for r in range(hidden):
+            row = base + r * gd + g * d
+            acc = 0.0
+            for x in range(d):
+                acc += head_state[h, row + x] * vec[x]
+            total += abs(acc)
+    return total / (gd // d)
+
+
+@njit(cache=True)
+def critical_stages(params, budget, h, n, scores, norms):
+    """CriticalKV's two stages on head h's first n scores: the top ``first_stage_ratio`` x budget by the plain
+    score are kept outright (+inf); the others are rescored ``(score + epsilon) * ||W_O v||_1``."""
+    eps = params[params.shape[0] - 2]
+    n1 = int(budget[h] * params[params.shape[0] - 1])
+    first = np.zeros(n, np.bool_)
+    if n1 > 0:
+        order = np.argsort(-scores[h, :n], kind="mergesort")   # ties: the older token first
+        for i in range(min(n1, n)):
+            first[order[i]] = True
+    for i in range(n):
+        scores[h, i] = np.inf if first[i] else (scores[h, i] + eps) * norms[i]
+
+
+@njit(cache=True)
+def critical_step(params, budget, lengths, values, slot_state, head_state, scores):
+    """CriticalKV at a decode step: each slot's projected value norm is computed once (kept in the last slot
+    field), then the two stages."""
+    last = slot_state.shape[2] - 1
+    for h in range(lengths.shape[0]):
+        n = lengths[h]
+        norms = np.empty(n)
+        for i in range(n):
+            if slot_state[h, i, last] == 0.0:
+                slot_state[h, i, last] = wo_l1(head_state, h, values[h, i])
+            norms[i] = slot_state[h, i, last]
+        critical_stages(params, budget, h, n, scores, norms)
+
+
+@njit(cache=True)
+def critical_prompt(params, budget, v, slot_state, head_state, scores):
+    """CriticalKV on the prompt (v [P, Hkv, d]): projected value norms of every token, then the two stages."""
+    last = slot_state.shape[2] - 1
+    P = v.shape[0]
+    for h in range(v.shape[1]):
+        norms = np.empty(P)
+        for i in range(P):
+            norms[i] = wo_l1(head_state, h, v[i, h])
+            slot_state[h, i, last] = norms[i]
+        critical_stages(params, budget, h, P, scores, norms)
+
+
+#: mode -> (prompt eviction, step eviction, prompt rescaling, step rescaling) globals of the generated kernels
+MODES: dict[str, tuple[Callable, Callable, Callable, Callable]] = {
+    "plain": (plain_prompt, plain_step, keep_scores_prompt, keep_scores_step),
+    "ada": (ada_prompt, ada_step, keep_scores_prompt, keep_scores_step),
+    "decoding": (decoding_prompt_h, decoding_step, keep_scores_prompt, keep_scores_step),
+    "critical": (plain_prompt, plain_step, critical_prompt, critical_step),
 }
 
 _TEMPLATE = '''
@@ -167,12 +242,14 @@ def {name}_step(params, layer, t, budget, lengths, probs, keys, values, position
                 merge_to, merge_w):
     scores = np.zeros((lengths.shape[0], keep.shape[1]), np.float64)
     score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, scores)
+    rescale_step(params, budget, lengths, values, slot_state, head_state, scores)
     evict_step(params, t, budget, lengths, positions, scores, head_state, keep)
 
 
 def {name}_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
     scores = np.zeros((k.shape[1], k.shape[0]), np.float64)
     score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state)
+    rescale_prompt(params, budget, v, slot_state, head_state, scores)
     evict_prompt(params, budget, scores, keep, head_state)
 '''
 
@@ -183,9 +260,9 @@ def compose(score_prompt: Any, score_step: Any, mode: str, module: str, name: st
     The wrappers are compiled under ``module``'s source file with the unique name ``name`` so numba caches
     them on disk like hand-written kernels (and invalidates them when that file changes).
     """
-    evict_prompt_fn, evict_step_fn = MODES[mode]
-    namespace = {"np": np, "score_prompt": score_prompt, "score_step": score_step,
-                 "evict_prompt": evict_prompt_fn, "evict_step": evict_step_fn}
+    evict_prompt_fn, evict_step_fn, rescale_prompt_fn, rescale_step_fn = MODES[mode]
+    namespace = {"np": np, "score_prompt": score_prompt, "score_step": score_step, "evict_prompt": evict_prompt_fn,
+                 "evict_step": evict_step_fn, "rescale_prompt": rescale_prompt_fn, "rescale_step": rescale_step_fn}
     mod = sys.modules.get(module)
     filename = getattr(mod, "__file__", None)    # exec'd code (a notebook, a README test) has none: no disk cache
     exec(compile(_TEMPLATE.format(name=name), filename or f"<scorer {name}>", "exec"), namespace)
@@ -218,6 +295,7 @@ class ScorerPolicy(Policy):
     score_step: Any = None
     mode: str = "plain"
     extra_head_fields: int = 0     # head-state columns a combinator appends after the scorer's own
+    extra_slot_fields: int = 0     # slot-state fields a combinator appends after the scorer's own
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -19,6 +19,7 @@ from policies import Policy, PolicyError, get_policy
 from sim.replay import replay
 from traces.format import InMemoryTrace, LayerArrays, ModelInfo, TraceMeta
 from traces.reference import full_attention_reference
+from traces.synthetic import random_output_projection
 
 SHAPES = ("random", "sinks", "zipf", "ties", "one_hot", "tiny_logits", "huge_logits")
 _EPS = 1e-3
@@ -63,9 +64,9 @@ def make_fuzz_trace(shape: str, T: int, hq: int, hkv: int, d: int, n_prompt: int
     lse, o = full_attention_reference(q, k, v, d ** -0.5)
     if not (np.isfinite(lse).all() and np.isfinite(o).all()):
         raise ValueError(f"fuzz trace {shape} overflowed its reference")
-    meta = TraceMeta(ModelInfo(f"fuzz-{shape}", 1, hq, hkv, d, rope="none"), T, n_prompt, kind="synthetic",
-                     source={"generator": "sim.fuzz", "shape": shape, "seed": seed})
-    return InMemoryTrace(meta, [LayerArrays(q, k, v, lse, o)])
+    meta = TraceMeta(ModelInfo(f"fuzz-{shape}", 1, hq, hkv, d, rope="none", hidden_size=hq * d), T, n_prompt,
+                     kind="synthetic", source={"generator": "sim.fuzz", "shape": shape, "seed": seed})
+    return InMemoryTrace(meta, [LayerArrays(q, k, v, lse, o, random_output_projection(hq, d, seed))])
 
 
 @dataclass

@@ -224,3 +224,62 @@ def test_expected_attention_prompt_matches_numpy_reference(seed):
         expect.append(set(range(P)) - set(int(i) for i in cand[:P - budget]))
     got = run_prefill("expected_attention:n_future_positions=16", k, budget, q=q, v=v)
     assert kept(got) == expect
+
+
+# ----- critical(): CriticalKV's W_O rescaling -----
+
+def test_critical_projected_norm_and_two_stages_worked_example():
+    from policies.scorer import critical_stages, wo_l1
+
+    pol = parse_policy("critical(knorm)")
+    # one KV head, two query heads, d = 2, hidden = 2: W_O^(0) = I, W_O^(1) = [[2, 0], [0, 0]]
+    wo = np.array([[1.0, 0.0, 2.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    hs = pol.head_state_init(1, wo)
+    assert hs.shape == (1, pol.head_fields + 2 * 4 + 2)
+    assert wo_l1(hs, 0, np.array([1.0, 1.0], np.float32)) == pytest.approx((2 + 2) / 2)   # mean over the group
+    assert wo_l1(hs, 0, np.array([0.0, 1.0], np.float32)) == pytest.approx((1 + 0) / 2)
+    # stage 1 keeps the top 0.5 x budget by plain score; the rest compete on (score + eps) * norm
+    scores = np.array([[0.9, 0.5, 0.4, 0.3]])
+    critical_stages(pol.param_vector(), np.array([2]), 0, 4, scores, np.array([1.0, 0.1, 1.0, 2.0]))
+    assert scores[0, 0] == np.inf
+    assert scores[0, 1:] == pytest.approx([(0.5 + 1e-4) * 0.1, (0.4 + 1e-4) * 1.0, (0.3 + 1e-4) * 2.0])
+
+
+def test_critical_flips_a_choice_exactly_and_needs_wo():
+    """knorm keeps the two smallest keys; critical(knorm) keeps the first stage (the smallest key) and then the
+    token whose value W_O shrinks most, since (-norm + eps) * ||W_O v|| is closest to zero there (kvpress's
+    rescaling of a negative score)."""
+    pol = parse_policy("critical(knorm:n_recent=0)")
+    k = np.array([[[a, 0.0]] for a in (1.0, 2.0, 3.0, 4.0)], np.float32)            # [P, Hkv=1, d=2]
+    v = np.array([[[1.0, 0.0]], [[1.0, 0.0]], [[1.0, 0.0]], [[0.05, 0.0]]], np.float32)
+    wo = np.array([[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0]])                     # two query heads
+    keep = np.ones((1, 4), np.uint8)
+    st = np.zeros((1, 4, pol.slot_fields))
+    pol.kernels()[1](pol.param_vector(), 0, np.array([2]), np.repeat(k, 2, axis=1), k, v, 1.0, keep, st,
+                     pol.head_state_init(1, wo))
+    assert kept(keep) == [{0, 3}]
+    assert kept(run_prefill("knorm:n_recent=0", k, 2)) == [{0, 1}]
+    assert st[0, :, -1] == pytest.approx([1.0, 1.0, 1.0, 0.05])                     # norms kept per slot
+    with pytest.raises(PolicyError, match="needs the layer's output projection W_O"):
+        pol.head_state_init(1, None)
+
+
+def test_critical_runs_on_a_trace_with_wo_and_is_refused_without(tmp_path):
+    from traces.format import load_trace
+
+    trace = make_synthetic_trace("mixed", n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=32, n_tokens=96,
+                                 n_prompt=64)
+    res = replay(trace, parse_policy("critical(expected_attention:use_vnorm=False)"), 24, threads=1)
+    assert res.slots.max() <= 24
+    plain = make_synthetic_trace("mixed", n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=32, n_tokens=96,
+                                 n_prompt=64)
+    path = plain.save(tmp_path / "t")
+    import json
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["has_wo"] is True
+    # drop the W_O arrays the way an old trace lacks them
+    m["has_wo"] = False
+    m["arrays"] = {k: v for k, v in m["arrays"].items() if not k.endswith("wo.npy")}
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PolicyError, match="needs the layer's output projection W_O"):
+        replay(load_trace(path), parse_policy("critical(knorm)"), 24, threads=1)

@@ -144,12 +144,23 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
                 qh[:, 2 + 2 * _N_FREQ:] = qc
         q32, k32, v32 = (a.astype(dtype) for a in (q, k, v))
         lse, o = full_attention_reference(q32, k32, v32, scale)
-        layers.append(LayerArrays(q32, k32, v32, lse, o))
+        wo = random_output_projection(n_q_heads, head_dim, seed * 1000 + layer)
+        layers.append(LayerArrays(q32, k32, v32, lse, o, wo))
     model = ModelInfo(f"synthetic-{kind}", n_layers, n_q_heads, n_kv_heads, head_dim, rope="none",
-                      layer_ids=tuple(range(n_layers)))
+                      layer_ids=tuple(range(n_layers)), hidden_size=n_q_heads * head_dim)
     source: dict[str, Any] = dict(generator="traces.synthetic", kind=kind, seed=seed, n_sinks=n_sinks,
                                   local_length=local_length,
                                   zipf_alpha=zipf_alpha, recall_every=recall_every, recall_window=recall_window,
                                   segment=segment, passkey_pos=passkey_pos, n_needle_queries=n_needle_queries)
     meta = TraceMeta(model, T, n_prompt, dtype=dtype, softmax_scale=scale, kind="synthetic", source=source)
     return InMemoryTrace(meta, layers)
+
+
+def random_output_projection(n_q_heads: int, head_dim: int, seed: int) -> np.ndarray:
+    """A random W_O [Hq*d, Hq*d] (hidden = Hq*d) whose query heads have different gains (log-normal, as trained
+    models' heads do), so that W_O-aware policies and metrics see heads that matter unequally. Drawn from its
+    own generator: the trace's q/k/v do not change with it."""
+    rng = np.random.default_rng([seed, 0x57])
+    width = n_q_heads * head_dim
+    gains = np.repeat(rng.lognormal(0.0, 0.7, n_q_heads), head_dim)
+    return (rng.standard_normal((width, width)) * gains[None, :] / np.sqrt(width)).astype(np.float32)
