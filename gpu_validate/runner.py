@@ -412,7 +412,8 @@ class BatchRunner:
                 caps.append(cap)
                 row.slot_state = [np.zeros((self.n_kv, int(cap[l].max()), row.policy.slot_fields))
                                   for l in range(self.n_layers)]
-                row.head_state = [row.policy.head_state_init(self.n_kv, self._wo(l) if row.policy.needs_wo else None)
+                row.head_state = [row.policy.head_state_init(self.n_kv, self.head_dim,
+                                                             self._wo(l) if row.policy.needs_wo else None)
                                   for l in range(self.n_layers)]
                 if self.record_kept:
                     row.kept = np.full((self.n_layers, self.record_kept[1], self.n_kv, int(cap.max())), -1, np.int32)

@@ -208,7 +208,7 @@ class Policy:
         """
         return np.full((len(prompt_layers), n_kv_heads), budget, dtype=np.int64)
 
-    def head_state_init(self, n_kv_heads: int, wo: np.ndarray | None = None) -> np.ndarray:
+    def head_state_init(self, n_kv_heads: int, head_dim: int, wo: np.ndarray | None = None) -> np.ndarray:
         """One layer's initial head state [Hkv, width >= head_fields]: zeros, unless the policy keeps per-layer
         constants there (``needs_wo`` policies get the layer's W_O [hidden, Hq*d], e.g. CriticalKV)."""
         return np.zeros((n_kv_heads, self.head_fields))

@@ -101,8 +101,8 @@ class CriticalScorer(Combined):
     extra_slot_fields = 1        # the slot's projected value norm, computed once
     needs_wo = True
 
-    def head_state_init(self, n_kv_heads: int, wo: np.ndarray | None = None) -> np.ndarray:
-        """The scorer's zeros, then per KV head its query group's W_O block [hidden, G*d] (row-major), G*d and
+    def head_state_init(self, n_kv_heads: int, head_dim: int, wo: np.ndarray | None = None) -> np.ndarray:
+        """The scorer's zeros, then per KV head its query group's W_O as [G, hidden, d] (C order), G*d and
         hidden (read by ``policies.scorer.wo_l1``)."""
         if wo is None:
             raise PolicyError(f"{self.label()} needs the layer's output projection W_O, and this trace has none: "
@@ -111,8 +111,10 @@ class CriticalScorer(Combined):
         hidden, width = wo.shape
         if width % n_kv_heads:
             raise PolicyError(f"{self.label()}: W_O has {width} columns, not a multiple of {n_kv_heads} KV heads")
-        gd = width // n_kv_heads
-        blocks = wo.reshape(hidden, n_kv_heads, gd).transpose(1, 0, 2).reshape(n_kv_heads, hidden * gd)
+        gd, d = width // n_kv_heads, head_dim
+        if gd % d:
+            raise PolicyError(f"{self.label()}: W_O's {gd} columns per KV head are not whole heads of {d}")
+        blocks = wo.reshape(hidden, n_kv_heads, gd // d, d).transpose(1, 2, 0, 3).reshape(n_kv_heads, hidden * gd)
         tail = np.tile([float(gd), float(hidden)], (n_kv_heads, 1))
         return np.hstack([np.zeros((n_kv_heads, self.head_fields)), blocks, tail])
 

@@ -166,24 +166,21 @@ def keep_scores_prompt(params, budget, v, slot_state, head_state, scores):
 
 
 @njit(cache=True)
-def wo_l1(head_state, h, vec):
-    """CriticalKV's projected value norm of KV head h: the L1 norm of W_O^(j) v averaged over the query heads j
-    of its group. The head state ends with the group's W_O block [hidden, G*d] row-major, then G*d and hidden
-    (``CriticalScorer.head_state_init``)."""
+def wo_l1(head_state, h, vecs):
+    """CriticalKV's projected value norms of KV head h for the rows of ``vecs`` [n, d] (float64): the L1 norm of
+    W_O^(j) v averaged over the query heads j of its group, one BLAS product per query head. The head state
+    ends with the group's W_O as [G, hidden, d] (C order), then G*d and hidden (``CriticalScorer.head_state_init``)."""
     hs_n = head_state.shape[1]
     gd = int(head_state[h, hs_n - 2])
     hidden = int(head_state[h, hs_n - 1])
-    d = vec.shape[0]
-    base = hs_n - 2 - hidden * gd
-    total = 0.0
-    for g in range(gd // d):
-        for r in range(hidden):
-            row = base + r * gd + g * d
-            acc = 0.0
-            for x in range(d):
-                acc += head_state[h, row + x] * vec[x]
-            total += abs(acc)
-    return total / (gd // d)
+    d = vecs.shape[1]
+    g_n = gd // d
+    base = hs_n - 2 - g_n * hidden * d
+    block = head_state[h, base:base + g_n * hidden * d].reshape((g_n, hidden, d))
+    out = np.zeros(vecs.shape[0])
+    for g in range(g_n):
+        out += np.abs(np.dot(vecs, block[g].T)).sum(axis=1)
+    return out / g_n
 
 
 @njit(cache=True)
@@ -203,30 +200,32 @@ def critical_stages(params, budget, h, n, scores, norms):
 
 @njit(cache=True)
 def critical_step(params, budget, lengths, values, slot_state, head_state, scores):
-    """CriticalKV at a decode step: each slot's projected value norm is computed once (kept in the last slot
-    field), then the two stages."""
+    """CriticalKV at a decode step: a slot's projected value norm is computed once, when it is new (kept in the
+    last slot field; 0 = not yet), then the two stages."""
     last = slot_state.shape[2] - 1
+    d = values.shape[2]
     for h in range(lengths.shape[0]):
         n = lengths[h]
-        norms = np.empty(n)
-        for i in range(n):
-            if slot_state[h, i, last] == 0.0:
-                slot_state[h, i, last] = wo_l1(head_state, h, values[h, i])
-            norms[i] = slot_state[h, i, last]
-        critical_stages(params, budget, h, n, scores, norms)
+        todo = np.flatnonzero(slot_state[h, :n, last] == 0.0)
+        if todo.size:
+            vecs = np.empty((todo.size, d))
+            for j in range(todo.size):
+                vecs[j] = values[h, todo[j]]
+            norms = wo_l1(head_state, h, vecs)
+            for j in range(todo.size):
+                slot_state[h, todo[j], last] = norms[j]
+        critical_stages(params, budget, h, n, scores, slot_state[h, :n, last].copy())
 
 
 @njit(cache=True)
 def critical_prompt(params, budget, v, slot_state, head_state, scores):
-    """CriticalKV on the prompt (v [P, Hkv, d]): projected value norms of every token, then the two stages."""
+    """CriticalKV on the prompt (v [P, Hkv, d]): every token's projected value norm (one GEMM per query head),
+    then the two stages."""
     last = slot_state.shape[2] - 1
-    P = v.shape[0]
     for h in range(v.shape[1]):
-        norms = np.empty(P)
-        for i in range(P):
-            norms[i] = wo_l1(head_state, h, v[i, h])
-            slot_state[h, i, last] = norms[i]
-        critical_stages(params, budget, h, P, scores, norms)
+        norms = wo_l1(head_state, h, np.ascontiguousarray(v[:, h, :]).astype(np.float64))
+        slot_state[h, :, last] = norms
+        critical_stages(params, budget, h, v.shape[0], scores, norms)
 
 
 #: mode -> (prompt eviction, step eviction, prompt rescaling, step rescaling) globals of the generated kernels

@@ -30,7 +30,7 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
     pos = [np.zeros(0, np.int64) for _ in range(hkv)]
     state = [np.zeros((0, S)) for _ in range(hkv)]
     dirty = [np.zeros(0, bool) for _ in range(hkv)]
-    head_state = policy.head_state_init(hkv, li.wo)
+    head_state = policy.head_state_init(hkv, d, li.wo)
     t0 = 0
     if policy.has_prefill and n_prompt > 0:
         pkeep = np.ones((hkv, n_prompt), np.uint8)

@@ -211,7 +211,8 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
         cfg = EngineConfig(params=params, layer=layer, scale=float(meta.softmax_scale), has_prefill=policy.has_prefill,
                            metric_start=P, budget=b, head_adaptive=policy.head_adaptive, bounded=not policy.unbounded,
                            cap=cap, n_slot_fields=policy.slot_fields,
-                           head_init=np.ascontiguousarray(policy.head_state_init(hkv, li.wo), np.float64),
+                           head_init=np.ascontiguousarray(policy.head_state_init(hkv, meta.model.head_dim, li.wo),
+                                                      np.float64),
                            rec_start=rec_start)
         status = replay_layer(kernels, cfg, LayerData(li.q, li.k, li.v, li.lse, li.o, li.vmax1), out)
         raise_on(policy, status, out.info, layer)

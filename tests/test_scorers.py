@@ -234,10 +234,10 @@ def test_critical_projected_norm_and_two_stages_worked_example():
     pol = parse_policy("critical(knorm)")
     # one KV head, two query heads, d = 2, hidden = 2: W_O^(0) = I, W_O^(1) = [[2, 0], [0, 0]]
     wo = np.array([[1.0, 0.0, 2.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
-    hs = pol.head_state_init(1, wo)
+    hs = pol.head_state_init(1, 2, wo)
     assert hs.shape == (1, pol.head_fields + 2 * 4 + 2)
-    assert wo_l1(hs, 0, np.array([1.0, 1.0], np.float32)) == pytest.approx((2 + 2) / 2)   # mean over the group
-    assert wo_l1(hs, 0, np.array([0.0, 1.0], np.float32)) == pytest.approx((1 + 0) / 2)
+    # mean over the group of ||W_O^(j) v||_1: [1, 1] -> (2 + 2) / 2, [0, 1] -> (1 + 0) / 2
+    assert wo_l1(hs, 0, np.array([[1.0, 1.0], [0.0, 1.0]])) == pytest.approx([2.0, 0.5])
     # stage 1 keeps the top 0.5 x budget by plain score; the rest compete on (score + eps) * norm
     scores = np.array([[0.9, 0.5, 0.4, 0.3]])
     critical_stages(pol.param_vector(), np.array([2]), 0, 4, scores, np.array([1.0, 0.1, 1.0, 2.0]))
@@ -256,12 +256,12 @@ def test_critical_flips_a_choice_exactly_and_needs_wo():
     keep = np.ones((1, 4), np.uint8)
     st = np.zeros((1, 4, pol.slot_fields))
     pol.kernels()[1](pol.param_vector(), 0, np.array([2]), np.repeat(k, 2, axis=1), k, v, 1.0, keep, st,
-                     pol.head_state_init(1, wo))
+                     pol.head_state_init(1, 2, wo))
     assert kept(keep) == [{0, 3}]
     assert kept(run_prefill("knorm:n_recent=0", k, 2)) == [{0, 1}]
     assert st[0, :, -1] == pytest.approx([1.0, 1.0, 1.0, 0.05])                     # norms kept per slot
     with pytest.raises(PolicyError, match="needs the layer's output projection W_O"):
-        pol.head_state_init(1, None)
+        pol.head_state_init(1, 2, None)
 
 
 def test_critical_runs_on_a_trace_with_wo_and_is_refused_without(tmp_path):
