@@ -102,10 +102,11 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
     res = fidelity_by_text(merged, losses, list(MODEL_LOSSES))
     out = {"model": model_id, "policies": [p.label() for p, _ in configs[::len(set(b for _, b in configs))]],
            "budgets": sorted({int(b) for _, b in configs}), "n_prompt": args.prompt, "n_decode": args.decode,
-           "texts": {t: read_id(t) for t in res}, "segments_per_text": {t: sum(s.text == t for s in segments) for t in TEXTS}, "backend": "torch",
+           "texts": {t: read_id(t) for t in res},
+           "segments_per_text": {t: sum(s.text == t for s in segments) for t in TEXTS}, "backend": "torch",
            "device": "cpu", "sim_losses": losses, "model_losses": MODEL_LOSSES, "by_text": res,
            "layer_weights": weights,
-           "rows": merged.drop(columns=["nll_per_token"]).to_dict("records"),
+           "rows": merged.drop(columns=["nll_per_token", "err_by_layer", "err_wo_by_layer"]).to_dict("records"),
            "seconds": time.perf_counter() - t0, "machine": machine()}
     path = write_result("fidelity_smollm2", out)
     plot_segment_fidelity(res, RESULTS / "fidelity_smollm2.png", title=f"simulator vs closed loop on {model_id}")
