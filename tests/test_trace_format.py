@@ -201,15 +201,18 @@ def test_optional_wo_round_trip_missing_and_tampered(tmp_path, small):
     for got, want in zip(tr.wo(), wos):
         np.testing.assert_array_equal(got, want)
     # a trace without W_O loads as before, and asking for W_O names the problem and the fix
+    plain = write_trace(tmp_path / "plain", small.meta, [small.layer(i)._replace(wo=None) for i in range(2)])
+    assert not load_trace(plain).has_wo
     with pytest.raises(TraceError, match="no W_O .*kvsim record"):
-        load_trace(small.save(tmp_path / "plain")).wo()
+        load_trace(plain).wo()
     # all layers or none; the width must be Hq*d; hidden_size must be known
     with pytest.raises(TraceError, match="all layers or none"):
-        write_trace(tmp_path / "a", meta, [small.layer(0)._replace(wo=wos[0]), small.layer(1)])
+        write_trace(tmp_path / "a", meta, [small.layer(0)._replace(wo=wos[0]), small.layer(1)._replace(wo=None)])
     with pytest.raises(TraceError, match="array 'wo': shape"):
         write_trace(tmp_path / "b", meta, [small.layer(i)._replace(wo=wos[i][:, :8]) for i in range(2)])
+    no_hidden = replace(small.meta, model=replace(small.meta.model, hidden_size=0))
     with pytest.raises(TraceError, match="hidden_size"):
-        write_trace(tmp_path / "c", small.meta, [small.layer(i)._replace(wo=wos[i]) for i in range(2)])
+        write_trace(tmp_path / "c", no_hidden, [small.layer(i)._replace(wo=wos[i]) for i in range(2)])
     # a modified W_O file fails its checksum
     f = path / "layers/001/wo.npy"
     arr = np.load(f)
