@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
     model, tok = load_model(args.model, device="cpu")
-    model_id = "smollm2-135m" if args.model == "smollm2-135m" else args.model
+    model_id = args.model   # the store's keys carry it
     texts = {name: tok(read_text(name)[0], verbose=False)["input_ids"] for name in TEXTS}
     segments = make_segments(texts, args.segments, args.prompt + args.decode)
     policies = parse_policy_list(args.policies)

@@ -32,7 +32,7 @@ class TorchVarlenKVCache(VarlenKVCache):
         n_heads, g = self.batch * self.n_kv_heads, self.group
         scale = torch.as_tensor(logit_scale, dtype=torch.float32, device=self.device).flatten()
         scale = (scale if scale.numel() == 1 else scale.repeat_interleave(self.n_kv_heads))[:, None, None]
-        idx = self._slot_rows()
+        idx = self.slot_rows
         kp = self.k[idx].float()             # [BH, C, d]; slots past a head's length hold stale finite values,
         vp = self.v[idx].float()             # masked out of the softmax below (so no fill is needed)
         qf = q.float().reshape(n_heads, g, d)
@@ -43,13 +43,6 @@ class TorchVarlenKVCache(VarlenKVCache):
         o = torch.bmm(p, vp).reshape(bsz, n_q, d)
         self.probs[idx[valid]] = p.transpose(1, 2)[valid]
         return o.to(q.dtype), (self.probs if want_probs else None)
-
-    def _slot_rows(self) -> torch.Tensor:
-        """[B*Hkv, max_capacity] flat row of every head's slot i (clamped to the buffer); fixed per cache."""
-        if getattr(self, "_rows", None) is None:
-            ar = torch.arange(self.max_capacity, device=self.device)
-            self._rows = (self.start.long()[:, None] + ar[None, :]).clamp(max=max(self.total_capacity - 1, 0))
-        return self._rows
 
     def compact(self, keep: torch.Tensor | None, merge_to: torch.Tensor | None = None,
                 merge_w: torch.Tensor | None = None, *, k_new: torch.Tensor | None = None,

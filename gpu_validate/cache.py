@@ -11,6 +11,7 @@ read only retained slots and `memory_bytes()` reports the retained ones.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -106,12 +107,18 @@ class VarlenKVCache:
         """
         if x.shape[0] != self.total_capacity:
             raise KernelInputError(f"x must have {self.total_capacity} rows (one per slot), got {tuple(x.shape)}")
-        ar = torch.arange(self.max_capacity, device=self.device)
-        idx = (self.start.long()[:, None] + ar[None, :]).clamp(max=max(self.total_capacity - 1, 0))
-        valid = ar[None, :] < self.length.long()[:, None]
+        idx = self.slot_rows
+        valid = torch.arange(self.max_capacity, device=self.device)[None, :] < self.length.long()[:, None]
         out = x[idx]
         out[~valid] = fill
         return out
+
+    @functools.cached_property
+    def slot_rows(self) -> torch.Tensor:
+        """[B*Hkv, max_capacity]: the flat buffer row of every head's slot i, clamped to the buffer (rows past a
+        head's capacity hold another head's slots); fixed, since starts and capacities never change."""
+        ar = torch.arange(self.max_capacity, device=self.device)
+        return (self.start.long()[:, None] + ar[None, :]).clamp(max=max(self.total_capacity - 1, 0))
 
     def _per_head(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if x.ndim != 4 or tuple(x.shape[:2]) != (self.batch, self.n_kv_heads) or x.shape[3] != self.head_dim:

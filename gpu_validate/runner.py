@@ -230,6 +230,7 @@ class BatchRunner:
         self.cache_dtype = cache_dtype or next(model.parameters()).dtype
         self.mode = "prompt"
         self.scale: float | None = None
+        self._wo_cache: dict[int, np.ndarray] = {}
 
     # ----- attention entry point (called by every attention module) -----
     def attention(self, module, query, key, value, attention_mask, **kwargs):
@@ -330,7 +331,7 @@ class BatchRunner:
                     row.kept[layer, r, :, :cap] = pos
         evicted = bool((keep_all.sum(1) < lengths_all).any())
         if evicted:
-            flat = (self.starts[layer][:, None] + np.arange(width)[None, :])[valid_all]
+            flat = idx[valid_all]
             total = cache.total_capacity
             flat_keep = np.zeros(total, np.uint8)
             flat_keep[flat] = keep_all[valid_all]
@@ -424,9 +425,7 @@ class BatchRunner:
                                       dtype=self.cache_dtype, device=self.device, softmax_scale=self.scale,
                                       track_acc=False)
                            for l in range(self.n_layers)]
-            self.starts = [c.start.cpu().numpy().astype(np.int64) for c in self.caches]
-            self.slot_index = [np.minimum(st[:, None] + np.arange(c.max_capacity)[None, :], c.total_capacity - 1)
-                               for st, c in zip(self.starts, self.caches)]
+            self.slot_index = [c.slot_rows.cpu().numpy() for c in self.caches]
             self.mode = "decode"
             if not streams:
                 self._prefill(P)
@@ -503,14 +502,13 @@ class BatchRunner:
         """The model's W_O of ``layer`` (for policies that read it), read once per batch."""
         from traces.recorder import output_projection
 
-        cache = self.__dict__.setdefault("_wo_cache", {})
-        if layer not in cache:
+        if layer not in self._wo_cache:
             wo = output_projection(self.model, layer)
             if wo is None:
                 raise ValidateError(f"{type(self.model).__name__} has no self_attn.o_proj in layer {layer}: a policy "
                                     "that reads W_O cannot run on it")
-            cache[layer] = wo
-        return cache[layer]
+            self._wo_cache[layer] = wo
+        return self._wo_cache[layer]
 
     def _check_mults(self, t: int) -> None:
         info = np.zeros(3, np.int64)

@@ -188,7 +188,7 @@ def _move_left(ck, cv, cpos, dirty, cst, i, j, dst):
 #: the policy and run settings of one layer's replay (numba reads it as a typed named tuple)
 #:   params float64[n_params]; layer; scale softmax scale; has_prefill; metric_start first measured step (the
 #:   prompt length); budget int64[Hkv]; head_adaptive; bounded (checks the budget); cap slots per head buffer;
-#:   n_slot_fields state width; head_init [Hkv, n_head_fields] the initial head state (Policy.head_state_init);
+#:   n_slot_fields state width; head_init [Hkv, head state width] the initial head state (Policy.head_state_init);
 #:   rec_start first step whose kept positions are recorded
 EngineConfig = namedtuple("EngineConfig", "params layer scale has_prefill metric_start budget head_adaptive bounded "
                                           "cap n_slot_fields head_init rec_start")
@@ -202,14 +202,14 @@ EngineOutputs = namedtuple("EngineOutputs", "metrics slots kept info")
 
 
 @njit(cache=True, nogil=True)
-def _new_buffers(hkv, g_n, d, cap, n_slot_fields, n_head_fields):
-    """Per-head slot buffers of a layer (keys, values, positions, slot state, merged flags) and the step's
-    decision arrays, all for ``cap`` slots per KV head."""
+def _new_buffers(hkv, g_n, d, cap, n_slot_fields, head_init):
+    """Per-head slot buffers of a layer (keys, values, positions, slot state, merged flags), the head state
+    (a copy of ``head_init``) and the step's decision arrays, all for ``cap`` slots per KV head."""
     ck = np.zeros((hkv, cap, d), np.float32)
     cv = np.zeros((hkv, cap, d), np.float32)
     cpos = np.full((hkv, cap), -1, np.int64)
     cst = np.zeros((hkv, cap, n_slot_fields), np.float64)
-    hst = np.zeros((hkv, n_head_fields), np.float64)
+    hst = head_init.copy()
     dirty = np.zeros((hkv, cap), np.uint8)
     probs = np.zeros((hkv, g_n, cap), np.float64)
     keep = np.ones((hkv, cap), np.uint8)
@@ -285,8 +285,7 @@ def replay_layer(kernels, cfg, data, out):
     hkv = k.shape[1]
     g_n = hq_n // hkv
     ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, cap, cfg.n_slot_fields,
-                                                                                 cfg.head_init.shape[1])
-    hst[:, :] = cfg.head_init
+                                                                                 cfg.head_init)
     metric_row = np.zeros((hq_n, N_METRICS), np.float64)
     dots = np.zeros((g_n, cap), np.float32)
     xs = np.zeros(cap, np.float32)

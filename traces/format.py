@@ -209,8 +209,7 @@ class TraceWriter:
         self._tmp: Path | None = None
         self._entries: dict[str, dict[str, Any]] = {}
         self._n_layers_written = 0
-        self._has_reference: bool | None = None
-        self._has_wo: bool | None = None
+        self._present: dict[str, bool] = {}   # optional array group -> present in the first layer
         self._tokens_written = False
 
     def __enter__(self) -> "TraceWriter":
@@ -230,16 +229,8 @@ class TraceWriter:
             raise TraceError(f"layer {i}: give both lse and o, or neither")
         if lse is None and self.compute_reference:
             lse, o = full_attention_reference(arrays.q, arrays.k, arrays.v, self.meta.softmax_scale)
-        has_ref = lse is not None
-        if self._has_reference is None:
-            self._has_reference = has_ref
-        elif self._has_reference != has_ref:
-            raise TraceError(f"layer {i}: reference lse/o must be present for all layers or none")
-        has_wo = arrays.wo is not None
-        if self._has_wo is None:
-            self._has_wo = has_wo
-        elif self._has_wo != has_wo:
-            raise TraceError(f"layer {i}: the W_O array must be present for all layers or none")
+        has_ref = self._same_in_every_layer("reference lse/o", lse is not None, i)
+        has_wo = self._same_in_every_layer("the W_O array", arrays.wo is not None, i)
         if has_wo and self.meta.model.hidden_size < 1:
             raise TraceError(f"layer {i}: a W_O array needs model.hidden_size (its number of rows) in the manifest")
         (self._tmp / f"layers/{i:03d}").mkdir(parents=True, exist_ok=True)
@@ -265,6 +256,12 @@ class TraceWriter:
                 raise TraceError(f"{where}: contains NaN or inf")
             self._entries[rel] = {"sha256": digest, "shape": list(arr.shape), "dtype": arr.dtype.str}
         self._n_layers_written += 1
+
+    def _same_in_every_layer(self, what: str, present: bool, i: int) -> bool:
+        """An optional array group is in every layer or in none; returns ``present``."""
+        if self._present.setdefault(what, present) != present:
+            raise TraceError(f"layer {i}: {what} must be present for all layers or none")
+        return present
 
     def set_tokens(self, tokens: "Any") -> None:
         """Write tokens.parquet (a pandas DataFrame with one row per position)."""
@@ -294,8 +291,8 @@ class TraceWriter:
                 "format": FORMAT_NAME,
                 "version": FORMAT_VERSION,
                 **self.meta.to_json(),
-                "has_reference": bool(self._has_reference),
-                "has_wo": bool(self._has_wo),
+                "has_reference": self._present.get("reference lse/o", False),
+                "has_wo": self._present.get("the W_O array", False),
                 "arrays": self._entries,
             }
             atomic_write_text(self._tmp / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
