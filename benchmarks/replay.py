@@ -97,7 +97,7 @@ def _attention_only(q, k, v, lse, o, scale, start, stop, n_slots, probs, metric_
     xs = np.zeros(n_slots, np.float32)
     ebuf = np.zeros(n_slots, np.float32)
     ibuf = np.zeros(n_slots, np.int32)
-    v64 = np.zeros((n_slots, d), np.float64)
+    oacc = np.zeros((g_n, d), np.float64)
     for h in range(hkv):
         for i in range(n_slots):
             src = start - n_slots + i
@@ -107,7 +107,7 @@ def _attention_only(q, k, v, lse, o, scale, start, stop, n_slots, probs, metric_
     for t in range(start, stop):
         for h in range(hkv):
             _attend_and_measure(t, h, g_n, n_slots, q, k, lse, o, scale, 1.0, ck, cv, cpos, dirty, probs, metric_row,
-                                True, dots, v64, xs, ibuf, ebuf)
+                                True, dots, oacc, xs, ibuf, ebuf)
             out[0] += metric_row[h * g_n, 1]
 
 

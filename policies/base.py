@@ -154,6 +154,9 @@ class Policy:
     replay_strategy: ClassVar[str] = "step"  # how sim.replay replays it (sim.replay.STRATEGIES)
     compresses_below_budget: ClassVar[bool] = False   # evicts even when everything fits (decoding())
     needs_wo: ClassVar[bool] = False        # reads the layer's output projection W_O (head_state_init)
+    #: the step reads the step's attention ``probs``; False lets the engine skip the attention of unmeasured
+    #: (prompt) steps, the bulk of a streamed prompt's cost
+    reads_attention: ClassVar[bool] = True
     step_fn: ClassVar[Any] = None
     prefill_fn: ClassVar[Any] = None
     logit_scale_fn: ClassVar[Any] = None

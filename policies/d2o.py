@@ -228,39 +228,37 @@ def allocate_layers(budget: int, variances: np.ndarray, min_budget: int, var_sca
     return out
 
 
-@njit(cache=True)
-def _cosine(keys, h, a, b):
-    d = keys.shape[2]
-    dot = 0.0
-    na = 0.0
-    nb = 0.0
-    for x in range(d):
-        ka = np.float64(keys[h, a, x])
-        kb = np.float64(keys[h, b, x])
-        dot += ka * kb
-        na += ka * ka
-        nb += kb * kb
-    if na == 0.0 or nb == 0.0:
-        return 0.0
-    return dot / math.sqrt(na * nb)
+@njit(cache=True, fastmath={"reassoc", "contract"})   # SIMD over d (rounding-level differences)
+def _dot64(keys, h, a, b):
+    """keys[h, a] . keys[h, b] accumulated in float64."""
+    acc = 0.0
+    for x in range(keys.shape[2]):
+        acc += np.float64(keys[h, a, x]) * np.float64(keys[h, b, x])
+    return acc
 
 
 @njit(cache=True)
 def _nearest(h, n, keys, keep, evicted, near, sim):
     """List head h's evicted slots (slot order = position order) with their nearest kept slot and its cosine
-    similarity; returns how many."""
+    similarity (0 against a zero key); returns how many. Each slot's norm is computed once per call."""
     ne = 0
     for i in range(n):
         if keep[h, i] == 0:
             evicted[h, ne] = i
             ne += 1
+    if ne == 0:
+        return 0
+    norms = np.empty(n)
+    for i in range(n):
+        norms[i] = math.sqrt(_dot64(keys, h, i, i))
     for e in range(ne):
+        a = evicted[h, e]
         best = -1
         bu = -2.0
         for j in range(n):
             if keep[h, j] == 0:
                 continue
-            u = _cosine(keys, h, evicted[h, e], j)
+            u = _dot64(keys, h, a, j) / (norms[a] * norms[j]) if norms[a] > 0.0 and norms[j] > 0.0 else 0.0
             if u > bu:
                 bu = u
                 best = j

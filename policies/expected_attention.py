@@ -21,10 +21,12 @@ import numpy as np
 from numba import njit
 
 from policies.base import Param, param_indices
+from policies.kernels import l2_norm
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
 
 MAX_G, MAX_D = 8, 128
+_VECTOR_MATH = {"reassoc", "contract"}   # SIMD sums in the per-slot kernels (rounding-level differences)
 SCHEMA = protection(n_sink=4, n_recent=1) + (
     Param("n_future_positions", 512, "int", 1, 1 << 16, doc="future positions the RoPE rotation is averaged over"),
     Param("use_covariance", True, "bool", doc="add the query covariance term (else the mean only)"),
@@ -36,29 +38,62 @@ P = param_indices(SCHEMA)
 
 
 @njit(cache=True)
-def _rotate(x, pos, theta, sign, out):
-    """out = RoPE(pos) x (sign +1) or its inverse (sign -1), rotate-half layout."""
-    d = x.shape[0]
+def rope_tables(n0, n1, d, theta):
+    """cos, sin [n1 - n0, d / 2] of the inverse RoPE angles -pos * theta^(-2j/d) at positions n0..n1-1 (rotate-half
+    layout), once per layer for all its query heads."""
     half = d // 2
-    for j in range(half):
-        a = sign * pos * theta ** (-2.0 * j / d)
-        c, s = np.cos(a), np.sin(a)
-        out[j] = c * x[j] - s * x[j + half]
-        out[j + half] = s * x[j] + c * x[j + half]
+    cos_t = np.empty((n1 - n0, half))
+    sin_t = np.empty((n1 - n0, half))
+    for r in range(n0, n1):
+        for j in range(half):
+            a = -1.0 * r * theta ** (-2.0 * j / d)
+            cos_t[r - n0, j] = np.cos(a)
+            sin_t[r - n0, j] = np.sin(a)
+    return cos_t, sin_t
 
 
 @njit(cache=True)
-def query_stats(params, q, hq, n0, d):
-    """Rotated mean [d] and covariance [d, d] of query head ``hq``'s pre-RoPE queries at rows n0..P-1."""
+def mean_rotation(p0, nf, d, theta):
+    """R averaged over the future positions p0..p0+nf-1: cos I + sin J per frequency [d, d]."""
+    rbar = np.zeros((d, d))
+    half = d // 2
+    for j in range(half):
+        w = theta ** (-2.0 * j / d)
+        c = 0.0
+        s = 0.0
+        for p in range(p0, p0 + nf):
+            c += np.cos(p * w)
+            s += np.sin(p * w)
+        c /= nf
+        s /= nf
+        rbar[j, j] = c
+        rbar[j + half, j + half] = c
+        rbar[j, j + half] = -s
+        rbar[j + half, j] = s
+    return rbar
+
+
+@njit(cache=True)
+def query_stats(params, q, hq, n0, d, cos_t, sin_t, rbar):
+    """Rotated mean [d] and covariance [d, d] of query head ``hq``'s pre-RoPE queries at rows n0..P-1; the
+    queries are un-rotated with the layer's ``rope_tables`` and the statistics rotated by its ``mean_rotation``
+    (both unused when ``rope_theta`` is 0)."""
     P_ = q.shape[0]
     theta = params[P.rope_theta]
+    half = d // 2
     rows = np.empty((P_ - n0, d))
     for r in range(n0, P_):
-        x = q[r, hq].astype(np.float64)
         if theta > 0.0:
-            _rotate(x, float(r), theta, -1.0, rows[r - n0])
+            for j in range(half):
+                c = cos_t[r - n0, j]
+                s = sin_t[r - n0, j]
+                x0 = np.float64(q[r, hq, j])
+                x1 = np.float64(q[r, hq, j + half])
+                rows[r - n0, j] = c * x0 - s * x1
+                rows[r - n0, j + half] = s * x0 + c * x1
         else:
-            rows[r - n0] = x
+            for x in range(d):
+                rows[r - n0, x] = q[r, hq, x]
     mu = np.zeros(d)
     for r in range(rows.shape[0]):
         mu += rows[r]
@@ -69,40 +104,43 @@ def query_stats(params, q, hq, n0, d):
         cov = cen.T @ cen / max(rows.shape[0], 1)
     if theta <= 0.0:
         return mu, cov
-    rbar = np.zeros((d, d))          # R averaged over the future positions: cos I + sin J per frequency
-    half = d // 2
-    nf = int(params[P.n_future_positions])
-    for j in range(half):
-        w = theta ** (-2.0 * j / d)
-        c = 0.0
-        s = 0.0
-        for p in range(P_, P_ + nf):
-            c += np.cos(p * w)
-            s += np.sin(p * w)
-        c /= nf
-        s /= nf
-        rbar[j, j] = c
-        rbar[j + half, j + half] = c
-        rbar[j, j + half] = -s
-        rbar[j + half, j] = s
     return rbar @ mu, rbar @ cov @ rbar.T
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=_VECTOR_MATH)
 def logit(key, mu, cov, d, use_cov):
-    """k.mu / sqrt(d) + k^T cov k / (2 d)."""
-    k = key.astype(np.float64)
-    out = np.dot(k, mu) / np.sqrt(d)
+    """k.mu / sqrt(d) + k^T cov k / (2 d), in float64 without temporaries (one call per new key and step)."""
+    lin = 0.0
+    for x in range(d):
+        lin += np.float64(key[x]) * mu[x]
+    out = lin / np.sqrt(d)
     if use_cov:
-        out += np.dot(k, cov @ k) / d / 2.0
+        quad = 0.0
+        for x in range(d):
+            row = 0.0
+            for y in range(d):
+                row += cov[x, y] * np.float64(key[y])
+            quad += np.float64(key[x]) * row
+        out += quad / d / 2.0
     return out
 
 
 @njit(cache=True)
+def prompt_logits(keys, mu, cov, d, use_cov, out):
+    """``logit`` of every row of keys [n, d] into out[n]: two BLAS products for the whole prompt."""
+    k64 = keys.astype(np.float64)
+    lin = np.dot(k64, mu) / np.sqrt(d)
+    if use_cov:
+        lin += (np.dot(k64, cov) * k64).sum(axis=1) / d / 2.0
+    out[:] = lin
+
+
+@njit(cache=True, fastmath=_VECTOR_MATH)
 def combine(params, logits, values, positions, n, g_n, out):
     """Per query head softmax of the logits over the non-sink slots, mean over the group, times ||v||."""
     n_sink = int(params[P.n_sink])
     acc = np.zeros(n)
+    ex = np.empty(n)
     for g in range(g_n):
         mx = -np.inf
         for i in range(n):
@@ -110,15 +148,15 @@ def combine(params, logits, values, positions, n, g_n, out):
                 mx = max(mx, logits[i, g])
         tot = 0.0
         for i in range(n):
-            if positions[i] >= n_sink:
-                tot += np.exp(logits[i, g] - mx)
+            ex[i] = np.exp(logits[i, g] - mx) if positions[i] >= n_sink else 0.0
+            tot += ex[i]
         for i in range(n):
             if positions[i] >= n_sink:
-                acc[i] += np.exp(logits[i, g] - mx) / tot / g_n
+                acc[i] += ex[i] / tot / g_n
     for i in range(n):
         s = acc[i]
         if params[P.use_vnorm] != 0.0:
-            s = (s + params[P.epsilon]) * np.sqrt(np.sum(values[i].astype(np.float64) ** 2))
+            s = (s + params[P.epsilon]) * l2_norm(values[i])
         out[i] = s
 
 
@@ -139,15 +177,18 @@ def score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state):
     n0 = min(int(params[P.n_sink]), n - 1)
     use_cov = params[P.use_covariance] != 0.0
     pos = np.arange(n)
+    theta = params[P.rope_theta]
+    cos_t, sin_t = rope_tables(n0, n, d, theta) if theta > 0.0 else (np.empty((0, 0)), np.empty((0, 0)))
+    rbar = mean_rotation(n, int(params[P.n_future_positions]), d, theta) if theta > 0.0 else np.empty((0, 0))
     for h in range(hkv):
         logits = np.empty((n, g_n))
         for g in range(g_n):
-            mu, cov = query_stats(params, q, h * g_n + g, n0, d)
+            mu, cov = query_stats(params, q, h * g_n + g, n0, d, cos_t, sin_t, rbar)
             smu, scov = _stats_at(head_state, h, g, d)
             smu[:] = mu
             scov[:, :] = cov
+            prompt_logits(k[:, h, :], mu, cov, d, use_cov, logits[:, g])
             for i in range(n):
-                logits[i, g] = logit(k[i, h], mu, cov, d, use_cov)
                 slot_state[h, i, 1 + g] = logits[i, g]
         for i in range(n):
             slot_state[h, i, 0] = 1.0

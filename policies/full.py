@@ -22,6 +22,7 @@ class FullCache(Policy):
     """Keep every token; its budget is ignored and its memory grows with the sequence."""
 
     name = "full"
+    reads_attention = False
     summary = "keep everything (reference)"
     unbounded = True
     step_fn = _step

@@ -24,6 +24,16 @@ def group_score(probs, h, i, mode):
     return acc / g_n if mode == 0 else acc
 
 
+@njit(cache=True, inline="always")
+def l2_norm(x):
+    """||x||_2 of a 1-d row in float64, without temporaries (scorers call it per slot and step)."""
+    acc = 0.0
+    for i in range(x.shape[0]):
+        v = np.float64(x[i])
+        acc += v * v
+    return np.sqrt(acc)
+
+
 @njit(cache=True)
 def evict_lowest(scores, positions, n, n_evict, lo_pos, hi_pos, keep):
     """Evict the ``n_evict`` slots with the lowest score among slots whose position is in [lo_pos, hi_pos).

@@ -9,6 +9,7 @@ import numpy as np
 from numba import njit
 
 from policies.base import param_indices
+from policies.kernels import l2_norm
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
 
@@ -16,21 +17,25 @@ SCHEMA = protection(n_sink=0, n_recent=1)
 P = param_indices(SCHEMA)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath={"reassoc", "contract"})   # SIMD sums (rounding-level differences)
 def anti_cosine(keys, n, out):
     """out[i] = -cos(keys[i], mean_j keys[j] / ||keys[j]||) for i < n (zero keys count as zero vectors)."""
     d = keys.shape[1]
     anchor = np.zeros(d)
     norms = np.empty(n)
     for i in range(n):
-        norms[i] = np.sqrt(np.sum(keys[i].astype(np.float64) ** 2))
+        norms[i] = l2_norm(keys[i])
         if norms[i] > 0.0:
-            anchor += keys[i] / norms[i]
+            for x in range(d):
+                anchor[x] += np.float64(keys[i, x]) / norms[i]
     anchor /= max(n, 1)
-    a = np.sqrt(np.sum(anchor ** 2))
+    a = l2_norm(anchor)
     for i in range(n):
         denom = norms[i] * a
-        out[i] = -(np.sum(keys[i].astype(np.float64) * anchor) / denom) if denom > 0.0 else 0.0
+        dot = 0.0
+        for x in range(d):
+            dot += np.float64(keys[i, x]) * anchor[x]
+        out[i] = -(dot / denom) if denom > 0.0 else 0.0
 
 
 @njit(SCORE_PROMPT_SIG, cache=True)

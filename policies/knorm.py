@@ -3,10 +3,10 @@
 Keys with a low L2 norm draw high attention, so the cache keeps the lowest-norm keys. A scorer on the
 base in policies/scorer.py: the score is ``-||k||``, prompt and decode alike.
 """
-import numpy as np
 from numba import njit
 
 from policies.base import param_indices
+from policies.kernels import l2_norm
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
 
@@ -18,14 +18,14 @@ P = param_indices(SCHEMA)
 def score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state):
     for i in range(k.shape[0]):
         for h in range(k.shape[1]):
-            scores[h, i] = -np.sqrt(np.sum(k[i, h].astype(np.float64) ** 2))
+            scores[h, i] = -l2_norm(k[i, h])
 
 
 @njit(SCORE_STEP_SIG, cache=True)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, scores):
     for h in range(lengths.shape[0]):
         for i in range(lengths[h]):
-            scores[h, i] = -np.sqrt(np.sum(keys[h, i].astype(np.float64) ** 2))
+            scores[h, i] = -l2_norm(keys[h, i])
 
 
 @register

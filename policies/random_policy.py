@@ -48,6 +48,7 @@ class RandomEviction(Policy):
     of (seed, layer, head, step), so replays are deterministic under a seed."""
 
     name = "random"
+    reads_attention = False
     summary = "uniform random eviction"
     schema = SCHEMA
     P = P

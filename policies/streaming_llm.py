@@ -33,6 +33,7 @@ class StreamingLLM(Policy):
     """Keep the first ``n_sinks`` tokens and the most recent ``budget - n_sinks`` (paper default: 4 sinks)."""
 
     name = "streaming_llm"
+    reads_attention = False
     summary = "sinks + sliding window"
     schema = SCHEMA
     P = P

@@ -25,6 +25,7 @@ class SlidingWindow(Policy):
     """Keep the last ``budget`` tokens (including the newest)."""
 
     name = "window"
+    reads_attention = False
     summary = "most recent tokens only"
     step_fn = _step
 

@@ -58,15 +58,19 @@ def _dots(q, t, h, g_n, ck, n, dots):
             i += 1
 
 
-@njit(cache=True, nogil=True)
-def _weighted_sums(probs, h, g_n, cv, n, v64):
-    """[G, d] float64: sum_i probs[h, g, i] * cv[h, i] for the G query heads of KV head h (the cache's attention
-    outputs), one float64 GEMM over the values converted once (``v64``: [cap, d] scratch)."""
+@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
+def _weighted_sums(probs, h, g_n, cv, n, oacc):
+    """oacc[g] = sum_i probs[h, g, i] * cv[h, i] in float64 for the G query heads of KV head h (the cache's
+    attention outputs): slot by slot, each value row converted once and added to the G rows (SIMD over d)."""
     d = cv.shape[2]
-    for i in range(n):
+    for g in range(g_n):
         for x in range(d):
-            v64[i, x] = cv[h, i, x]
-    return np.dot(np.ascontiguousarray(probs[h, :, :n]), v64[:n])
+            oacc[g, x] = 0.0
+    for i in range(n):
+        for g in range(g_n):
+            p = probs[h, g, i]
+            for x in range(d):
+                oacc[g, x] += p * np.float64(cv[h, i, x])
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -102,7 +106,7 @@ def _exp_nonpositive(xs, n, ibuf, out):
 
 @njit(cache=True, nogil=True)
 def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs, metric_row, want, dots,
-                        v64, xs, ibuf, ebuf):
+                        oacc, xs, ibuf, ebuf):
     """Attention of the G query heads of KV head h over its n cached slots into ``probs[h]``; when ``want``,
     also the step's metrics against the full-attention reference into ``metric_row[hq, :4]``."""
     d = q.shape[2]
@@ -131,7 +135,7 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
             lse_caches[g] = np.float64(mx32) + np.log(tot)
     if not want:
         return
-    oacc = _weighted_sums(probs, h, g_n, cv, n, v64)
+    _weighted_sums(probs, h, g_n, cv, n, oacc)
     for g in range(g_n):
         hq = h * g_n + g
         lse_cache = lse_caches[g]
@@ -189,9 +193,10 @@ def _move_left(ck, cv, cpos, dirty, cst, i, j, dst):
 #:   params float64[n_params]; layer; scale softmax scale; has_prefill; metric_start first measured step (the
 #:   prompt length); budget int64[Hkv]; head_adaptive; bounded (checks the budget); cap slots per head buffer;
 #:   n_slot_fields state width; head_init [Hkv, head state width] the initial head state (Policy.head_state_init);
-#:   rec_start first step whose kept positions are recorded
+#:   rec_start first step whose kept positions are recorded; reads_attention: the step reads ``probs`` (when
+#:   not, unmeasured steps skip the attention)
 EngineConfig = namedtuple("EngineConfig", "params layer scale has_prefill metric_start budget head_adaptive bounded "
-                                          "cap n_slot_fields head_init rec_start")
+                                          "cap n_slot_fields head_init rec_start reads_attention")
 #: one layer of the trace: q [T,Hq,d], k/v [T,Hkv,d] float32; lse [T,Hq], o [T,Hq,d] the full-attention
 #: reference; vmax1 [T,Hkv] running max of ||v||_1 (for the Ada-KV bound)
 LayerData = namedtuple("LayerData", "q k v lse o vmax1")
@@ -291,7 +296,7 @@ def replay_layer(kernels, cfg, data, out):
     xs = np.zeros(cap, np.float32)
     ebuf = np.zeros(cap, np.float32)
     ibuf = np.zeros(cap, np.int32)
-    v64 = np.zeros((cap, d), np.float64)
+    oacc = np.zeros((g_n, d), np.float64)
     clen = np.zeros(hkv, np.int64)
 
     t0 = 0
@@ -343,8 +348,9 @@ def replay_layer(kernels, cfg, data, out):
             for f in range(cfg.n_slot_fields):
                 cst[h, s, f] = 0.0
             clen[h] = s + 1
-            _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, cfg.scale, mult, ck, cv, cpos, dirty, probs,
-                                metric_row, want, dots, v64, xs, ibuf, ebuf)
+            if want or cfg.reads_attention:
+                    _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, cfg.scale, mult, ck, cv, cpos, dirty, probs,
+                                    metric_row, want, dots, oacc, xs, ibuf, ebuf)
             if want:
                 r = t - P
                 for g in range(g_n):

@@ -213,7 +213,7 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
                            cap=cap, n_slot_fields=policy.slot_fields,
                            head_init=np.ascontiguousarray(policy.head_state_init(hkv, meta.model.head_dim, li.wo),
                                                       np.float64),
-                           rec_start=rec_start)
+                           rec_start=rec_start, reads_attention=policy.reads_attention)
         status = replay_layer(kernels, cfg, LayerData(li.q, li.k, li.v, li.lse, li.o, li.vmax1), out)
         raise_on(policy, status, out.info, layer)
         return out.metrics, out.slots, out.kept

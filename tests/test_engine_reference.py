@@ -41,3 +41,16 @@ def test_engine_matches_numpy_reference(name, seed, T, geometry, frac, prompt_fr
             for h in range(hkv):
                 row = res.kept[layer, r, h]
                 np.testing.assert_array_equal(row[row >= 0], kept[offset + r][h])
+
+
+@pytest.mark.parametrize("name", [n for n in POLICIES if not get_policy(n).reads_attention])
+def test_skipping_unread_attention_changes_nothing(name):
+    """A policy that declares ``reads_attention = False`` replays bit for bit as when the engine computes the
+    attention of every step (it only skips the unmeasured prompt steps' attention)."""
+    trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=64,
+                                 n_prompt=40, seed=3)
+    policy = get_policy(name)
+    eager = type(policy.name + "_eager", (type(policy),), {"reads_attention": True})(**policy.params)
+    a, b = replay(trace, policy, 12, record_kept=(40, 24)), replay(trace, eager, 12, record_kept=(40, 24))
+    np.testing.assert_array_equal(a.metrics, b.metrics)
+    np.testing.assert_array_equal(a.kept, b.kept)
