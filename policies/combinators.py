@@ -102,19 +102,23 @@ class CriticalScorer(Combined):
     needs_wo = True
 
     def head_state_init(self, n_kv_heads: int, head_dim: int, wo: np.ndarray | None = None) -> np.ndarray:
-        """The scorer's zeros, then per KV head its query group's W_O as [G, hidden, d] (C order), G*d and
-        hidden (read by ``policies.scorer.wo_l1``)."""
+        """The scorer's zeros, then per KV head its query group's W_O as float32 [G * hidden, d] (C order) packed
+        in pairs into the float64 head state, then G*d and hidden (read by ``policies.scorer.wo_l1``)."""
         if wo is None:
             raise PolicyError(f"{self.label()} needs the layer's output projection W_O, and this trace has none: "
                               "record it again with `kvsim record` (which stores W_O for Llama-family models)")
-        wo = np.asarray(wo, np.float64)
+        wo = np.asarray(wo, np.float32)
         hidden, width = wo.shape
         if width % n_kv_heads:
             raise PolicyError(f"{self.label()}: W_O has {width} columns, not a multiple of {n_kv_heads} KV heads")
         gd, d = width // n_kv_heads, head_dim
         if gd % d:
             raise PolicyError(f"{self.label()}: W_O's {gd} columns per KV head are not whole heads of {d}")
-        blocks = wo.reshape(hidden, n_kv_heads, gd // d, d).transpose(1, 2, 0, 3).reshape(n_kv_heads, hidden * gd)
+        blocks = np.ascontiguousarray(wo.reshape(hidden, n_kv_heads, gd // d, d).transpose(1, 2, 0, 3))
+        blocks = blocks.reshape(n_kv_heads, hidden * gd)
+        if blocks.shape[1] % 2:                  # whole float64 slots: pad one float32 (never read)
+            blocks = np.hstack([blocks, np.zeros((n_kv_heads, 1), np.float32)])
+        blocks = blocks.view(np.float64)        # bit-for-bit; copies of the head state keep the bits
         tail = np.tile([float(gd), float(hidden)], (n_kv_heads, 1))
         return np.hstack([np.zeros((n_kv_heads, self.head_fields)), blocks, tail])
 

@@ -100,14 +100,15 @@ def hash_uniform(seed, a, b, c):
 
 @njit(cache=True)
 def causal_row(q, k, scale, hq, h, r, row):
-    """row[:r+1] = causal softmax attention of query ``r`` (head ``hq``) over KV head ``h``'s keys 0..r."""
+    """row[:r+1] = causal softmax attention of query ``r`` (head ``hq``) over KV head ``h``'s keys 0..r: float32
+    dot products (as the engine's attention), the scaling and softmax in float64."""
     d = q.shape[2]
     mx = -np.inf
     for i in range(r + 1):
-        acc = 0.0
+        acc = np.float32(0.0)
         for x in range(d):
-            acc += np.float64(q[r, hq, x]) * np.float64(k[i, h, x])
-        row[i] = acc * scale
+            acc += np.float32(q[r, hq, x]) * np.float32(k[i, h, x])
+        row[i] = np.float64(acc) * scale
         if row[i] > mx:
             mx = row[i]
     tot = 0.0
@@ -171,11 +172,11 @@ ATTN_BLOCK = 128
 
 
 @njit(cache=True)
-def key_tiles(k, h, n):
-    """Keys 0..n-1 of KV head ``h`` as float64 transposed tiles [ceil(n / B), d, B] (zero padded) for GEMM."""
+def key_tiles(k, h, n, dtype):
+    """Keys 0..n-1 of KV head ``h`` as transposed tiles [ceil(n / B), d, B] of ``dtype`` (zero padded) for GEMM."""
     d = k.shape[2]
     B = ATTN_BLOCK
-    out = np.zeros(((n + B - 1) // B, d, B), np.float64)
+    out = np.zeros(((n + B - 1) // B, d, B), dtype)
     for i in range(n):
         c = i // B
         j = i - c * B
@@ -190,17 +191,17 @@ def causal_attention_scores(q, k, scale, hq0, g_n, h, r0, r1, mode, scores, ring
     ``h``'s keys 0..r, reduced over those heads (mode 0 mean, 1 sum, 2 max, as ``group_score``), to
     ``scores[:r1]``. When ``ring_w > 0`` each row's reduced probabilities also go to ``ring[:, 1 + r % ring_w]``.
 
-    The numbers of ``causal_row`` per row up to rounding (float64 throughout): the logits come from float64 GEMMs
-    on B x B tiles (BLAS; only tiles on or below the diagonal) and the softmax is ``softmax_rows_inplace``.
-    O((r1 - r0) * r1 * g_n * d) time, O(g_n * B * r1) memory.
+    The numbers of ``causal_row`` per row up to rounding: the float32 logits come from SGEMMs on B x B tiles
+    (BLAS, twice a float64 GEMM's rate; only tiles on or below the diagonal), the float64 softmax is
+    ``softmax_rows_inplace``. O((r1 - r0) * r1 * g_n * d) time, O(g_n * B * r1) memory.
     """
     B = ATTN_BLOCK
     d = q.shape[2]
     if r1 <= r0:
         return
-    kt = key_tiles(k, h, r1)
-    qbuf = np.empty((g_n * B, d), np.float64)
-    tiles = np.empty((kt.shape[0], g_n * B, B), np.float64)
+    kt = key_tiles(k, h, r1, np.float32)
+    qbuf = np.empty((g_n * B, d), np.float32)
+    tiles = np.empty((kt.shape[0], g_n * B, B), np.float32)
     p = np.empty((g_n, r1), np.float64)
     ibuf = np.empty(r1, np.int64)
     red = np.empty(r1, np.float64)

@@ -167,20 +167,28 @@ def keep_scores_prompt(params, budget, v, slot_state, head_state, scores):
 
 @njit(cache=True)
 def wo_l1(head_state, h, vecs):
-    """CriticalKV's projected value norms of KV head h for the rows of ``vecs`` [n, d] (float64): the L1 norm of
-    W_O^(j) v averaged over the query heads j of its group, one BLAS product per query head. The head state
-    ends with the group's W_O as [G, hidden, d] (C order), then G*d and hidden (``CriticalScorer.head_state_init``)."""
+    """CriticalKV's projected value norms of KV head h for the rows of ``vecs`` [n, d] (float32): the L1 norm of
+    W_O^(j) v averaged over the query heads j of its group. One float32 GEMM against the group's W_O stacked
+    as [G * hidden, d] (SGEMM: the products to ~1e-7, half the memory traffic of float64 at a decode step),
+    the L1 sums in float64. The head state ends with that block as float32 pairs packed into float64 slots,
+    then G*d and hidden (``CriticalScorer.head_state_init``)."""
     hs_n = head_state.shape[1]
     gd = int(head_state[h, hs_n - 2])
     hidden = int(head_state[h, hs_n - 1])
     d = vecs.shape[1]
     g_n = gd // d
-    base = hs_n - 2 - g_n * hidden * d
-    block = head_state[h, base:base + g_n * hidden * d].reshape((g_n, hidden, d))
-    out = np.zeros(vecs.shape[0])
-    for g in range(g_n):
-        out += np.abs(np.dot(vecs, block[g].T)).sum(axis=1)
-    return out / g_n
+    m = g_n * hidden * d
+    base = hs_n - 2 - (m + 1) // 2
+    block = head_state[h, base:base + (m + 1) // 2].view(np.float32)[:m].reshape((g_n * hidden, d))
+    prods = np.dot(vecs, block.T)
+    n = vecs.shape[0]
+    out = np.zeros(n)
+    for r in range(n):
+        acc = 0.0
+        for j in range(g_n * hidden):
+            acc += abs(np.float64(prods[r, j]))
+        out[r] = acc / g_n
+    return out
 
 
 @njit(cache=True)
@@ -208,7 +216,7 @@ def critical_step(params, budget, lengths, values, slot_state, head_state, score
         n = lengths[h]
         todo = np.flatnonzero(slot_state[h, :n, last] == 0.0)
         if todo.size:
-            vecs = np.empty((todo.size, d))
+            vecs = np.empty((todo.size, d), np.float32)
             for j in range(todo.size):
                 vecs[j] = values[h, todo[j]]
             norms = wo_l1(head_state, h, vecs)
@@ -223,7 +231,7 @@ def critical_prompt(params, budget, v, slot_state, head_state, scores):
     then the two stages."""
     last = slot_state.shape[2] - 1
     for h in range(v.shape[1]):
-        norms = wo_l1(head_state, h, np.ascontiguousarray(v[:, h, :]).astype(np.float64))
+        norms = wo_l1(head_state, h, np.ascontiguousarray(v[:, h, :]))
         slot_state[h, :, last] = norms
         critical_stages(params, budget, h, v.shape[0], scores, norms)
 

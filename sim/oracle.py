@@ -60,7 +60,7 @@ def oracle_layer(q, k, v, o, vmax1, scale, budgets, metric_start, layer_scope, m
     oacc = np.zeros((hq_n, d), np.float64)
     count = np.zeros(hkv, np.int64)
     ibuf = np.empty(T, np.int64)
-    kts = [key_tiles(k, h, T) for h in range(hkv)]
+    kts = [key_tiles(k, h, T, np.float64) for h in range(hkv)]
     n_tiles = kts[0].shape[0]
     qbuf = np.empty((g_n * blk, d), np.float64)
     tiles = np.empty((hkv, n_tiles, g_n * blk, blk), np.float64)

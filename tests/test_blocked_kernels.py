@@ -1,4 +1,4 @@
-"""The blocked/vectorised kernels compute the numbers of their scalar definitions (up to float64 rounding) and
+"""The blocked/vectorised kernels compute the numbers of their scalar definitions (up to rounding) and
 the oracle's partial ordering is exactly a stable argsort's prefix."""
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ def test_causal_attention_scores_match_causal_rows(P, r0, mode, seed):
         got = np.zeros(P)
         ring = np.zeros((P, 5))
         causal_attention_scores(q, k, 0.25, 3 * h, 3, h, r0, P, mode, got, ring, 4)
-        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-300)
-        np.testing.assert_allclose(ring, ref_ring, rtol=1e-12, atol=1e-300)
+        # float32 logits summed in the GEMM's order, not the row loop's: ~1e-7 relative, times |logit| ~ 30
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-300)
+        np.testing.assert_allclose(ring, ref_ring, rtol=1e-5, atol=1e-300)
 
 
 @settings(max_examples=100, deadline=None)

@@ -141,8 +141,9 @@ def test_prompt_importance_matches_column_sums():
     k = rng.normal(size=(9, 2, 5)).astype(np.float32)
     for h in range(2):
         cols = [causal_column_sums(q, k, 0.4, 2 * h + g, h, 0, 9) for g in range(2)]
-        np.testing.assert_allclose(prompt_importance(q, k, 0.4, h, 0), (cols[0] + cols[1]) / 2, rtol=1e-12)
-        np.testing.assert_allclose(prompt_importance(q, k, 0.4, h, 1), cols[0] + cols[1], rtol=1e-12)
+        # float32 logits: a GEMM over the group's rows may round differently from one over a single head's
+        np.testing.assert_allclose(prompt_importance(q, k, 0.4, h, 0), (cols[0] + cols[1]) / 2, rtol=1e-6)
+        np.testing.assert_allclose(prompt_importance(q, k, 0.4, h, 1), cols[0] + cols[1], rtol=1e-6)
 
 
 def test_prefill_keeps_greedy_selection_and_slot_stats():

@@ -235,9 +235,11 @@ def test_critical_projected_norm_and_two_stages_worked_example():
     # one KV head, two query heads, d = 2, hidden = 2: W_O^(0) = I, W_O^(1) = [[2, 0], [0, 0]]
     wo = np.array([[1.0, 0.0, 2.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
     hs = pol.head_state_init(1, 2, wo)
-    assert hs.shape == (1, pol.head_fields + 2 * 4 + 2)
+    assert hs.shape == (1, pol.head_fields + 2 * 4 // 2 + 2)     # W_O as float32 pairs in float64 slots
     # mean over the group of ||W_O^(j) v||_1: [1, 1] -> (2 + 2) / 2, [0, 1] -> (1 + 0) / 2
-    assert wo_l1(hs, 0, np.array([[1.0, 1.0], [0.0, 1.0]])) == pytest.approx([2.0, 0.5])
+    assert wo_l1(hs, 0, np.array([[1.0, 1.0], [0.0, 1.0]], np.float32)) == pytest.approx([2.0, 0.5])
+    odd = pol.head_state_init(1, 1, np.array([[1.0, -3.0, 0.5]]))  # 3 query heads of d = 1: one float32 of padding
+    assert wo_l1(odd, 0, np.array([[2.0]], np.float32)) == pytest.approx([(2.0 + 6.0 + 1.0) / 3])
     # stage 1 keeps the top 0.5 x budget by plain score; the rest compete on (score + eps) * norm
     scores = np.array([[0.9, 0.5, 0.4, 0.3]])
     critical_stages(pol.param_vector(), np.array([2]), 0, 4, scores, np.array([1.0, 0.1, 1.0, 2.0]))
