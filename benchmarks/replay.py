@@ -8,6 +8,9 @@ Writes benchmarks/results/replay.json with
   - the attention inner loop's achieved GMAC/s (the engine's ``_attend_and_measure`` alone on the trace's
     keys, and H2O's whole replay) next to a single-core FMA peak measured here (a numba register-blocked FMA
     kernel and a float32 BLAS GEMM; the larger counts);
+  - where the time goes: the engine's parts per (step, KV head) at the budget's slot count (q.k, softmax, p.v
+    and metrics, one eviction's compaction) and, per policy, the seconds in its budget allocation, its prefill
+    kernel and the streamed steps (the rest);
   - the plain HF model decoding the trace's tokens one by one with its own KV cache (all of them, and the
     cheaper prompt-prefill-then-decode run), and the closed-loop runner
     (``kvsim validate``'s CompressedRunner, h2o, torch backend) over the trace's decode steps; the speed-up of
@@ -36,11 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-from numba import njit  # noqa: E402
+from numba import njit, objmode  # noqa: E402
 
 from benchmarks._util import machine, write_result  # noqa: E402
 from policies import get_policy, list_policies  # noqa: E402
-from sim.engine import N_METRICS, _attend_and_measure  # noqa: E402
+from sim.engine import (N_METRICS, _attend_and_measure, _compact, _dots, _exp_shifted,  # noqa: E402
+                        _new_buffers, _normalise, _scaled_max)
 from sim.replay import load_layers, replay, replay_oracle  # noqa: E402
 from traces.format import load_trace  # noqa: E402
 
@@ -130,6 +134,99 @@ def inner_loop_gmacs(li, scale: float, start: int, n_slots: int, block: int = 16
     return {"n_slots": n_slots, "head_dim": d, "steps_per_block": block, "block_seconds": best,
             "gmacs": macs / best / 1e9,
             "includes": "q.k (float32), softmax, metrics incl. p.v (float64 accumulation)"}
+
+
+# ----- where the time goes -----
+@njit(cache=True)
+def _engine_parts(q, k, v, lse, o, scale, t, n, rounds, keep_at, secs):
+    """Seconds per (step, KV head) of the engine's parts over ``n`` cached slots of real keys/values, each run
+    ``rounds`` times in a row: secs[0] q.k, [1] softmax, [2] p.v + metrics, [3] one eviction's compaction."""
+    T, hq_n, d = q.shape
+    hkv = k.shape[1]
+    g_n = hq_n // hkv
+    ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, n + 1, 1,
+                                                                                 np.zeros((hkv, 0)))
+    for h in range(hkv):
+        for i in range(n):
+            ck[h, i] = k[t - n + i, h]
+            cv[h, i] = v[t - n + i, h]
+            cpos[h, i] = t - n + i
+    dots = np.zeros((g_n, n + 1), np.float32)
+    xs = np.zeros(n + 1, np.float32)
+    ebuf = np.zeros(n + 1, np.float32)
+    ibuf = np.zeros(n + 1, np.int32)
+    oacc = np.zeros((g_n, d))
+    row = np.zeros((hq_n, N_METRICS))
+    f = np.float32(scale)
+    with objmode(t0="f8"):
+        t0 = time.perf_counter()
+    for _ in range(rounds):
+        for h in range(hkv):
+            _dots(q, t, h, g_n, ck, n, dots)
+    with objmode(t1="f8"):
+        t1 = time.perf_counter()
+    for _ in range(rounds):
+        for h in range(hkv):
+            for g in range(g_n):
+                mx = _scaled_max(dots, g, n, f, xs)
+                tot = _exp_shifted(xs, n, mx, ibuf, ebuf)
+                _normalise(ebuf, n, 1.0 / tot, probs[h, g])
+    with objmode(t2="f8"):
+        t2 = time.perf_counter()
+    for _ in range(rounds):
+        for h in range(hkv):
+            _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, 1.0, ck, cv, cpos, dirty, probs, row, True, dots,
+                                oacc, xs, ibuf, ebuf)
+    with objmode(t3="f8"):
+        t3 = time.perf_counter()
+    for _ in range(rounds):
+        for h in range(hkv):
+            keep[h, keep_at] = 0
+            _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst)   # slot n - 1 moves into place
+    with objmode(t4="f8"):
+        t4 = time.perf_counter()
+    per = 1.0 / (rounds * hkv)
+    secs[0] = (t1 - t0) * per
+    secs[1] = (t2 - t1) * per
+    secs[2] = (t3 - t2) * per - secs[0] - secs[1]     # _attend_and_measure = q.k + softmax + p.v and metrics
+    secs[3] = (t4 - t3) * per
+
+
+def engine_profile(li, scale: float, start: int, n_slots: int, rounds: int = 2000, repeat: int = 3) -> dict:
+    """Microseconds per (step, KV head) of the engine's parts at ``n_slots`` slots (best of ``repeat``)."""
+    secs = np.full(4, np.inf)
+    for _ in range(repeat + 1):            # the first compiles or loads the cache
+        got = np.zeros(4)
+        _engine_parts(li.q, li.k, li.v, li.lse, li.o, scale, start, n_slots, rounds, n_slots // 2, got)
+        secs = np.minimum(secs, got)
+    names = ("qk_dots", "softmax", "pv_and_metrics", "compaction_one_eviction_mid")
+    return {"n_slots": n_slots, "us_per_step_and_kv_head": {k: float(s * 1e6) for k, s in zip(names, secs)}}
+
+
+def policy_profile(trace, policy, inputs, budget: int, repeat: int = 2) -> dict:
+    """Seconds of a replay spent in the policy's budget allocation and in its prefill kernel (all layers);
+    the rest of ``replay`` is the engine streaming steps (attention, the step kernel, compaction)."""
+    from sim.contract import check_allocation
+
+    meta = trace.meta
+    P, hkv = meta.n_prompt, meta.model.n_kv_heads
+    prompt = [(li.q[:P], li.k[:P]) for li in inputs]
+
+    def allocate():
+        return check_allocation(policy, policy.allocate(budget, hkv, prompt, meta.softmax_scale), len(inputs), hkv)
+
+    budgets = allocate()
+
+    def prefill():
+        kernel, params = policy.kernels()[1], policy.param_vector()
+        for layer, li in enumerate(inputs):
+            head = np.ascontiguousarray(policy.head_state_init(hkv, meta.model.head_dim, li.wo), np.float64)
+            kernel(params, layer, budgets[layer], li.q[:P], li.k[:P], li.v[:P], float(meta.softmax_scale),
+                   np.ones((hkv, P), np.uint8), np.zeros((hkv, P, policy.slot_fields)), head)
+
+    out = {"allocate_s": min(_timed(allocate) for _ in range(repeat))}
+    out["prefill_s"] = min(_timed(prefill) for _ in range(repeat)) if policy.has_prefill else 0.0
+    return out
 
 
 # ----- running the model -----
@@ -259,6 +356,18 @@ def main(argv: list[str] | None = None) -> None:
           f"SGEMM {peak['blas_sgemm_gmacs']:.1f})"
           f" -> {engine['inner_fraction_of_peak']:.0%} / {engine['h2o_fraction_of_peak']:.0%}")
 
+    profile = {"engine": engine_profile(inputs[mid], float(meta.softmax_scale), meta.n_prompt, BUDGET + 1),
+               "policies": {}}
+    for n in names:
+        part = policy_profile(trace, get_policy(n), inputs, BUDGET)
+        part["stream_s"] = max(0.0, best[n] - part["allocate_s"] - part["prefill_s"])
+        profile["policies"][n] = part
+    print("engine per (step, KV head) at", BUDGET + 1, "slots:",
+          ", ".join(f"{k} {v:.2f} us" for k, v in profile["engine"]["us_per_step_and_kv_head"].items()))
+    for n in sorted(names, key=best.get, reverse=True)[:8]:
+        p = profile["policies"][n]
+        print(f"  {n:28s} allocate {p['allocate_s']:.3f} s, prefill {p['prefill_s']:.3f} s, "
+              f"streamed steps {p['stream_s']:.3f} s")
     ratios = {n: best[n] / h2o for n in best}
     state: dict = {"model_runs": None, "sweep": None}
 
@@ -282,7 +391,8 @@ def main(argv: list[str] | None = None) -> None:
             trace=dict(path=str(trace.path), n_layers=len(inputs), n_tokens=T, n_prompt=P, n_q_heads=hq,
                        n_kv_heads=meta.model.n_kv_heads, head_dim=d),
             budget=BUDGET, repeat=args.repeat, load_layers_s=load_s, seconds=best, first_call_s=first,
-            ratio_to_h2o=ratios, oracle_budgets=list(ORACLE_BUDGETS), engine=engine, model_runs=model_runs,
+            ratio_to_h2o=ratios, oracle_budgets=list(ORACLE_BUDGETS), engine=engine, profile=profile,
+            model_runs=model_runs,
             sweep=sweep, goals=GOALS, goals_met=met)
         print(f"goals met: {met}")
         print(f"wrote {write_result('replay', payload)}")

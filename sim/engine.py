@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from sim.contract import OK, OVER_CAPACITY, check_kept, check_scale, check_step
 
@@ -29,12 +31,13 @@ _VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the float32 dot p
 @njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
 def _dots(q, t, h, g_n, ck, n, dots):
     """dots[g, i] = q[t, h*G + g] . ck[h, i] in float32 (SIMD over d), four cached keys per pass so that each
-    query element is loaded once for four independent accumulators."""
+    query element is loaded once for four independent accumulators; the G query heads take their turns on a
+    block of keys while it is in L1."""
     d = q.shape[2]
-    for g in range(g_n):
-        qv = q[t, h * g_n + g]
-        i = 0
-        while i + 4 <= n:
+    i = 0
+    while i + 4 <= n:
+        for g in range(g_n):
+            qv = q[t, h * g_n + g]
             a0 = np.float32(0.0)
             a1 = np.float32(0.0)
             a2 = np.float32(0.0)
@@ -49,28 +52,42 @@ def _dots(q, t, h, g_n, ck, n, dots):
             dots[g, i + 1] = a1
             dots[g, i + 2] = a2
             dots[g, i + 3] = a3
-            i += 4
-        while i < n:
+        i += 4
+    while i < n:
+        for g in range(g_n):
             acc = np.float32(0.0)
             for x in range(d):
-                acc += qv[x] * ck[h, i, x]
+                acc += q[t, h * g_n + g, x] * ck[h, i, x]
             dots[g, i] = acc
-            i += 1
+        i += 1
 
 
 @njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
 def _weighted_sums(probs, h, g_n, cv, n, oacc):
     """oacc[g] = sum_i probs[h, g, i] * cv[h, i] in float64 for the G query heads of KV head h (the cache's
-    attention outputs): slot by slot, each value row converted once and added to the G rows (SIMD over d)."""
+    attention outputs): four slots per pass over each output row (SIMD over d), so that the row is loaded and
+    stored once per four slots."""
     d = cv.shape[2]
     for g in range(g_n):
         for x in range(d):
             oacc[g, x] = 0.0
-    for i in range(n):
+    i = 0
+    while i + 4 <= n:
+        for g in range(g_n):
+            p0 = probs[h, g, i]
+            p1 = probs[h, g, i + 1]
+            p2 = probs[h, g, i + 2]
+            p3 = probs[h, g, i + 3]
+            for x in range(d):
+                oacc[g, x] += ((p0 * np.float64(cv[h, i, x]) + p1 * np.float64(cv[h, i + 1, x]))
+                               + (p2 * np.float64(cv[h, i + 2, x]) + p3 * np.float64(cv[h, i + 3, x])))
+        i += 4
+    while i < n:
         for g in range(g_n):
             p = probs[h, g, i]
             for x in range(d):
                 oacc[g, x] += p * np.float64(cv[h, i, x])
+        i += 1
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -78,16 +95,31 @@ _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
 
 
-@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
-def _exp_nonpositive(xs, n, ibuf, out):
-    """out[i] = exp(xs[i]) for xs[i] <= 0 in float32, vectorised (no libm call per element).
+#: the softmax passes also assume finite values (the trace loader rejects NaN/inf): max and sum reductions vectorise
+_SOFTMAX_MATH = {"reassoc", "contract", "nnan", "nsz"}
+
+
+@njit(cache=True, nogil=True, fastmath=_SOFTMAX_MATH)
+def _scaled_max(dots, g, n, f, xs):
+    """xs[:n] = dots[g, :n] * f (float32 logits); returns their maximum (n >= 1)."""
+    mx = dots[g, 0] * f
+    for i in range(n):
+        xs[i] = dots[g, i] * f
+        mx = max(mx, xs[i])
+    return mx
+
+
+@njit(cache=True, nogil=True, fastmath=_SOFTMAX_MATH)
+def _exp_shifted(xs, n, shift, ibuf, out):
+    """out[i] = exp(xs[i] - shift) for xs[i] <= shift in float32, vectorised (no libm call per element); returns
+    the float64 sum of out[:n].
 
     Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial for e^r (relative error
-    < 2e-7) and 2^k built from its IEEE-754 bits. Inputs below -87 are clamped (result ~1e-38, not 0):
+    < 2e-7) and 2^k built from its IEEE-754 bits. Arguments below -87 are clamped (result ~1e-38, not 0):
     an absolute error below 2e-38 on values normalised by a sum >= 1.
     """
     for i in range(n):
-        x = max(xs[i], np.float32(-87.0))
+        x = max(xs[i] - shift, np.float32(-87.0))
         k = np.floor(x * _LOG2E + np.float32(0.5))
         r = x - k * _LN2_HI - k * _LN2_LO
         p = np.float32(1.0 / 720.0)
@@ -100,8 +132,34 @@ def _exp_nonpositive(xs, n, ibuf, out):
         out[i] = p
         ibuf[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
     pow2 = ibuf[:n].view(np.float32)
+    tot = 0.0
     for i in range(n):
         out[i] *= pow2[i]
+        tot += out[i]
+    return tot
+
+
+@njit(cache=True, nogil=True, fastmath=_SOFTMAX_MATH)
+def _normalise(ebuf, n, inv, row):
+    """row[:n] = ebuf[:n] * inv in float64 (one query head's probabilities)."""
+    for i in range(n):
+        row[i] = ebuf[i] * inv
+
+
+@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
+def _output_error(o, t, hq, oacc, g):
+    """(||o_ref - o|| / ||o_ref|| (the absolute norm when o_ref = 0), ||o_ref - o||_1) of query head hq at step t
+    against the cache's output ``oacc[g]``, in float64."""
+    num = 0.0
+    den = 0.0
+    l1 = 0.0
+    for x in range(o.shape[2]):
+        ref = np.float64(o[t, hq, x])
+        diff = ref - oacc[g, x]
+        num += diff * diff
+        den += ref * ref
+        l1 += abs(diff)
+    return (np.sqrt(num / den) if den > 0.0 else np.sqrt(num)), l1
 
 
 @njit(cache=True, nogil=True)
@@ -118,19 +176,9 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
     f = np.float32(scale * mult)
     lse_caches = np.empty(g_n, np.float64)
     for g in range(g_n):
-        mx32 = np.float32(-np.inf)
-        for i in range(n):
-            xs[i] = dots[g, i] * f
-            mx32 = max(mx32, xs[i])
-        for i in range(n):
-            xs[i] -= mx32
-        _exp_nonpositive(xs, n, ibuf, ebuf)
-        tot = 0.0
-        for i in range(n):
-            tot += ebuf[i]
-        inv = 1.0 / tot
-        for i in range(n):
-            probs[h, g, i] = ebuf[i] * inv
+        mx32 = _scaled_max(dots, g, n, f, xs)
+        tot = _exp_shifted(xs, n, mx32, ibuf, ebuf)
+        _normalise(ebuf, n, 1.0 / tot, probs[h, g])
         if want:
             lse_caches[g] = np.float64(mx32) + np.log(tot)
     if not want:
@@ -159,34 +207,46 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
                 p = probs[h, g, i]
                 if p > 0.0:
                     kl += p * (np.log(p) - log_pfull)
-        num = 0.0
-        den = 0.0
-        l1 = 0.0
-        for x in range(d):
-            ref = np.float64(o[t, hq, x])
-            diff = ref - oacc[g, x]
-            num += diff * diff
-            den += ref * ref
-            l1 += abs(diff)
+        err, l1 = _output_error(o, t, hq, oacc, g)
         # the stored float32 lse limits precision to ~6e-8 * |lse|: keep mass in [0, 1] where it cannot resolve
         metric_row[hq, 0] = min(1.0, mass)
-        metric_row[hq, 1] = np.sqrt(num / den) if den > 0.0 else np.sqrt(num)
+        metric_row[hq, 1] = err
         metric_row[hq, 2] = max(kl, 0.0)
         metric_row[hq, 3] = l1
 
 
+@intrinsic
+def _move_rows(typingctx, arr, i, j, dst):
+    """Move rows [i, j) of the C-contiguous array ``arr`` to rows [dst, dst + j - i): one ``llvm.memmove`` (the
+    regions may overlap), so the copy runs at the C library's memmove speed."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C"):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a, lo, hi, to = args
+        ary = context.make_array(signature.args[0])(context, builder, a)
+        shapes = cgutils.unpack_tuple(builder, ary.shape, arr.ndim)
+        row = context.get_constant(types.intp, 1)
+        for extent in shapes[1:]:
+            row = builder.mul(row, extent)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(arr.dtype)))
+        base = builder.bitcast(ary.data, cgutils.voidptr_t)
+        src = builder.gep(base, [builder.mul(builder.mul(lo, row), itemsize)])
+        dest = builder.gep(base, [builder.mul(builder.mul(to, row), itemsize)])
+        cgutils.raw_memmove(builder, dest, src, builder.mul(builder.sub(hi, lo), row), itemsize)
+        return context.get_dummy_value()
+
+    return types.void(arr, types.intp, types.intp, types.intp), codegen
+
+
 @njit(cache=True, nogil=True)
 def _move_left(ck, cv, cpos, dirty, cst, i, j, dst):
-    """Move slots [i, j) to [dst, dst + j - i) with dst < i: a forward copy, no temporary (regions overlap)."""
-    d = ck.shape[1]
-    for s in range(j - i):
-        for x in range(d):
-            ck[dst + s, x] = ck[i + s, x]
-            cv[dst + s, x] = cv[i + s, x]
-        cpos[dst + s] = cpos[i + s]
-        dirty[dst + s] = dirty[i + s]
-        for f in range(cst.shape[1]):
-            cst[dst + s, f] = cst[i + s, f]
+    """Move slots [i, j) to [dst, dst + j - i) with dst < i (the regions may overlap), field by field."""
+    _move_rows(ck, i, j, dst)
+    _move_rows(cv, i, j, dst)
+    _move_rows(cpos, i, j, dst)
+    _move_rows(dirty, i, j, dst)
+    _move_rows(cst, i, j, dst)
 
 
 #: the policy and run settings of one layer's replay (numba reads it as a typed named tuple)
