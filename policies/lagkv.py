@@ -21,31 +21,48 @@ SCHEMA = protection(n_sink=4, n_recent=1) + (
 P = param_indices(SCHEMA)
 
 
-@njit(cache=True)
-def _norm_std_softmax(x, i0, i1, r0, r1, out, add):
-    """out[i0:i1] (+)= softmax over the partition of std_c((x[i, c] - min_ref c) / (max_ref c - min_ref c))."""
+@njit(cache=True, fastmath={"reassoc", "contract"})   # SIMD sums over the channels (rounding-level differences)
+def _norm_std_softmax(x, i0, i1, r0, r1, out, add, mn, mx, z, s):
+    """out[i0:i1] (+)= softmax over the partition of std_c((x[i, c] - min_ref c) / (max_ref c - min_ref c)).
+    mn, mx, z [d] and s [n] are the caller's scratch (this runs per partition, step and head)."""
     d = x.shape[1]
-    mn = np.full(d, np.inf)
-    mx = np.full(d, -np.inf)
+    for c in range(d):
+        mn[c] = np.inf
+        mx[c] = -np.inf
     for r in range(r0, r1):
         for c in range(d):
             mn[c] = min(mn[c], x[r, c])
             mx[c] = max(mx[c], x[r, c])
-    s = np.empty(i1 - i0)
+    for c in range(d):
+        mx[c] = 1.0 / (mx[c] - mn[c] + 1e-6)       # the reference's inverse range: one division per channel
+    top = -np.inf
     for i in range(i0, i1):
-        z = np.empty(d)
+        tot = 0.0
         for c in range(d):
-            z[c] = (x[i, c] - mn[c]) / (mx[c] - mn[c] + 1e-6)
-        s[i - i0] = np.std(z)
-    s = np.exp(s - s.max())
-    s /= s.sum()
+            z[c] = (x[i, c] - mn[c]) * mx[c]
+            tot += z[c]
+        mean = tot / d
+        ssd = 0.0
+        for c in range(d):
+            ssd += (z[c] - mean) ** 2
+        s[i] = np.sqrt(ssd / d)          # np.std(z)
+        top = max(top, s[i])
+    tot = 0.0
     for i in range(i0, i1):
-        out[i] = out[i] + s[i - i0] if add else s[i - i0]
+        s[i] = np.exp(s[i] - top)
+        tot += s[i]
+    for i in range(i0, i1):
+        out[i] = out[i] + s[i] / tot if add else s[i] / tot
 
 
 @njit(cache=True)
 def lag_scores(keys, values, positions, n, n_sink, lag, out):
     """LagKV scores of n cached slots (positions increasing); sinks and the unreferenced tail get +inf."""
+    d = keys.shape[1]
+    mn = np.empty(d)
+    mx = np.empty(d)
+    z = np.empty(d)
+    s = np.empty(n)
     part = np.empty(n, np.int64)
     for i in range(n):
         part[i] = (positions[i] - n_sink) // lag if positions[i] >= n_sink else -1
@@ -61,8 +78,8 @@ def lag_scores(keys, values, positions, n, n_sink, lag, out):
         while r1 < n and part[r1] == part[i1]:
             r1 += 1
         if part[i0] >= 0 and part[i1] == part[i0] + 1:
-            _norm_std_softmax(keys, i0, i1, i1, r1, out, False)
-            _norm_std_softmax(values, i0, i1, i1, r1, out, True)
+            _norm_std_softmax(keys, i0, i1, i1, r1, out, False, mn, mx, z, s)
+            _norm_std_softmax(values, i0, i1, i1, r1, out, True, mn, mx, z, s)
         i0 = i1
 
 

@@ -180,15 +180,25 @@ def wo_l1(head_state, h, vecs):
     m = g_n * hidden * d
     base = hs_n - 2 - (m + 1) // 2
     block = head_state[h, base:base + (m + 1) // 2].view(np.float32)[:m].reshape((g_n * hidden, d))
-    prods = np.dot(vecs, block.T)
     n = vecs.shape[0]
     out = np.zeros(n)
-    for r in range(n):
+    rows = min(n, 64)                    # GEMM row blocks: the products stay in L2, no [n, G * hidden] temporary
+    prods = np.empty((rows, g_n * hidden), np.float32)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        np.dot(vecs[r0:r1], block.T, prods[:r1 - r0])
+        _abs_row_means(prods, r1 - r0, g_n, out[r0:r1])
+    return out
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})   # SIMD sums (rounding-level differences)
+def _abs_row_means(prods, m, g_n, out):
+    """out[r] = sum_j |prods[r, j]| / g_n in float64 for the first m rows."""
+    for r in range(m):
         acc = 0.0
-        for j in range(g_n * hidden):
+        for j in range(prods.shape[1]):
             acc += abs(np.float64(prods[r, j]))
         out[r] = acc / g_n
-    return out
 
 
 @njit(cache=True)
