@@ -143,7 +143,15 @@ def _cos_from(dot, ni, nj):
 
 @njit(cache=True)
 def similarity_matrix(k, mode):
-    """sim of all pairs of rows of k [n, d] (float64 [n, n]; a zero key has cosine 0 with every other key).
+    """sim of all pairs of rows of k [n, d] (float64 [n, n]; a zero key has cosine 0 with every other key)."""
+    S = np.empty((k.shape[0], k.shape[0]), np.float64)
+    similarity_into(k, mode, S)
+    return S
+
+
+@njit(cache=True)
+def similarity_into(k, mode, S):
+    """``similarity_matrix`` into S[:n, :n] (a buffer the prefill reuses for every head: no fresh 8 MB per head).
 
     The cosines are one GEMM of the normalised keys (BLAS) in the keys' own precision (float32 keys, as traces
     and caches hold them: SGEMM, ~3x a float64 one at d = 64; cosines to ~1e-7), symmetrised from the lower
@@ -160,7 +168,6 @@ def similarity_matrix(k, mode):
             for x in range(d):
                 u[i, x] = np.float64(k[i, x]) * inv
     C = np.dot(u, u.T)
-    S = np.empty((n, n), np.float64)
     B = 16       # tile by tile, so that the mirrored writes S[j, i] stay within a few pages
     for b0 in range(0, n, B):
         for c0 in range(0, b0 + 1, B):
@@ -171,7 +178,6 @@ def similarity_matrix(k, mode):
                     S[j, i] = s
     for i in range(n):
         S[i, i] = self_sim(mode)
-    return S
 
 
 @njit(cache=True, fastmath=_VECTOR_MATH)
@@ -312,9 +318,10 @@ def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state
     alpha, beta = params[P.alpha], params[P.beta]
     mode = int(params[P.similarity])
     n_prompt = k.shape[0]
+    S = np.empty((n_prompt, n_prompt), np.float64)
     for h in range(k.shape[1]):
         m = prompt_importance(q, k, scale, h, int(params[P.group_reduce]))
-        S = similarity_matrix(k[:, h, :], mode)
+        similarity_into(k[:, h, :], mode, S)
         recent = recent_slots(budget[h], params[P.recent_ratio])
         forced = np.zeros(n_prompt, np.uint8)
         forced[max(0, n_prompt - recent):] = 1
