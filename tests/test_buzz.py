@@ -189,8 +189,8 @@ def test_prompt_scores_match_numpy():
     logits = np.where(np.tri(70, dtype=bool), logits, -np.inf)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)                                          # [Hkv, G, r, t]
-    for mode, red in enumerate((p.mean(1), p.sum(1), p.max(1))):
-        np.testing.assert_allclose(_prompt_scores(q, k, 0.3, mode), red.sum(1), rtol=1e-9, atol=1e-12)
+    for mode, red in enumerate((p.mean(1), p.sum(1), p.max(1))):       # the kernel's logits are float32 dots
+        np.testing.assert_allclose(_prompt_scores(q, k, 0.3, mode), red.sum(1), rtol=1e-6, atol=1e-12)
 
 
 CONFIGS = st.fixed_dictionaries({
