@@ -2,9 +2,11 @@
 
 For every step t the new token's k/v is appended to each KV head's cache, the step's queries attend over
 the cached slots only (O(budget * d) per head), metrics are taken against the trace's full-attention
-reference, then the policy's jitted ``step`` decides evictions/merges and the caches are compacted.
-The engine is compiled once (the policy kernels are first-class functions with fixed signatures, the other
-inputs three named tuples) and cached on disk; it releases the GIL so layers replay in parallel threads.
+reference, then the policy's jitted ``step`` decides evictions/merges and the caches are compacted (one memmove
+per field and run of kept slots). Unmeasured (prompt) steps skip the attention when the policy's step does not
+read it (``Policy.reads_attention``). The engine is compiled once (the policy kernels are first-class functions
+with fixed signatures, the other inputs three named tuples) and cached on disk; it releases the GIL so layers
+replay in parallel threads.
 The step contract is checked by ``sim.contract``'s jitted checks, the same ones the numpy reference and the
 closed-loop runner call.
 """
@@ -22,8 +24,6 @@ from sim.contract import OK, OVER_CAPACITY, check_kept, check_scale, check_step
 #: metric columns of the per-(step, query head) output, in order
 METRICS = ("mass", "err", "kl", "l1", "l1_bound")
 N_METRICS = len(METRICS)
-
-
 
 _VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the float32 dot products and sums
 
