@@ -237,10 +237,16 @@ def _dot64(keys, h, a, b):
     return acc
 
 
+#: slot state fields: the accumulated attention score, and the key's norm (0 = not known: a new slot, or one that
+#: received a merge and so has a new key)
+F_SCORE, F_NORM = 0, 1
+
+
 @njit(cache=True)
-def _nearest(h, n, keys, keep, evicted, near, sim):
+def _nearest(h, n, keys, keep, evicted, near, sim, slot_state):
     """List head h's evicted slots (slot order = position order) with their nearest kept slot and its cosine
-    similarity (0 against a zero key); returns how many. Each slot's norm is computed once per call."""
+    similarity (0 against a zero key); returns how many. A key's norm is computed when first needed and kept in
+    its slot state (``F_NORM``)."""
     ne = 0
     for i in range(n):
         if keep[h, i] == 0:
@@ -248,9 +254,10 @@ def _nearest(h, n, keys, keep, evicted, near, sim):
             ne += 1
     if ne == 0:
         return 0
-    norms = np.empty(n)
+    norms = slot_state[h, :, F_NORM]
     for i in range(n):
-        norms[i] = math.sqrt(_dot64(keys, h, i, i))
+        if norms[i] == 0.0:
+            norms[i] = math.sqrt(_dot64(keys, h, i, i))
     for e in range(ne):
         a = evicted[h, e]
         best = -1
@@ -279,8 +286,9 @@ def _ema(head_state, h, beta, mean_u):
 
 
 @njit(cache=True)
-def _assign_merges(params, h, ne, evicted, near, sim, merge_to, merge_w):
-    """Write the merges of head h's evicted slots whose ``near`` is still >= 0 (eq. 12 / average / released)."""
+def _assign_merges(params, h, ne, evicted, near, sim, merge_to, merge_w, slot_state):
+    """Write the merges of head h's evicted slots whose ``near`` is still >= 0 (eq. 12 / average / released); a
+    receiving slot's key changes, so its cached norm is cleared."""
     wmode = int(params[P.merge_weights])
     # per receiving slot j, merge_w[h, j] first accumulates the denominator (sum exp(u), or the count)
     for e in range(ne):
@@ -290,6 +298,7 @@ def _assign_merges(params, h, ne, evicted, near, sim, merge_to, merge_w):
         if merge_to[h, j] != -2:
             merge_to[h, j] = -2          # marks j as a receiver while the sums are built
             merge_w[h, j] = 0.0
+            slot_state[h, j, F_NORM] = 0.0
         merge_w[h, j] += math.exp(sim[h, e]) if wmode == 0 else 1.0
     self_w = math.e if wmode == 0 else 1.0
     for e in range(ne):
@@ -308,7 +317,7 @@ def _assign_merges(params, h, ne, evicted, near, sim, merge_to, merge_w):
 
 
 @njit(cache=True)
-def _merge_layer(params, lengths, keys, head_state, keep, merge_to, merge_w):
+def _merge_layer(params, lengths, keys, slot_state, head_state, keep, merge_to, merge_w):
     """Match evicted slots to their nearest kept slot, apply the EMA threshold (per head or per layer), merge."""
     hkv = lengths.shape[0]
     cap = keys.shape[1]
@@ -320,7 +329,7 @@ def _merge_layer(params, lengths, keys, head_state, keep, merge_to, merge_w):
     sim = np.empty((hkv, cap), np.float64)
     ne = np.zeros(hkv, np.int64)
     for h in range(hkv):
-        ne[h] = _nearest(h, lengths[h], keys, keep, evicted, near, sim)
+        ne[h] = _nearest(h, lengths[h], keys, keep, evicted, near, sim, slot_state)
     if per_layer:
         # released code: one tau per layer from the mean u* over heads and evicted tokens; the r-th evicted token
         # of every head is merged when the mean over heads of their u* clears tau (>=)
@@ -358,7 +367,7 @@ def _merge_layer(params, lengths, keys, head_state, keep, merge_to, merge_w):
                     if sim[h, e] < tau:
                         near[h, e] = -1
     for h in range(hkv):
-        _assign_merges(params, h, ne[h], evicted, near, sim, merge_to, merge_w)
+        _assign_merges(params, h, ne[h], evicted, near, sim, merge_to, merge_w, slot_state)
 
 
 @njit(STEP_SIG, cache=True)
@@ -372,15 +381,15 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
     for h in range(lengths.shape[0]):
         n = lengths[h]
         for i in range(n):
-            slot_state[h, i, 0] += group_score(probs, h, i, mode)
+            slot_state[h, i, F_SCORE] += group_score(probs, h, i, mode)
         b = budget[h]
         if n <= b:
             continue
         sinks, _, recent = head_split(b, n_sinks, ratio, in_hh)
-        evict_lowest(slot_state[h, :, 0], positions[h], n, n - b, sinks, t - recent + 1, keep[h])
+        evict_lowest(slot_state[h, :, F_SCORE], positions[h], n, n - b, sinks, t - recent + 1, keep[h])
         evicting = True
     if evicting and params[P.merge] != 0.0:
-        _merge_layer(params, lengths, keys, head_state, keep, merge_to, merge_w)
+        _merge_layer(params, lengths, keys, slot_state, head_state, keep, merge_to, merge_w)
 
 
 @njit(PREFILL_SIG, cache=True)
@@ -396,7 +405,7 @@ def _prefill_once(params, layer, budget, q, k, v, scale, keep, slot_state, head_
         scores = np.zeros(s, np.float64)
         group_rows_scores(q, k, scale, h, 0, s, mode, scores, ring, 0)
         for i in range(s):
-            slot_state[h, i, 0] = scores[i]
+            slot_state[h, i, F_SCORE] = scores[i]
         b = budget[h]
         if s <= b:
             continue
@@ -415,7 +424,7 @@ class D2O(Policy):
     schema = SCHEMA
     P = P
     presets = {"reference": REFERENCE}
-    slot_fields = 1
+    slot_fields = 2
     head_fields = 2
     step_fn = _step
     prefill_fn = _prefill_once

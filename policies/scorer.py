@@ -182,7 +182,7 @@ def wo_l1(head_state, h, vecs):
     block = head_state[h, base:base + (m + 1) // 2].view(np.float32)[:m].reshape((g_n * hidden, d))
     n = vecs.shape[0]
     out = np.zeros(n)
-    rows = min(n, 64)                    # GEMM row blocks: the products stay in L2, no [n, G * hidden] temporary
+    rows = min(n, 256)                   # GEMM row blocks: no [n, G * hidden] temporary
     prods = np.empty((rows, g_n * hidden), np.float32)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)

@@ -63,6 +63,15 @@ def _dots(q, t, h, g_n, ck, n, dots):
 
 
 @njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
+def _dot32(q, t, hq, k, src, h):
+    """q[t, hq] . k[src, h] in float32 (SIMD over d): a merged slot's original logit."""
+    acc = np.float32(0.0)
+    for x in range(q.shape[2]):
+        acc += q[t, hq, x] * k[src, h, x]
+    return acc
+
+
+@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
 def _weighted_sums(probs, h, g_n, cv, n, oacc):
     """oacc[g] = sum_i probs[h, g, i] * cv[h, i] in float64 for the G query heads of KV head h (the cache's
     attention outputs): four slots per pass over each output row (SIMD over d), so that the row is loaded and
@@ -167,12 +176,7 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
                         oacc, xs, ibuf, ebuf):
     """Attention of the G query heads of KV head h over its n cached slots into ``probs[h]``; when ``want``,
     also the step's metrics against the full-attention reference into ``metric_row[hq, :4]``."""
-    d = q.shape[2]
     _dots(q, t, h, g_n, ck, n, dots)
-    any_dirty = False
-    for i in range(n):
-        if dirty[h, i] != 0:
-            any_dirty = True
     f = np.float32(scale * mult)
     lse_caches = np.empty(g_n, np.float64)
     for g in range(g_n):
@@ -183,6 +187,10 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
             lse_caches[g] = np.float64(mx32) + np.log(tot)
     if not want:
         return
+    any_dirty = False
+    for i in range(n):
+        if dirty[h, i] != 0:
+            any_dirty = True
     _weighted_sums(probs, h, g_n, cv, n, oacc)
     for g in range(g_n):
         hq = h * g_n + g
@@ -197,11 +205,7 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
             for i in range(n):
                 dot = np.float64(dots[g, i])
                 if dirty[h, i] != 0:   # merged slot: measure the token it stands for with its original key
-                    acc = np.float32(0.0)
-                    src = cpos[h, i]
-                    for x in range(d):
-                        acc += q[t, hq, x] * k[src, h, x]
-                    dot = np.float64(acc)
+                    dot = np.float64(_dot32(q, t, hq, k, cpos[h, i], h))
                 log_pfull = dot * scale - lse[t, hq]
                 mass += np.exp(log_pfull)
                 p = probs[h, g, i]

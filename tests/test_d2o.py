@@ -21,7 +21,7 @@ def _run_step(policy, keys, scores, budget, head_state=None, t=None):
     ks = np.ascontiguousarray(keys[None], np.float32)
     probs = np.zeros((1, 1, cap))
     pos = np.arange(n, dtype=np.int64)[None].copy()
-    st_ = np.zeros((1, cap, 1))
+    st_ = np.zeros((1, cap, policy.slot_fields))           # the scores, then the cached key norms (0: unknown)
     st_[0, :, 0] = scores
     hs = np.zeros((1, 2)) if head_state is None else np.array([head_state], np.float64)
     keep = np.ones((1, cap), np.uint8)
@@ -195,7 +195,8 @@ def _run_layer(policy, keys, scores, budget, head_state=None):
     """One step of the jitted kernel on H KV heads (one query head each, zero probabilities), t = n - 1."""
     h, n, d = keys.shape
     ks = np.ascontiguousarray(keys, np.float32)
-    st_ = np.ascontiguousarray(np.asarray(scores, np.float64)[:, :, None])
+    st_ = np.zeros((h, n, policy.slot_fields))            # the scores, then the cached key norms (0: unknown)
+    st_[:, :, 0] = scores
     hs = np.zeros((h, 2)) if head_state is None else np.asarray(head_state, np.float64).copy()
     keep = np.ones((h, n), np.uint8)
     mt = np.full((h, n), -1, np.int64)
@@ -307,7 +308,7 @@ def test_prompt_once_selects_by_full_column_sums():
     k = rng.normal(size=(s, 2, d)).astype(np.float32)
     pol = get_policy("d2o", preset="reference", n_sinks=2)
     keep = np.ones((2, s), np.uint8)
-    st_ = np.zeros((2, s, 1))
+    st_ = np.zeros((2, s, pol.slot_fields))
     _prefill_once(pol.param_vector(), 0, np.array([10, 10], np.int64), q, k, k.copy(), 0.5, keep, st_,
                   np.zeros((2, 2)))
     sums = prompt_column_sums(q, k, 0.5).reshape(2, 2, s).mean(axis=1)     # group mean per KV head
