@@ -14,12 +14,9 @@ Writes benchmarks/results/fidelity_smollm2.json and .png.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 POLICIES = ("streaming_llm;h2o;tova;cascading;d2o;snapkv:window_size=16;pyramidkv:window_size=16;"
             "ada_snapkv:window_size=16;ada_h2o;bumblebee;buzz;knorm;keydiff;expected_attention:rope_theta=100000")
@@ -27,11 +24,12 @@ TEXTS = ("default", "idle")
 
 
 def main(argv: list[str]) -> int:
-    import torch
+    import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
 
     from gpu_validate.segments import closed_loop, make_segments
     from sim.specs import parse_policy_list
     from sim.store import ResultStore
+    from sim.threads import limit_threads
     from traces.model import read_text
     from traces.models import load_model
 
@@ -47,7 +45,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--report-only", action="store_true",
                     help="skip the model runs; report on the segments whose cells are all in the store")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    limit_threads(1)   # one thread, through the API sweep workers use
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
     model, tok = load_model(args.model, device="cpu")

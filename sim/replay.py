@@ -19,6 +19,7 @@ from policies.base import Policy, PolicyError
 from sim.contract import PolicyContractError, check_allocation, raise_on, slot_capacity  # noqa: F401 (re-export)
 from sim.engine import METRICS, N_METRICS, EngineConfig, EngineOutputs, LayerData, replay_layer
 from sim.oracle import oracle_layer
+from sim.threads import KVSIM_THREADS, available_cores, blas_per_layer_thread
 from traces.format import LayerArrays, Trace
 from traces.reference import full_attention_reference
 
@@ -126,7 +127,9 @@ def _check_budget(trace: Trace, policy: Policy, budget: int) -> None:
 
 
 def _threads(threads: int | None, n_layers: int) -> int:
-    return max(1, min(n_layers, threads or int(os.environ.get("KVSIM_THREADS", os.cpu_count() or 1))))
+    """Layers replayed side by side: ``threads``, else this process's share (``KVSIM_THREADS``, which a sweep
+    worker's thread budget sets), else every core it may use."""
+    return max(1, min(n_layers, threads or int(os.environ.get(KVSIM_THREADS, available_cores()))))
 
 
 def load_layers(trace: Trace, layers: Sequence[int] | None = None) -> list[LayerInputs]:
@@ -218,7 +221,8 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
         raise_on(policy, status, out.info, layer)
         return out.metrics, out.slots, out.kept
 
-    with ThreadPoolExecutor(_threads(threads, len(inputs))) as pool:
+    n_threads = _threads(threads, len(inputs))
+    with blas_per_layer_thread(n_threads), ThreadPoolExecutor(n_threads) as pool:
         outs = list(pool.map(run, range(len(inputs))))
     kept = None
     if n_rec:
@@ -271,7 +275,8 @@ def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
                      scope == "layer", metrics, slots)
         return metrics, slots
 
-    with ThreadPoolExecutor(_threads(threads, len(inputs))) as pool:
+    n_threads = _threads(threads, len(inputs))
+    with blas_per_layer_thread(n_threads), ThreadPoolExecutor(n_threads) as pool:
         outs = list(pool.map(run, range(len(inputs))))
     rec_start, n_rec = record_kept if record_kept else (0, 0)
     n_rec = max(0, min(n_rec, T - rec_start))

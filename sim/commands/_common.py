@@ -109,11 +109,15 @@ def add_out_option(p: argparse.ArgumentParser, default: Path | str | None, what:
 
 
 def add_executor_options(p: argparse.ArgumentParser) -> None:
-    """``--workers N`` and ``--ray ADDRESS``: where the replays run."""
+    """``--workers N``, ``--threads N`` and ``--ray ADDRESS``: where the replays run, with how many threads."""
     from sim.executors import default_workers
 
     p.add_argument("--workers", type=positive_int, default=default_workers(),
                    help="local worker processes (one per core on this machine)")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="threads per worker process or Ray task, for numba, BLAS and torch alike (default: the "
+                        "cores divided among the workers, so workers x threads <= cores; 1 per Ray task, which "
+                        "declares num_cpus=N to Ray's scheduler)")
     p.add_argument("--ray", metavar="ADDRESS", default=None,
                    help="run on Ray: a cluster address (ray://host:10001, auto) or 'local' (needs kvsim[ray])")
 
