@@ -119,8 +119,11 @@ class CriticalScorer(Combined):
         if blocks.shape[1] % 2:                  # whole float64 slots: pad one float32 (never read)
             blocks = np.hstack([blocks, np.zeros((n_kv_heads, 1), np.float32)])
         blocks = blocks.view(np.float64)        # bit-for-bit; copies of the head state keep the bits
-        tail = np.tile([float(gd), float(hidden)], (n_kv_heads, 1))
-        return np.hstack([np.zeros((n_kv_heads, self.head_fields)), blocks, tail])
+        # filled in place: the scorer's (possibly large, mostly untouched) zero block stays lazily allocated
+        out = np.zeros((n_kv_heads, self.head_fields + blocks.shape[1] + 2))
+        out[:, self.head_fields:-2] = blocks
+        out[:, -2:] = [float(gd), float(hidden)]
+        return out
 
 
 WRAPPERS: dict[str, type[ScorerPolicy]] = {"ada": AdaScorer, "decoding": DecodingScorer, "critical": CriticalScorer}

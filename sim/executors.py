@@ -18,8 +18,9 @@ _TRACE_CACHE: dict[tuple, Any] = {}
 
 @dataclass(frozen=True)
 class TraceRef:
-    """How to (re)open a trace in any process: a directory or ``synthetic:KIND`` plus generator sizes, and
-    whether to verify the files' checksums and finiteness (``--no-verify`` travels with the work)."""
+    """How to (re)open a trace in any process: a directory or ``synthetic:KIND`` plus generator sizes, whether
+    to verify the files' checksums and finiteness (``--no-verify`` travels with the work), and what a policy
+    does on a hybrid model's sliding-window layers (``sim.replay.SLIDING_MODES``)."""
 
     spec: str
     n_tokens: int = 1024
@@ -27,6 +28,7 @@ class TraceRef:
     n_layers: int = 2
     seed: int = 0
     verify: bool = True
+    sliding: str = "keep"
 
     def open(self):
         from sim.replay import load_layers
@@ -63,14 +65,14 @@ def run_job(job: Job) -> list[dict[str, Any]]:
     trace, inputs = job.trace.open()
     policy = get_policy(job.policy, **dict(job.params))
     t0 = time.perf_counter()
-    results = replay_budgets(trace, policy, job.budgets, inputs=inputs)
+    results = replay_budgets(trace, policy, job.budgets, inputs=inputs, sliding=job.trace.sliding)
     per = (time.perf_counter() - t0) / len(results)
     rows = []
     for key, budget, res in zip(job.keys, job.budgets, results):
         row = res.summary()
         row.update(key=key, trace=trace_name(trace), trace_id=trace_id(trace), policy=policy.name,
                    label=policy.label(), params=dict(policy.params), budget=budget, n_tokens=trace.meta.n_tokens,
-                   elapsed_s=per, **job.meta)
+                   sliding=job.trace.sliding, elapsed_s=per, **job.meta)
         rows.append(row)
     return rows
 

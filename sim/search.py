@@ -124,7 +124,7 @@ def run_search(trace: TraceRef, policy: str, budgets: Sequence[int], store: Resu
                                     "kv_bytes_mean": np.nan, "trial": trial.number})
                     bar.update(1)
                     continue
-                keys = [config_key(tid, pol.name, pol.params, b) for b in bset]
+                keys = [config_key(tid, pol.name, pol.params, b, trace.sliding) for b in bset]
                 plans.append((trial, pol, bset, keys))
             missing = [Job(trace, pol.name, tuple(sorted(pol.params.items())), (b,), (k,))
                        for _, pol, bset, keys in plans for b, k in zip(bset, keys) if k not in cached]
@@ -160,7 +160,7 @@ def _decoded(row: dict[str, Any]) -> dict[str, Any]:
 def _oracle_errors(ex: Executor, trace: TraceRef, tid: str, budgets: Sequence[int], store: ResultStore,
                    cached: dict[str, Any]) -> dict[int, float]:
     oracle = get_policy("oracle")
-    keys = {b: config_key(tid, "oracle", oracle.params, b) for b in budgets}
+    keys = {b: config_key(tid, "oracle", oracle.params, b, trace.sliding) for b in budgets}
     todo = [b for b, k in keys.items() if k not in cached]
     if todo:
         job = Job(trace, "oracle", tuple(sorted(oracle.params.items())), tuple(todo), tuple(keys[b] for b in todo))

@@ -62,7 +62,7 @@ def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequen
         tid = trace_id(trace)
         for pol in policies:
             valid = [int(b) for b in budgets if pol.min_budget() <= b <= trace.meta.n_tokens]
-            todo = [(b, config_key(tid, pol.name, pol.params, b)) for b in valid]
+            todo = [(b, config_key(tid, pol.name, pol.params, b, ref.sliding)) for b in valid]
             todo = [(b, k) for b, k in todo if k not in done]
             if not todo:
                 continue
