@@ -16,13 +16,15 @@ from sim.store import ResultStore
 
 def table(df: pd.DataFrame) -> tuple[str, list[dict]]:
     """Rows per policy label (best mean error first at the largest budget): mean relative attention-output
-    error and mean retained attention mass per budget."""
+    error and mean retained attention mass per budget (the markdown), and the mean K+V memory held over all
+    stored layers in MB (the JSON)."""
     budgets = sorted(df.budget.unique())
     rows = []
     for label, g in df.groupby("label"):
         by = g.set_index("budget")
         rows.append({"label": label, **{f"err@{b}": float(by.err_mean.get(b, float("nan"))) for b in budgets},
-                     **{f"mass@{b}": float(by.mass_mean.get(b, float("nan"))) for b in budgets}})
+                     **{f"mass@{b}": float(by.mass_mean.get(b, float("nan"))) for b in budgets},
+                     **{f"kv_mb@{b}": float(by.kv_bytes_mean.get(b, float("nan"))) / 1e6 for b in budgets}})
     rows.sort(key=lambda r: r[f"err@{budgets[-1]}"])
     head = "| policy | " + " | ".join(f"err @{b}" for b in budgets) + " | " + \
         " | ".join(f"mass @{b}" for b in budgets) + " |"
@@ -41,8 +43,9 @@ def main() -> None:
     df = ResultStore(args.store).load()
     md, rows = table(df)
     print(md)
+    extra = {"sliding": sorted(df.sliding.unique().tolist())} if "sliding" in df else {}
     path = write_result(args.name, {"trace": sorted(df.trace.unique().tolist()), "rows": rows,
-                                    "n_configs": len(df), "machine": machine()})
+                                    "n_configs": len(df), **extra, "machine": machine()})
     print(f"wrote {path}")
 
 

@@ -227,3 +227,21 @@ def test_other_gqa_rope_families_are_faithful(family, ids, tmp_path):
     assert all(r.rel_err < 1e-5 for r in res.faithfulness)
     tr = load_trace(tmp_path / "t")
     assert (tr.meta.model.n_q_heads, tr.meta.model.n_kv_heads, tr.meta.source["model_type"]) == (4, 1, family)
+
+
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_chunked_prefill_records_what_one_forward_records(llama, ids, tmp_path, single_pass):
+    """Feeding the prompt (or the whole teacher-forced text) in chunks of 7 through the model's own cache gives
+    the arrays, references and per-token NLL of one forward over everything, to float32 rounding."""
+    kw = dict(n_prompt=40, n_decode=24, teacher_forced=True, single_pass=single_pass, progress=False)
+    record_trace(llama, ids, tmp_path / "one", chunk=1000, **kw)
+    record_trace(llama, ids, tmp_path / "chunked", chunk=7, **kw)
+    one, chunked = load_trace(tmp_path / "one"), load_trace(tmp_path / "chunked")
+    assert chunked.meta.source["prefill_chunk"] == 7
+    for i in range(one.n_layers):
+        for a, b in zip(one.layer(i), chunked.layer(i)):
+            if a is not None:
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(one.tokens.nll.to_numpy(), chunked.tokens.nll.to_numpy(), rtol=1e-4, atol=1e-5)
+    assert (one.tokens.top1_id == chunked.tokens.top1_id).all()
+    assert chunked.tokens.nll.isna().sum() == 1                     # position 0 only

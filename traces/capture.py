@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -99,15 +100,19 @@ def layer_attention(config: Any, layer: int, scale: float, window: int | None) -
 
 @dataclass
 class Capture:
-    """Per-layer buffers of the new positions' q [t, Hq', d], k/v [t, Hkv', d] and output o [t, Hq', d]."""
+    """Per-layer buffers of every position's q [T, Hq', d], k/v [T, Hkv', d] (``store_dtype``) and the model's
+    attention output o [T, Hq', d] (float32), filled as the model's attention calls arrive.
+
+    The buffers are memory-mapped files in ``spill`` (one per layer and array, created at the layer's first
+    call), so recording a long context holds no layer in memory: the OS pages them out as needed, and the
+    recorder then finishes one layer at a time."""
     layer_ids: tuple[int, ...]
     kv_heads: tuple[int, ...]
     group: int
     store_dtype: np.dtype
-    q: dict[int, list[np.ndarray]] = field(default_factory=dict)
-    k: dict[int, list[np.ndarray]] = field(default_factory=dict)
-    v: dict[int, list[np.ndarray]] = field(default_factory=dict)
-    o: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    n_tokens: int
+    spill: Path
+    buffers: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     scaling: dict[int, float] = field(default_factory=dict)
     window: dict[int, int | None] = field(default_factory=dict)
     seen: dict[int, int] = field(default_factory=dict)
@@ -115,6 +120,17 @@ class Capture:
     @property
     def q_heads(self) -> list[int]:
         return [h * self.group + j for h in self.kv_heads for j in range(self.group)]
+
+    def _buffers(self, layer: int, d: int) -> dict[str, np.ndarray]:
+        if layer not in self.buffers:
+            T, hq, hkv = self.n_tokens, len(self.q_heads), len(self.kv_heads)
+            shapes = {"q": ((T, hq, d), self.store_dtype), "k": ((T, hkv, d), self.store_dtype),
+                      "v": ((T, hkv, d), self.store_dtype), "o": ((T, hq, d), np.dtype(np.float32))}
+            self.buffers[layer] = {
+                name: np.lib.format.open_memmap(self.spill / f"{layer:03d}-{name}.npy", mode="w+", dtype=dt,
+                                                shape=shape)
+                for name, (shape, dt) in shapes.items()}
+        return self.buffers[layer]
 
     def add(self, layer: int, query, key, value, out, scaling: float, window: int | None = None) -> None:
         """Store one attention call: query [1,Hq,t,d], key/value [1,Hkv,S,d] (the cache as the layer attends
@@ -130,22 +146,28 @@ class Capture:
         if s not in (seen + t, held + t):
             raise CaptureError(f"layer {layer}: key length {s} != cached {seen} + new {t}; the model must run "
                                "with a growing KV cache (a sliding layer may hand over only its window)")
+        if seen + t > self.n_tokens:
+            raise CaptureError(f"layer {layer}: {seen + t} positions exceed the {self.n_tokens} being recorded")
         self.seen[layer] = seen + t
         self.window[layer] = int(window) if window else None
         qh, kh = self.q_heads, list(self.kv_heads)
         to_np = lambda x: x.detach().float().cpu().numpy()  # noqa: E731
-        self.q.setdefault(layer, []).append(to_np(query[0, qh].transpose(0, 1)).astype(self.store_dtype))
-        self.k.setdefault(layer, []).append(to_np(key[0, kh, s - t:].transpose(0, 1)).astype(self.store_dtype))
-        self.v.setdefault(layer, []).append(to_np(value[0, kh, s - t:].transpose(0, 1)).astype(self.store_dtype))
-        self.o.setdefault(layer, []).append(to_np(out[0][:, qh]))
+        buf = self._buffers(layer, query.shape[-1])
+        rows = slice(seen, seen + t)
+        buf["q"][rows] = to_np(query[0, qh].transpose(0, 1))
+        buf["k"][rows] = to_np(key[0, kh, s - t:].transpose(0, 1))
+        buf["v"][rows] = to_np(value[0, kh, s - t:].transpose(0, 1))
+        buf["o"][rows] = to_np(out[0][:, qh])
         self.scaling[layer] = float(scaling)
 
     def arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Concatenated (q, k, v, model_o) of one layer over all recorded positions."""
-        if layer not in self.q:
+        """(q, k, v, model_o) of one layer over all recorded positions (memory-mapped)."""
+        if layer not in self.buffers:
             raise CaptureError(f"layer {layer} was never called; is it an attention layer of this model?")
-        cat = lambda xs: np.ascontiguousarray(np.concatenate(xs, axis=0))  # noqa: E731
-        return cat(self.q[layer]), cat(self.k[layer]), cat(self.v[layer]), cat(self.o[layer])
+        if self.seen[layer] != self.n_tokens:
+            raise CaptureError(f"layer {layer}: {self.seen[layer]} of {self.n_tokens} positions were recorded")
+        buf = self.buffers[layer]
+        return buf["q"], buf["k"], buf["v"], buf["o"]
 
 
 def _recording_attention(module, query, key, value, attention_mask, **kwargs):

@@ -55,9 +55,13 @@ def verify_trace_against_model(trace, model, *, tol: float | None = None) -> lis
     Independent of the recording run: the model's attention outputs are captured afresh and compared with
     attention recomputed from the q/k/v stored on disk. Raises UnfaithfulTraceError when any layer fails.
     """
+    import tempfile
+    from pathlib import Path
+
     import torch
 
     from traces.capture import Capture, capturing
+    from traces.recorder import ChunkedFeeder
 
     tokens = trace.tokens
     if tokens is None:
@@ -65,19 +69,21 @@ def verify_trace_against_model(trace, model, *, tol: float | None = None) -> lis
     src = trace.meta.source
     kv_heads = tuple(src.get("kv_heads", range(trace.meta.model.n_kv_heads)))
     group = trace.meta.model.group_size
-    cap = Capture(tuple(trace.meta.model.layer_ids), kv_heads, group, np.dtype(np.float32))
-    ids = torch.tensor(tokens["token_id"].to_numpy(np.int64)[None], device=next(model.parameters()).device)
+    ids = tokens["token_id"].to_numpy(np.int64).tolist()
     model.eval()
-    with torch.no_grad(), capturing(model, cap):
-        model(input_ids=ids, use_cache=True)
     out = []
-    for i, layer in enumerate(trace.meta.model.layer_ids):
-        la = trace.layer(i)
-        model_o = cap.arrays(layer)[3]
-        attn = trace.meta.attention(i)
-        res, _, _ = layer_faithfulness(layer, np.asarray(la.q), np.asarray(la.k), np.asarray(la.v), model_o,
-                                       attn.scale, window=attn.window)
-        out.append(res)
+    with tempfile.TemporaryDirectory(prefix="kvsim-verify-") as spill:
+        cap = Capture(tuple(trace.meta.model.layer_ids), kv_heads, group, np.dtype(np.float32), len(ids), Path(spill))
+        feeder = ChunkedFeeder(model)
+        with torch.no_grad(), capturing(model, cap):
+            for c0 in range(0, len(ids), feeder.chunk):
+                feeder.feed(ids[c0:c0 + feeder.chunk], [])
+        for i, layer in enumerate(trace.meta.model.layer_ids):
+            la = trace.layer(i)
+            attn = trace.meta.attention(i)
+            res, _, _ = layer_faithfulness(layer, la.q, la.k, la.v, cap.arrays(layer)[3], attn.scale,
+                                           window=attn.window)
+            out.append(res)
     compute = str(next(model.parameters()).dtype)
     assert_faithful(out, default_tolerance(trace.meta.dtype, compute) if tol is None else tol)
     return out

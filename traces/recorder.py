@@ -13,7 +13,8 @@ and ``top1_id`` = argmax p(. | tokens_<t) under the full cache (NaN / -1 at t = 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -58,13 +59,16 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
                  tokenizer: Any = None, layers: Sequence[int] | None = None, kv_heads: Sequence[int] | None = None,
                  dtype: str = "float32", teacher_forced: bool = False, model_id: str | None = None,
                  source: dict | None = None, progress: bool = True, overwrite: bool = False,
-                 tol: float | None = None, single_pass: bool = False) -> RecordResult:
+                 tol: float | None = None, single_pass: bool = False, chunk: int | None = None) -> RecordResult:
     """Run prefill + decode, capture q/k/v of the chosen layers and KV heads, check and write a trace.
 
     token_ids: the text; the first n_prompt are the prompt; with teacher_forced the next n_decode are fed
     as the decoded tokens, otherwise decode is greedy. kv_heads selects KV heads; each keeps its whole
     query-head group (GQA: query head h uses KV head h // (Hq/Hkv)). single_pass (teacher-forced only) feeds
-    all tokens in one causal forward instead of token by token: the same attention, several times faster.
+    all tokens causally in chunks instead of the decoded ones token by token: the same attention, several times
+    faster. The prompt always goes through in chunks of ``chunk`` tokens (``DEFAULT_CHUNK``) with the model's own
+    cache, and every captured array lives in memory-mapped buffers until its layer is checked and written, so
+    memory stays bounded at any length the model supports.
     """
     import pandas as pd
     import torch
@@ -96,88 +100,133 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (use overwrite to replace it)")
 
-    cap = Capture(layer_ids, kv, group, np.dtype(dtype))
     device = next(model.parameters()).device
-    fed, nll, top1 = [], [], []
     model.eval()
-    cache_kw = cache_keyword(model)
-    with torch.no_grad(), capturing(model, cap), tqdm(total=total, desc="record", unit="tok",
-                                                      disable=not progress) as bar:
-        first = total if single_pass else n_prompt
-        out = model(input_ids=torch.tensor([ids[:first]], device=device), use_cache=True)
-        logp = torch.log_softmax(out.logits[0].float(), dim=-1)
-        fed.extend(ids[:first])
-        nll.append(math.nan)
-        top1.append(-1)
-        tgt = torch.tensor(ids[1:first], device=device)
-        nll.extend((-logp[:-1].gather(1, tgt[:, None])[:, 0]).tolist())
-        top1.extend(logp[:-1].argmax(-1).tolist())
-        last, past = logp[-1], returned_cache(out)
-        bar.update(first)
-        for step in range(total - first):
-            tok = ids[n_prompt + step] if teacher_forced else int(last.argmax())
-            nll.append(float(-last[tok]))
-            top1.append(int(last.argmax()))
-            fed.append(tok)
-            out = model(input_ids=torch.tensor([[tok]], device=device), use_cache=True, **{cache_kw: past})
-            last, past = torch.log_softmax(out.logits[0, -1].float(), dim=-1), returned_cache(out)
-            bar.update(1)
-
-    scales = {round(cap.scaling[layer], 12) for layer in layer_ids if layer in cap.scaling}
-    if len(scales) > 1:
-        raise CaptureError(f"layers use different softmax scales {sorted(scales)}; record them separately")
-    scale = cap.scaling[layer_ids[0]] if layer_ids[0] in cap.scaling else shape.head_dim ** -0.5
-
-    cols = np.concatenate([np.arange(h * shape.head_dim, (h + 1) * shape.head_dim) for h in cap.q_heads])
-    layers_out, faith = [], []
-    attention = tuple(layer_attention(model.config, layer, cap.scaling.get(layer, scale), cap.window.get(layer))
-                      for layer in layer_ids)
-    for layer, attn in zip(layer_ids, attention):
-        q, k, v, model_o = cap.arrays(layer)
-        res, lse, o = layer_faithfulness(layer, q, k, v, model_o, attn.scale, window=attn.window)
-        faith.append(res)
-        wo = output_projection(model, layer)
-        layers_out.append(LayerArrays(q, k, v, lse, o, None if wo is None else wo[:, cols]))
-    compute = str(next(model.parameters()).dtype)
-    assert_faithful(faith, default_tolerance(dtype, compute) if tol is None else tol)
-
-    decode_nll = [x for x in nll[n_prompt:] if not math.isnan(x)]
-    mean_nll = float(np.mean(decode_nll)) if decode_nll else math.nan
     name = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
-    hidden = layers_out[0].wo.shape[0] if layers_out[0].wo is not None else 0
-    info = ModelInfo(model_id=str(name), n_layers=shape.n_layers, n_q_heads=len(kv) * group, n_kv_heads=len(kv),
-                     head_dim=shape.head_dim, rope=shape.rope, layer_ids=layer_ids, hidden_size=hidden,
-                     attention=attention)
-    src = {
-        **(source or {}),
-        "recorder": "traces.recorder",
-        "model_type": shape.model_type,
-        "decode": "teacher_forced" if teacher_forced else "greedy",
-        "single_pass": bool(single_pass),
-        "kv_heads": list(kv),
-        "q_heads": cap.q_heads,
-        "model_n_q_heads": shape.n_q_heads,
-        "model_n_kv_heads": shape.n_kv_heads,
-        "device": str(device),
-        "model_dtype": str(next(model.parameters()).dtype),
-        "faithfulness_rel_err": {str(r.layer): r.rel_err for r in faith},
-        "mean_nll_prompt": float(np.nanmean(nll[:n_prompt])) if n_prompt > 1 else math.nan,
-        "mean_nll_decode": mean_nll,
-    }
-    src = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in src.items()}
-    meta = TraceMeta(model=info, n_tokens=total, n_prompt=n_prompt, dtype=dtype, softmax_scale=float(scale),
-                     kind="qkv", source=src)
-    text = [tokenizer.decode([t]) if tokenizer is not None else "" for t in fed]
-    tokens = pd.DataFrame({
-        "position": np.arange(total, dtype=np.int64), "token_id": np.asarray(fed, np.int64), "text": text,
-        "is_prompt": np.arange(total) < n_prompt, "top1_id": np.asarray(top1, np.int64),
-        "nll": np.asarray(nll, np.float32),
-    })
-    with TraceWriter(out_dir, meta, compute_reference=False, overwrite=overwrite) as w:
-        for la in tqdm(layers_out, desc="write", unit="layer", disable=not progress):
-            w.add_layer(la)
-        w.set_tokens(tokens)
+    cols = np.concatenate([np.arange(h * shape.head_dim, (h + 1) * shape.head_dim) for h in
+                           [h * group + j for h in kv for j in range(group)]])
+    first_wo = output_projection(model, layer_ids[0])
+    faith: list[LayerFaithfulness] = []
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.capture-") as spill:
+        cap = Capture(layer_ids, kv, group, np.dtype(dtype), total, Path(spill))
+        feeder = ChunkedFeeder(model, chunk)
+        fed: list[int] = []
+        nll, top1 = [math.nan], [-1]          # position 0 has no context; position p >= 1 is predicted by p - 1
+        with torch.no_grad(), capturing(model, cap), tqdm(total=total, desc="record", unit="tok",
+                                                          disable=not progress) as bar:
+            first = total if single_pass else n_prompt
+            for c0 in range(0, first, feeder.chunk):        # prefill (or the whole teacher-forced text) in chunks
+                c1 = min(first, c0 + feeder.chunk)
+                got_nll, got_top1 = feeder.feed(ids[c0:c1], ids[c0 + 1:min(c1 + 1, first)])
+                fed.extend(ids[c0:c1])
+                nll.extend(got_nll)
+                top1.extend(got_top1)
+                bar.update(c1 - c0)
+            for step in range(total - first):               # then token by token through the model's cache
+                last = feeder.last
+                tok = ids[n_prompt + step] if teacher_forced else int(last.argmax())
+                nll.append(float(-last[tok]))
+                top1.append(int(last.argmax()))
+                fed.append(tok)
+                feeder.feed([tok], [])
+                bar.update(1)
+
+        scales = {round(cap.scaling[layer], 12) for layer in layer_ids if layer in cap.scaling}
+        if len(scales) > 1:
+            raise CaptureError(f"layers use different softmax scales {sorted(scales)}; record them separately")
+        scale = cap.scaling[layer_ids[0]] if layer_ids[0] in cap.scaling else shape.head_dim ** -0.5
+        attention = tuple(layer_attention(model.config, layer, cap.scaling.get(layer, scale), cap.window.get(layer))
+                          for layer in layer_ids)
+        decode_nll = [x for x in nll[n_prompt:] if not math.isnan(x)]
+        mean_nll = float(np.mean(decode_nll)) if decode_nll else math.nan
+        info = ModelInfo(model_id=str(name), n_layers=shape.n_layers, n_q_heads=len(kv) * group,
+                         n_kv_heads=len(kv), head_dim=shape.head_dim, rope=shape.rope, layer_ids=layer_ids,
+                         hidden_size=0 if first_wo is None else first_wo.shape[0], attention=attention)
+        src = {
+            **(source or {}),
+            "recorder": "traces.recorder",
+            "model_type": shape.model_type,
+            "decode": "teacher_forced" if teacher_forced else "greedy",
+            "single_pass": bool(single_pass),
+            "prefill_chunk": feeder.chunk,
+            "kv_heads": list(kv),
+            "q_heads": cap.q_heads,
+            "model_n_q_heads": shape.n_q_heads,
+            "model_n_kv_heads": shape.n_kv_heads,
+            "device": str(device),
+            "model_dtype": str(next(model.parameters()).dtype),
+            "mean_nll_prompt": float(np.nanmean(nll[:n_prompt])) if n_prompt > 1 else math.nan,
+            "mean_nll_decode": mean_nll,
+        }
+        meta = TraceMeta(model=info, n_tokens=total, n_prompt=n_prompt, dtype=dtype, softmax_scale=float(scale),
+                         kind="qkv", source=src)
+        text = [tokenizer.decode([t]) if tokenizer is not None else "" for t in fed]
+        tokens = pd.DataFrame({
+            "position": np.arange(total, dtype=np.int64), "token_id": np.asarray(fed, np.int64), "text": text,
+            "is_prompt": np.arange(total) < n_prompt, "top1_id": np.asarray(top1, np.int64),
+            "nll": np.asarray(nll, np.float32),
+        })
+        tolerance = default_tolerance(dtype, str(next(model.parameters()).dtype)) if tol is None else tol
+        # one layer at a time: its windowed reference, its faithfulness (a failure discards the whole trace),
+        # then its files; nothing but the current layer is held in memory
+        with TraceWriter(out_dir, meta, compute_reference=False, overwrite=overwrite) as w:
+            for layer, attn in zip(tqdm(layer_ids, desc="check+write", unit="layer", disable=not progress),
+                                   attention):
+                q, k, v, model_o = cap.arrays(layer)
+                res, lse, o = layer_faithfulness(layer, q, k, v, model_o, attn.scale, window=attn.window)
+                assert_faithful([res], tolerance)
+                faith.append(res)
+                wo = output_projection(model, layer)
+                w.add_layer(LayerArrays(q, k, v, lse, o, None if wo is None else wo[:, cols]))
+            w.meta = replace(meta, source={**src, "faithfulness_rel_err": {str(r.layer): r.rel_err for r in faith}})
+            w.meta = replace(w.meta, source={k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                             for k, v in w.meta.source.items()})
+            w.set_tokens(tokens)
     return RecordResult(out_dir, faith, mean_nll)
+
+
+DEFAULT_CHUNK = 512
+"""Tokens per forward when a prompt (or a teacher-forced text) is fed through the model: each chunk attends over the
+model's cache plus itself, so no layer builds a T x T mask and the logits of one chunk are all that is held."""
+
+
+class ChunkedFeeder:
+    """Feeds tokens through an HF causal LM with its own KV cache, ``chunk`` tokens per forward, and keeps what
+    a trace needs of the logits: the NLL of each next token and its argmax, computed on row slices (a 262 k-token
+    vocabulary never turns a whole chunk into float32 log-probabilities at once); ``last`` holds the
+    log-probabilities after the newest position (for greedy decoding and the next token's NLL)."""
+
+    ROWS = 64
+
+    def __init__(self, model, chunk: int | None = None) -> None:
+        import torch
+
+        self.model, self.chunk = model, max(1, int(chunk or DEFAULT_CHUNK))
+        self.kw = cache_keyword(model)
+        self.device = next(model.parameters()).device
+        self.past = None
+        self.last: Any = None
+        self._torch = torch
+
+    def feed(self, ids: Sequence[int], targets: Sequence[int]) -> tuple[list[float], list[int]]:
+        """Run ``ids`` (one chunk) through the model; for the first ``len(targets)`` of them return the NLL of
+        ``targets[i]`` (the token at the next position) and the argmax of their prediction."""
+        torch = self._torch
+        kw = {self.kw: self.past} if self.past is not None else {}
+        out = self.model(input_ids=torch.tensor([list(ids)], device=self.device), use_cache=True, **kw)
+        self.past = returned_cache(out)
+        logits = out.logits[0]
+        nll: list[float] = []
+        top1: list[int] = []
+        for r0 in range(0, len(targets), self.ROWS):
+            r1 = min(len(targets), r0 + self.ROWS)
+            lp = torch.log_softmax(logits[r0:r1].float(), dim=-1)
+            tgt = torch.tensor(list(targets[r0:r1]), device=lp.device)
+            nll.extend((-lp.gather(1, tgt[:, None])[:, 0]).tolist())
+            top1.extend(lp.argmax(-1).tolist())
+        self.last = torch.log_softmax(logits[-1].float(), dim=-1)
+        return nll, top1
 
 
 def cache_keyword(model) -> str:

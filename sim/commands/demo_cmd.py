@@ -100,8 +100,10 @@ def describe_replayed(trace) -> str:
     text = f"policies compress layers {', '.join(str(ids[i]) for i in comp)}"
     if kept:
         windows = sorted({trace.meta.attention(i).window for i in kept})
-        text += (f" (global); sliding layers {', '.join(str(ids[i]) for i in kept)} keep their "
-                 f"{'/'.join(map(str, windows))}-token window, counted in the memory held")
+        which = ", ".join(str(ids[i]) for i in kept)
+        text += (f" (global); sliding layer{'s' if len(kept) > 1 else ''} {which} keep{'' if len(kept) > 1 else 's'} "
+                 f"{'their' if len(kept) > 1 else 'its'} {'/'.join(map(str, windows))}-token window, counted in the "
+                 "memory held (--sliding compress in replay/sweep compresses them too)")
     return text
 
 

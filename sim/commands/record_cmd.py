@@ -48,6 +48,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--teacher-forced", action="store_true", help="feed the text's tokens instead of greedy decode")
     p.add_argument("--single-pass", action="store_true",
                    help="with --teacher-forced: one causal forward over all tokens instead of token-by-token decode")
+    p.add_argument("--prefill-chunk", type=_positive, default=None, metavar="N",
+                   help="tokens per model forward while prefilling (default 512): each chunk attends over the "
+                        "model's cache plus itself, so memory stays bounded at long context")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                        tokenizer=tok, layers=args.layers, kv_heads=args.kv_heads, dtype=args.dtype,
                        teacher_forced=args.teacher_forced, model_id=model_id(args.model), source=source,
                        progress=not args.no_progress,
-                       overwrite=args.overwrite, single_pass=args.single_pass)
+                       overwrite=args.overwrite, single_pass=args.single_pass, chunk=args.prefill_chunk)
     worst = max(r.rel_err for r in res.faithfulness)
     print(f"wrote {res.path}: {args.prompt_tokens}+{args.decode_tokens} tokens, {len(res.faithfulness)} layers, "
           f"faithful (max rel err {worst:.1e}), mean decode NLL {res.mean_nll_decode:.3f}")
