@@ -43,8 +43,9 @@ from numba import njit, objmode  # noqa: E402
 
 from benchmarks._util import machine, write_result  # noqa: E402
 from policies import get_policy, list_policies  # noqa: E402
-from sim.engine import (N_METRICS, _attend_and_measure, _compact, _dots, _exp_shifted,  # noqa: E402
-                        _new_buffers, _normalise, _scaled_max)
+from sim.engine import (_attend_and_measure, _compact, _dots, _exp_shifted, _new_buffers,  # noqa: E402
+                        _normalise, _scaled_max)
+from sim.metrics import N_METRICS  # noqa: E402
 from sim.replay import load_layers, replay, replay_oracle  # noqa: E402
 from traces.format import load_trace  # noqa: E402
 
@@ -87,7 +88,7 @@ def fma_peak_gmacs(repeat: int = 5) -> dict:
 
 # ----- the engine's attention inner loop alone -----
 @njit(cache=True)
-def _attention_only(q, k, v, lse, o, scale, start, stop, n_slots, probs, metric_row, out):
+def _attention_only(q, k, v, lse, o, vmax1, scale, start, stop, n_slots, probs, metric_row, out):
     """The engine's per-(step, KV head) attention + metric pass of steps [start, stop) over ``n_slots`` fixed
     cached slots (the trace's keys and values just before ``start``): ``replay_layer`` minus policy and copies."""
     T, hq_n, d = q.shape
@@ -110,8 +111,8 @@ def _attention_only(q, k, v, lse, o, scale, start, stop, n_slots, probs, metric_
             cpos[h, i] = src
     for t in range(start, stop):
         for h in range(hkv):
-            _attend_and_measure(t, h, g_n, n_slots, q, k, lse, o, scale, 1.0, ck, cv, cpos, dirty, probs, metric_row,
-                                True, dots, oacc, xs, ibuf, ebuf)
+            _attend_and_measure(t, h, g_n, n_slots, q, k, lse, o, vmax1, scale, 1.0, ck, cv, cpos, dirty, probs,
+                                metric_row, True, dots, oacc, xs, ibuf, ebuf)
             out[0] += metric_row[h * g_n, 1]
 
 
@@ -124,12 +125,12 @@ def inner_loop_gmacs(li, scale: float, start: int, n_slots: int, block: int = 16
     probs = np.zeros((hkv, hq_n // hkv, n_slots), np.float64)
     row = np.zeros((hq_n, N_METRICS), np.float64)
     sink = np.zeros(1)
-    _attention_only(li.q, li.k, li.v, li.lse, li.o, scale, start, start + 1, n_slots, probs, row, sink)
+    _attention_only(li.q, li.k, li.v, li.lse, li.o, li.vmax1, scale, start, start + 1, n_slots, probs, row, sink)
     best = np.inf
     for _ in range(rounds):
         for t0 in range(start, T - block + 1, block):
-            best = min(best, _timed(lambda: _attention_only(li.q, li.k, li.v, li.lse, li.o, scale, t0, t0 + block,
-                                                            n_slots, probs, row, sink)))
+            best = min(best, _timed(lambda: _attention_only(li.q, li.k, li.v, li.lse, li.o, li.vmax1, scale, t0,
+                                                            t0 + block, n_slots, probs, row, sink)))
     macs = 2 * hq_n * n_slots * d * block
     return {"n_slots": n_slots, "head_dim": d, "steps_per_block": block, "block_seconds": best,
             "gmacs": macs / best / 1e9,
@@ -138,7 +139,7 @@ def inner_loop_gmacs(li, scale: float, start: int, n_slots: int, block: int = 16
 
 # ----- where the time goes -----
 @njit(cache=True)
-def _engine_parts(q, k, v, lse, o, scale, t, n, rounds, keep_at, secs):
+def _engine_parts(q, k, v, lse, o, vmax1, scale, t, n, rounds, keep_at, secs):
     """Seconds per (step, KV head) of the engine's parts over ``n`` cached slots of real keys/values, each run
     ``rounds`` times in a row: secs[0] q.k, [1] softmax, [2] p.v + metrics, [3] one eviction's compaction."""
     T, hq_n, d = q.shape
@@ -175,8 +176,8 @@ def _engine_parts(q, k, v, lse, o, scale, t, n, rounds, keep_at, secs):
         t2 = time.perf_counter()
     for _ in range(rounds):
         for h in range(hkv):
-            _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, 1.0, ck, cv, cpos, dirty, probs, row, True, dots,
-                                oacc, xs, ibuf, ebuf)
+            _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, 1.0, ck, cv, cpos, dirty, probs, row, True,
+                                dots, oacc, xs, ibuf, ebuf)
     with objmode(t3="f8"):
         t3 = time.perf_counter()
     for _ in range(rounds):
@@ -197,7 +198,7 @@ def engine_profile(li, scale: float, start: int, n_slots: int, rounds: int = 200
     secs = np.full(4, np.inf)
     for _ in range(repeat + 1):            # the first compiles or loads the cache
         got = np.zeros(4)
-        _engine_parts(li.q, li.k, li.v, li.lse, li.o, scale, start, n_slots, rounds, n_slots // 2, got)
+        _engine_parts(li.q, li.k, li.v, li.lse, li.o, li.vmax1, scale, start, n_slots, rounds, n_slots // 2, got)
         secs = np.minimum(secs, got)
     names = ("qk_dots", "softmax", "pv_and_metrics", "compaction_one_eviction_mid")
     return {"n_slots": n_slots, "us_per_step_and_kv_head": {k: float(s * 1e6) for k, s in zip(names, secs)}}

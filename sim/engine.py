@@ -20,10 +20,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from sim.contract import OK, OVER_CAPACITY, check_kept, check_scale, check_step
-
-#: metric columns of the per-(step, query head) output, in order
-METRICS = ("mass", "err", "kl", "l1", "l1_bound")
-N_METRICS = len(METRICS)
+from sim.metrics import N_METRICS, measure
 
 _VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the float32 dot products and sums
 
@@ -155,27 +152,11 @@ def _normalise(ebuf, n, inv, row):
         row[i] = ebuf[i] * inv
 
 
-@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
-def _output_error(o, t, hq, oacc, g):
-    """(||o_ref - o|| / ||o_ref|| (the absolute norm when o_ref = 0), ||o_ref - o||_1) of query head hq at step t
-    against the cache's output ``oacc[g]``, in float64."""
-    num = 0.0
-    den = 0.0
-    l1 = 0.0
-    for x in range(o.shape[2]):
-        ref = np.float64(o[t, hq, x])
-        diff = ref - oacc[g, x]
-        num += diff * diff
-        den += ref * ref
-        l1 += abs(diff)
-    return (np.sqrt(num / den) if den > 0.0 else np.sqrt(num)), l1
-
-
 @njit(cache=True, nogil=True)
-def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs, metric_row, want, dots,
-                        oacc, xs, ibuf, ebuf):
+def _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, mult, ck, cv, cpos, dirty, probs, metric_row, want,
+                        dots, oacc, xs, ibuf, ebuf):
     """Attention of the G query heads of KV head h over its n cached slots into ``probs[h]``; when ``want``,
-    also the step's metrics against the full-attention reference into ``metric_row[hq, :4]``."""
+    also the step's metrics (``sim.metrics.measure``) against the full-attention reference into ``metric_row[hq]``."""
     _dots(q, t, h, g_n, ck, n, dots)
     f = np.float32(scale * mult)
     lse_caches = np.empty(g_n, np.float64)
@@ -211,12 +192,7 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
                 p = probs[h, g, i]
                 if p > 0.0:
                     kl += p * (np.log(p) - log_pfull)
-        err, l1 = _output_error(o, t, hq, oacc, g)
-        # the stored float32 lse limits precision to ~6e-8 * |lse|: keep mass in [0, 1] where it cannot resolve
-        metric_row[hq, 0] = min(1.0, mass)
-        metric_row[hq, 1] = err
-        metric_row[hq, 2] = max(kl, 0.0)
-        metric_row[hq, 3] = l1
+        measure(mass, kl, o[t, hq], oacc[g], 1.0, vmax1[t, h], metric_row[hq])
 
 
 @intrinsic
@@ -413,15 +389,13 @@ def replay_layer(kernels, cfg, data, out):
                 cst[h, s, f] = 0.0
             clen[h] = s + 1
             if want or cfg.reads_attention:
-                    _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, cfg.scale, mult, ck, cv, cpos, dirty, probs,
-                                    metric_row, want, dots, oacc, xs, ibuf, ebuf)
+                _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, vmax1, cfg.scale, mult, ck, cv, cpos, dirty,
+                                    probs, metric_row, want, dots, oacc, xs, ibuf, ebuf)
             if want:
-                r = t - P
                 for g in range(g_n):
                     hq = h * g_n + g
-                    for m in range(4):
-                        out.metrics[r, hq, m] = metric_row[hq, m]
-                    out.metrics[r, hq, 4] = 2.0 * max(0.0, 1.0 - metric_row[hq, 0]) * vmax1[t, h]
+                    for m in range(N_METRICS):
+                        out.metrics[t - P, hq, m] = metric_row[hq, m]
 
         step(params, cfg.layer, t, budget, clen, probs, ck, cv, cpos, cst, hst, keep, merge_to, merge_w)
         status = check_step(clen, keep, merge_to, budget, cfg.head_adaptive, cfg.bounded, t, info)

@@ -17,7 +17,8 @@ import pandas as pd
 
 from policies.base import Policy, PolicyError
 from sim.contract import PolicyContractError, check_allocation, raise_on, slot_capacity  # noqa: F401 (re-export)
-from sim.engine import METRICS, N_METRICS, EngineConfig, EngineOutputs, LayerData, replay_layer
+from sim.engine import EngineConfig, EngineOutputs, LayerData, replay_layer
+from sim.metrics import N_METRICS, NAMES, summarise
 from sim.oracle import oracle_layer
 from traces.format import LayerArrays, Trace
 from traces.reference import full_attention_reference
@@ -59,7 +60,7 @@ class ReplayResult:
     """Metrics of one (trace, policy, budget) replay.
 
     ``metrics[l, s, hq, m]`` for layer l, measured step s (absolute position ``steps[s]``), query head hq and
-    metric m in ``METRICS``; ``slots[l, s, h]`` slots held per KV head after the step's eviction;
+    metric m in ``sim.metrics.NAMES``; ``slots[l, s, h]`` slots held per KV head after the step's eviction;
     ``kept[l, r, h, :]`` cached positions (-1 padded) for the recorded steps, when asked for.
     """
 
@@ -79,17 +80,14 @@ class ReplayResult:
 
     def metric(self, name: str) -> np.ndarray:
         """One metric as [L, S, Hq]."""
-        return self.metrics[..., METRICS.index(name)]
+        return self.metrics[..., NAMES.index(name)]
 
     def summary(self) -> dict[str, Any]:
         """Scalar aggregates users read: means over layers, heads and measured steps."""
         out: dict[str, Any] = {"trace": self.trace, "policy": self.policy, "label": self.label,
                                "budget": self.budget}
         n = self.metrics.shape[1]
-        for i, name in enumerate(METRICS):
-            vals = self.metrics[..., i]
-            out[f"{name}_mean"] = float(vals.mean()) if n else float("nan")
-        out["err_p95"] = float(np.percentile(self.metric("err"), 95)) if n else float("nan")
+        out.update(summarise(self.metrics))
         out["slots_mean"] = float(self.slots.mean()) if n else float("nan")
         out["slots_peak"] = int(self.slots.sum(axis=2).max()) if n else 0
         per_step_bytes = self.slots.sum(axis=(0, 2)) * 2 * self.head_dim * KV_ELEMENT_BYTES
@@ -104,13 +102,13 @@ class ReplayResult:
         L, _, hq, _ = self.metrics.shape
         means = self.metrics.mean(axis=1)
         rows = {"layer": np.repeat(np.arange(L), hq), "head": np.tile(np.arange(hq), L)}
-        rows.update({name: means[:, :, i].reshape(-1) for i, name in enumerate(METRICS)})
+        rows.update({name: means[:, :, i].reshape(-1) for i, name in enumerate(NAMES)})
         return pd.DataFrame(rows)
 
     def per_step(self) -> pd.DataFrame:
         """Metric means over layers and heads per measured step."""
         means = self.metrics.mean(axis=(0, 2))
-        df = pd.DataFrame({name: means[:, i] for i, name in enumerate(METRICS)})
+        df = pd.DataFrame({name: means[:, i] for i, name in enumerate(NAMES)})
         df.insert(0, "position", self.steps)
         df["slots"] = self.slots.mean(axis=(0, 2))
         return df
