@@ -41,6 +41,7 @@ import numpy as np
 
 from policies.adakv import FLOOR_ALPHA
 from policies.base import Param, Policy, PolicyError, param_indices
+from policies.registry import policy_class, register_wrapper, split_name
 from policies.scorer import ScorerPolicy
 
 EVERY = Param("every", 16, "int", 1, 1024, log=True, doc="decode steps between compressions (kvpress compression_interval)")
@@ -143,23 +144,12 @@ def policy_spec(policy: Policy) -> str:
     return f"{split[0]}({split[1]}{':' + inner if inner else ''}{outer})"
 
 
-def split_name(name: str) -> tuple[str, str] | None:
-    """``'ada(knorm)'`` -> ``('ada', 'knorm')``; None for a plain name."""
-    head, paren, rest = name.partition("(")
-    if not paren:
-        return None
-    if not rest.endswith(")"):
-        raise PolicyError(f"policy name {name!r}: unbalanced parentheses")
-    return head.strip(), rest[:-1].strip()
-
-
 @functools.lru_cache(maxsize=None)
 def combined_class(wrapper: str, inner: type[Policy]) -> type[Policy]:
     """The policy class ``wrapper(inner)``, built once per process (its kernels cache on disk)."""
     if wrapper not in WRAPPERS:
         raise PolicyError(f"unknown combinator {wrapper!r}; available: {', '.join(WRAPPERS)}")
     if (wrapper, inner.name) in NATIVE:
-        from policies.registry import policy_class
         return policy_class(NATIVE[wrapper, inner.name])
     if not (issubclass(inner, ScorerPolicy) and inner.mode == "plain"):
         raise PolicyError(f"{wrapper}({inner.name}): {inner.name} does not expose per-slot scores (combinators take a "
@@ -178,7 +168,6 @@ def combined_class(wrapper: str, inner: type[Policy]) -> type[Policy]:
 
 
 def _wrap(wrapper: str, inner: Policy | type[Policy] | str, params: dict[str, Any]) -> Policy:
-    from policies.registry import policy_class
     if isinstance(inner, str):
         cls = policy_class(inner)
     elif isinstance(inner, Policy):
@@ -201,3 +190,8 @@ def critical(inner: Policy | type[Policy] | str, **params: Any) -> Policy:
 def decoding(inner: Policy | type[Policy] | str, **params: Any) -> Policy:
     """``decoding(get_policy("knorm"), every=64, target=128)``: DecodingPress over a scorer."""
     return _wrap("decoding", inner, params)
+
+
+for _name in WRAPPERS:
+    register_wrapper(_name, functools.partial(combined_class, _name),
+                     lambda cls: issubclass(cls, ScorerPolicy) and cls.mode == "plain")
