@@ -23,14 +23,6 @@ def best_time(fn: Callable[[], Any], repeat: int = 3) -> float:
     return min(times)
 
 
-def copy_bandwidth(n_bytes: int = 1 << 28) -> float:
-    """Measured main-memory bandwidth of this machine (bytes read + written per second by a large copy)."""
-    src = np.ones(n_bytes // 8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    return 2 * n_bytes / best_time(lambda: np.copyto(dst, src), repeat=5)
-
-
 def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "python": platform.python_version()}

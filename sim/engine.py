@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-from numba import njit, types
+import time
+
+from numba import njit, objmode, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -264,6 +266,14 @@ def _new_buffers(hkv, g_n, d, cap, n_slot_fields, head_init):
 
 
 @njit(cache=True, nogil=True)
+def _attention_scratch(g_n, d, cap):
+    """Scratch of ``_attend_and_measure`` for up to ``cap`` slots: float32 logits [G, cap], their scaled copy,
+    exponentials and exponent bits [cap], and the float64 outputs of the G query heads [G, d]."""
+    return (np.zeros((g_n, cap), np.float32), np.zeros(cap, np.float32), np.zeros(cap, np.float32),
+            np.zeros(cap, np.int32), np.zeros((g_n, d), np.float64))
+
+
+@njit(cache=True, nogil=True)
 def _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, dirty):
     """Fold the merged slots of head h: scale each receiving slot by its self weight once, then add the weighted
     sources (``dirty`` = 2 marks a slot merged this step). The merges were checked by ``check_step``."""
@@ -332,11 +342,7 @@ def replay_layer(kernels, cfg, data, out):
     ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, cap, cfg.n_slot_fields,
                                                                                  cfg.head_init)
     metric_row = np.zeros((hq_n, N_METRICS), np.float64)
-    dots = np.zeros((g_n, cap), np.float32)
-    xs = np.zeros(cap, np.float32)
-    ebuf = np.zeros(cap, np.float32)
-    ibuf = np.zeros(cap, np.int32)
-    oacc = np.zeros((g_n, d), np.float64)
+    dots, xs, ebuf, ibuf, oacc = _attention_scratch(g_n, d, cap)
     clen = np.zeros(hkv, np.int64)
 
     t0 = 0
@@ -414,3 +420,82 @@ def replay_layer(kernels, cfg, data, out):
                 for i in range(clen[h]):
                     out.kept[r, h, i] = cpos[h, i]
     return OK
+
+
+# ---------------------------------------------------------------- profiling hooks (the replay benchmark)
+
+@njit(cache=True, nogil=True)
+def profile_attention(q, k, v, lse, o, vmax1, scale, start, stop, n_slots, probs, metric_row, out):
+    """Profiling hook (benchmarks/replay.py): the engine's per-(step, KV head) attention + metric pass of steps
+    [start, stop) over ``n_slots`` fixed cached slots (the trace's keys and values just before ``start``), that is
+    ``replay_layer`` minus the policy and the copies. ``out[0]`` accumulates one error per step (keeps the work
+    observable)."""
+    T, hq_n, d = q.shape
+    hkv = k.shape[1]
+    g_n = hq_n // hkv
+    ck, cv, cpos, cst, hst, dirty, probs_, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, n_slots, 1,
+                                                                                  np.zeros((hkv, 0)))
+    dots, xs, ebuf, ibuf, oacc = _attention_scratch(g_n, d, n_slots)
+    for h in range(hkv):
+        for i in range(n_slots):
+            src = start - n_slots + i
+            ck[h, i] = k[src, h]
+            cv[h, i] = v[src, h]
+            cpos[h, i] = src
+    for t in range(start, stop):
+        for h in range(hkv):
+            _attend_and_measure(t, h, g_n, n_slots, q, k, lse, o, vmax1, scale, 1.0, ck, cv, cpos, dirty, probs,
+                                metric_row, True, dots, oacc, xs, ibuf, ebuf)
+            out[0] += metric_row[h * g_n, 1]
+
+
+@njit(cache=True)
+def profile_parts(q, k, v, lse, o, vmax1, scale, t, n, rounds, keep_at, secs):
+    """Profiling hook (benchmarks/replay.py): seconds per (step, KV head) of the engine's parts over ``n`` cached
+    slots of real keys/values at step t, each run ``rounds`` times in a row: secs[0] q.k, [1] softmax, [2] p.v and
+    metrics, [3] one eviction's compaction (slot ``keep_at`` dropped)."""
+    T, hq_n, d = q.shape
+    hkv = k.shape[1]
+    g_n = hq_n // hkv
+    ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, n + 1, 1,
+                                                                                 np.zeros((hkv, 0)))
+    for h in range(hkv):
+        for i in range(n):
+            ck[h, i] = k[t - n + i, h]
+            cv[h, i] = v[t - n + i, h]
+            cpos[h, i] = t - n + i
+    dots, xs, ebuf, ibuf, oacc = _attention_scratch(g_n, d, n + 1)
+    row = np.zeros((hq_n, N_METRICS))
+    f = np.float32(scale)
+    with objmode(t0="f8"):
+        t0 = time.perf_counter()
+    for _ in range(rounds):
+        for h in range(hkv):
+            _dots(q, t, h, g_n, ck, n, dots)
+    with objmode(t1="f8"):
+        t1 = time.perf_counter()
+    for _ in range(rounds):
+        for h in range(hkv):
+            for g in range(g_n):
+                mx = _scaled_max(dots, g, n, f, xs)
+                tot = _exp_shifted(xs, n, mx, ibuf, ebuf)
+                _normalise(ebuf, n, 1.0 / tot, probs[h, g])
+    with objmode(t2="f8"):
+        t2 = time.perf_counter()
+    for _ in range(rounds):
+        for h in range(hkv):
+            _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, 1.0, ck, cv, cpos, dirty, probs, row, True,
+                                dots, oacc, xs, ibuf, ebuf)
+    with objmode(t3="f8"):
+        t3 = time.perf_counter()
+    for _ in range(rounds):
+        for h in range(hkv):
+            keep[h, keep_at] = 0
+            _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst)   # slot n - 1 moves into place
+    with objmode(t4="f8"):
+        t4 = time.perf_counter()
+    per = 1.0 / (rounds * hkv)
+    secs[0] = (t1 - t0) * per
+    secs[1] = (t2 - t1) * per
+    secs[2] = (t3 - t2) * per - secs[0] - secs[1]     # _attend_and_measure = q.k + softmax + p.v and metrics
+    secs[3] = (t4 - t3) * per

@@ -19,6 +19,7 @@ import numpy as np
 from traces.capture import Capture, CaptureError, capturing, model_shape
 from traces.faithful import LayerFaithfulness, assert_faithful, default_tolerance, layer_faithfulness
 from traces.format import LayerArrays, ModelInfo, TraceMeta, TraceWriter
+from traces.hf_cache import returned_cache, with_cache
 
 
 class RecordError(ValueError):
@@ -111,15 +112,15 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
         tgt = torch.tensor(ids[1:first], device=device)
         nll.extend((-logp[:-1].gather(1, tgt[:, None])[:, 0]).tolist())
         top1.extend(logp[:-1].argmax(-1).tolist())
-        last, past = logp[-1], out.past_key_values
+        last, past = logp[-1], returned_cache(model, out)
         bar.update(first)
         for step in range(total - first):
             tok = ids[n_prompt + step] if teacher_forced else int(last.argmax())
             nll.append(float(-last[tok]))
             top1.append(int(last.argmax()))
             fed.append(tok)
-            out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=past, use_cache=True)
-            last, past = torch.log_softmax(out.logits[0, -1].float(), dim=-1), out.past_key_values
+            out = model(input_ids=torch.tensor([[tok]], device=device), use_cache=True, **with_cache(model, past))
+            last, past = torch.log_softmax(out.logits[0, -1].float(), dim=-1), returned_cache(model, out)
             bar.update(1)
 
     scales = {round(cap.scaling[layer], 12) for layer in layer_ids if layer in cap.scaling}
