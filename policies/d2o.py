@@ -67,7 +67,7 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from policies._adakv_core import group_rows_scores
+from policies.kernels import group_rows_scores
 from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, param_indices, stream_prefill
 from policies.kernels import GROUP_REDUCE, evict_lowest, evict_lowest_sorted, group_score
 from policies.registry import register

@@ -51,8 +51,6 @@ def run(args: argparse.Namespace) -> int:
 
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         raise RecordError(f"--device must be cpu or cuda[:i], got {args.device!r}")
-    if args.prompt_tokens < 1:
-        raise RecordError("--prompt-tokens must be >= 1")
     from traces.model import read_text
 
     text, text_id = read_text(args.text)
