@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -24,8 +25,24 @@ def best_time(fn: Callable[[], Any], repeat: int = 3) -> float:
 
 
 def machine() -> dict[str, Any]:
+    """The machine and the thread environment a result was measured in (pools as this process has them)."""
+    from sim.threads import environment_record
+
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version()}
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "load_avg_1min": os.getloadavg()[0],
+            "threads": environment_record()}
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """The environment of a plain user shell for a ``kvsim`` subprocess: this one without any thread variable
+    (so the CLI's own thread budgeting is what gets measured), plus ``extra``."""
+    from sim.threads import KVSIM_THREADS, THREAD_ENV_VARS
+
+    drop = {*THREAD_ENV_VARS, "NUMBA_NUM_THREADS", KVSIM_THREADS}
+    root = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return {**env, **extra}
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:
@@ -71,3 +88,21 @@ def real_model_trace(args: Any, tmp: Path, *, n_prompt: int = 512, n_decode: int
     model = dataclasses.replace(trace.meta.model, layer_ids=tuple(wanted))
     meta = dataclasses.replace(trace.meta, model=model, source={**trace.meta.source, "layers_evaluated": wanted})
     return InMemoryTrace(meta, [trace.layer(ids.index(w)) for w in wanted], trace.tokens)
+
+
+def kvsim_command() -> list[str]:
+    """How a user starts kvsim: the installed ``kvsim`` script beside this interpreter (else ``-m sim.cli``)."""
+    script = Path(sys.executable).with_name("kvsim")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "sim.cli"]
+
+
+def cli_seconds(args: list[str], env: dict[str, str] | None = None) -> float:
+    """Wall seconds of one ``kvsim ARGS`` run in ``env`` (default: a plain user shell, ``user_env()``)."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    proc = subprocess.run([*kvsim_command(), *args], env=env or user_env(), capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"kvsim {' '.join(args)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return wall

@@ -11,19 +11,18 @@ import os
 import sys
 import time
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 POLICIES = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "cascading", "bumblebee", "ada_snapkv")
 
 
 def main(argv: list[str]) -> int:
     import numpy as np
-    import torch
+    import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
 
     from benchmarks._util import machine, write_result
     from gpu_validate.runner import BatchJob, CompressedRunner, run_batch
     from sim.specs import parse_policy
+    from sim.threads import limit_threads
     from traces.model import default_text
     from traces.models import load_model
 
@@ -34,7 +33,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--budgets", default="32,64")
     ap.add_argument("--solo", type=int, default=3, help="configurations also timed one at a time (default 3)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    limit_threads(1)   # one thread, through the API sweep workers use
     torch.set_grad_enabled(False)
     model, tok = load_model(args.model, device="cpu")
     ids = tok(default_text())["input_ids"][:args.prompt + args.decode]

@@ -22,6 +22,7 @@ import numpy as np
 from benchmarks._util import add_real_trace_args, real_model_trace
 from policies import get_policy
 from sim.replay import load_layers, replay, replay_oracle
+from sim.threads import limit_threads
 from traces.format import InMemoryTrace, LayerArrays, ModelInfo, Trace, TraceMeta
 from traces.synthetic import make_synthetic_trace
 
@@ -151,12 +152,7 @@ def main() -> None:
     add_real_trace_args(ap)
     ap.add_argument("--quick", action="store_true", help="small traces, for a smoke run")
     args = ap.parse_args()
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-    except ImportError:
-        pass
+    limit_threads(1)   # one thread, through the API sweep workers use (torch too, if a replay loads it)
     budgets = [128, 256, 512, 1024, 2048]
     T, P = (640, 512) if args.quick else (2432, 2176)
     traces: dict[str, Trace] = {

@@ -6,26 +6,22 @@ Writes benchmarks/results/eval_buzz.json and eval_buzz.png. Run: PYTHONPATH=. py
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import tempfile
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("NUMBA_NUM_THREADS", "1")
-os.environ.setdefault("KVSIM_THREADS", "1")
+import numpy as np
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-from benchmarks._util import add_real_trace_args, real_model_trace  # noqa: E402
-from policies._buzz_model import held_trajectory, old_sequence, predicted_ratio  # noqa: E402
-from policies.registry import get_policy  # noqa: E402
-from sim.replay import load_layers, replay, replay_oracle  # noqa: E402
-from traces.format import Trace  # noqa: E402
-from traces.synthetic import make_synthetic_trace  # noqa: E402
+from benchmarks._util import add_real_trace_args, real_model_trace
+from policies._buzz_model import held_trajectory, old_sequence, predicted_ratio
+from policies.registry import get_policy
+from sim.replay import load_layers, replay, replay_oracle
+from sim.threads import limit_threads
+from traces.format import Trace
+from traces.synthetic import make_synthetic_trace
 
 OUT = Path(__file__).resolve().parent / "results"
 KINDS = ("mixed", "recall", "topic_shift", "zipf")
@@ -182,6 +178,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small traces and one budget (smoke run)")
     add_real_trace_args(ap)
     args = ap.parse_args()
+    limit_threads(1)   # one thread per replay, through the API sweep workers use
     t0 = time.time()
     n_cmp, n_sweep, p = (384, 640, 64) if args.quick else (1024, 2048, 256)
     budgets = [64] if args.quick else [32, 64, 128, 256]

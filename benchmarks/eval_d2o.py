@@ -151,7 +151,6 @@ def main() -> None:
     ap.add_argument("--budgets", help="comma-separated budgets for the real trace (default: the rho grid)")
     ap.add_argument("--quick", action="store_true", help="shorter synthetic trace")
     args = ap.parse_args()
-    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     t0 = time.time()
     T, P = (768, 512) if args.quick else (1536, 1024)
     traces: dict[str, Trace] = {

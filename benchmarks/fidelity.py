@@ -5,19 +5,17 @@ uses the torch backend, the cuda run the Triton kernels). Extra arguments are pa
 """
 from __future__ import annotations
 
-import os
 import sys
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 
 def main(argv: list[str]) -> int:
-    import torch
+    import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
 
     from sim.cli import main as kvsim
+    from sim.threads import limit_threads
 
-    torch.set_num_threads(1)
+    limit_threads(1)   # one thread, through the API sweep workers use
     return kvsim(["fidelity", "--model", "default", "--prompt", "128", "--decode", "160", "--budgets", "16,32,64",
                   "--open-steps", "16", *argv])
 

@@ -1,5 +1,7 @@
-"""Fidelity at equal budget on SmolLM2-135M: 14 policies x budgets 32/64/128, 512 prompt + 128 decode tokens,
-many segments of two different shipped texts; the model side's own reliability first.
+"""Fidelity at equal budget on a real model: 14 policies x 3 budgets, many segments of two different shipped
+texts; the model side's own reliability first. SmolLM2-135M (default): budgets 32/64/128, 512 prompt + 128 decode
+tokens. Gemma-3-270M (``--model gemma3-270m``): its own defaults below (longer segments, so that the 512-token
+sliding window matters and the 3 global layers, the only ones a policy compresses by default, hold more).
 
 1. Closed loop (resumable store): every segment x policy x budget through the model, ΔNLL and top-1
    disagreement against the full cache.
@@ -7,47 +9,59 @@ many segments of two different shipped texts; the model side's own reliability f
 3. Report: per text and budget, the split-half reliability of the model's policy ranking (mean ΔNLL over
    segments), and Spearman's rho of every simulated loss against it, within each budget and pooled. A
    predictor fitted on one text (per-layer weights of the error) is judged on the other.
-Writes benchmarks/results/fidelity_smollm2.json and .png.
+Writes benchmarks/results/fidelity_<model>.json and .png (fidelity_smollm2, fidelity_gemma3).
 
-    python benchmarks/fidelity_segments.py [--segments 8] [--store results/fidelity_segments]
+    python benchmarks/fidelity_segments.py [--model gemma3-270m] [--segments 8] [--store results/fidelity_segments]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 POLICIES = ("streaming_llm;h2o;tova;cascading;d2o;snapkv:window_size=16;pyramidkv:window_size=16;"
-            "ada_snapkv:window_size=16;ada_h2o;bumblebee;buzz;knorm;keydiff;expected_attention:rope_theta=100000")
+            "ada_snapkv:window_size=16;ada_h2o;bumblebee;buzz;knorm;keydiff;{ea}")
 TEXTS = ("default", "idle")
+#: per model: the result name, its defaults, and expected attention's spec (SmolLM2's committed store names its RoPE
+#: base explicitly, as it had to before bases were read from the trace; the value is the same)
+MODELS = {
+    "smollm2-135m": {"name": "smollm2", "segments": 8, "prompt": 512, "decode": 128, "budgets": "32,64,128",
+                     "ea": "expected_attention:rope_theta=100000"},
+    "gemma3-270m": {"name": "gemma3", "segments": 6, "prompt": 1024, "decode": 128, "budgets": "64,128,256",
+                    "ea": "expected_attention"},
+}
 
 
 def main(argv: list[str]) -> int:
-    import torch
+    import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
 
     from gpu_validate.segments import closed_loop, make_segments
     from sim.specs import parse_policy_list
     from sim.store import ResultStore
+    from sim.threads import limit_threads
     from traces.model import read_text
     from traces.models import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--segments", type=int, default=8, help="segments per text")
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=128)
-    ap.add_argument("--budgets", default="32,64,128")
-    ap.add_argument("--policies", default=POLICIES)
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
+    ap.add_argument("--segments", type=int, default=None, help="segments per text (default: the model's)")
+    ap.add_argument("--prompt", type=int, default=None)
+    ap.add_argument("--decode", type=int, default=None)
+    ap.add_argument("--budgets", default=None)
+    ap.add_argument("--policies", default=None)
     ap.add_argument("--store", default="results/fidelity_segments")
     ap.add_argument("--closed-loop-only", action="store_true", help="stop after the model runs (stage 1)")
     ap.add_argument("--report-only", action="store_true",
                     help="skip the model runs; report on the segments whose cells are all in the store")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    defaults = MODELS[args.model]
+    for key in ("segments", "prompt", "decode", "budgets"):
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
+    args.policies = args.policies or POLICIES.format(ea=defaults["ea"])
+    args.name = defaults["name"]
+    limit_threads(1)   # one thread, through the API sweep workers use
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
     model, tok = load_model(args.model, device="cpu")
@@ -108,8 +122,8 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
            "layer_weights": weights,
            "rows": merged.drop(columns=["nll_per_token", "err_by_layer", "err_wo_by_layer"]).to_dict("records"),
            "seconds": time.perf_counter() - t0, "machine": machine()}
-    path = write_result("fidelity_smollm2", out)
-    plot_segment_fidelity(res, RESULTS / "fidelity_smollm2.png", title=f"simulator vs closed loop on {model_id}")
+    path = write_result(f"fidelity_{args.name}", out)
+    plot_segment_fidelity(res, RESULTS / f"fidelity_{args.name}.png", title=f"simulator vs closed loop on {model_id}")
     for text, r in res.items():
         for b, v in r["by_budget"].items():
             rel = v["reliability"]["delta_nll"]

@@ -8,22 +8,20 @@ larger grid (more --lengths / --seeds) adds only the missing cells.
 """
 from __future__ import annotations
 
-import os
 import sys
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 POLICIES = ("streaming_llm;h2o;tova;snapkv;pyramidkv;ada_snapkv;bumblebee;buzz;knorm;"
             "expected_attention:rope_theta=100000")   # SmolLM2's RoPE base
 
 
 def main(argv: list[str]) -> int:
-    import torch
+    import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
 
     from sim.cli import main as kvsim
+    from sim.threads import limit_threads
 
-    torch.set_num_threads(1)
+    limit_threads(1)   # one thread, through the API sweep workers use
     model = "smollm2-135m"
     if "--model" in argv:
         i = argv.index("--model")

@@ -15,25 +15,21 @@ Writes benchmarks/results/replay.json with
     cheaper prompt-prefill-then-decode run), and the closed-loop runner
     (``kvsim validate``'s CompressedRunner, h2o, torch backend) over the trace's decode steps; the speed-up of
     each policy's replay over both;
-  - ``kvsim sweep`` of all registered policies x 8 budgets on 2 worker processes (wall seconds).
+  - ``kvsim sweep`` of all registered policies x 8 budgets on 2 worker processes, run from the CLI in a plain
+    user environment as a user runs it (wall seconds).
 Run: python benchmarks/replay.py [--trace DIR] [--model DIR] [--quick]
 (the trace is recorded from the model with teacher forcing when DIR does not exist yet).
 """
 from __future__ import annotations
 
+import argparse
+import builtins
 import os
-
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):   # one thread, before numpy loads
-    os.environ.setdefault(_var, "1")
-
-import argparse  # noqa: E402
-import builtins  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from functools import partial  # noqa: E402
-from pathlib import Path  # noqa: E402
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,20 +37,21 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 
-from benchmarks._util import machine, write_result  # noqa: E402
+from benchmarks._util import cli_seconds, machine, write_result  # noqa: E402
 from policies import get_policy, list_policies  # noqa: E402
 from sim.engine import profile_attention, profile_parts  # noqa: E402
 from sim.metrics import N_METRICS  # noqa: E402
 from sim.replay import load_layers, replay, replay_oracle  # noqa: E402
+from sim.threads import limit_threads  # noqa: E402
 from traces.format import load_trace  # noqa: E402
-from traces.hf_cache import returned_cache, with_cache  # noqa: E402
+from traces.recorder import cache_keyword, returned_cache  # noqa: E402
 
 #: the SmolLM2-135M trace (recorded on first use) and the registered model (traces/models.py) it comes from
 DEFAULT_TRACE = "kvsim-out/smollm2-135m-1024-256"
 DEFAULT_MODEL = "smollm2-135m"
 BUDGET = 128
 ORACLE_BUDGETS = (64, 128, 256)
-SWEEP_BUDGETS = (16, 32, 64, 128, 192, 256, 512, 1024)
+SWEEP_BUDGETS = (32, 64, 96, 128, 192, 256, 384, 512)
 print = partial(builtins.print, flush=True)   # progress lines appear as they happen, also when redirected
 GOALS = {"policy_over_h2o": 2.0, "oracle_curve_over_h2o": 2.0, "fraction_of_peak": 0.40, "speedup_over_hf": 50.0,
          "sweep_seconds": 300.0}
@@ -156,8 +153,8 @@ def hf_token_by_token(model, ids: list[int]) -> float:
         t0 = time.perf_counter()
         for i, tok in enumerate(ids):
             out = model(input_ids=torch.tensor([[tok]]), use_cache=True, position_ids=torch.tensor([[i]]),
-                        **with_cache(model, past))
-            past = returned_cache(model, out)
+                        **{cache_keyword(model): past})
+            past = returned_cache(out)
         return time.perf_counter() - t0
 
 
@@ -169,11 +166,11 @@ def hf_prefill_then_decode(model, ids: list[int], n_prompt: int) -> float:
     with torch.no_grad():
         t0 = time.perf_counter()
         out = model(input_ids=torch.tensor([ids[:n_prompt]]), use_cache=True)
-        past = returned_cache(model, out)
+        past = returned_cache(out)
         for i in range(n_prompt, len(ids)):
             out = model(input_ids=torch.tensor([[ids[i]]]), use_cache=True, position_ids=torch.tensor([[i]]),
-                        **with_cache(model, past))
-            past = returned_cache(model, out)
+                        **{cache_keyword(model): past})
+            past = returned_cache(out)
         return time.perf_counter() - t0
 
 
@@ -208,18 +205,14 @@ def _timed(fn) -> float:
 
 
 def sweep_seconds(trace_dir: str, workers: int) -> dict:
-    """Wall seconds of ``kvsim sweep`` over all registered policies x SWEEP_BUDGETS into a fresh store."""
+    """Wall seconds of ``kvsim sweep`` over all registered policies x SWEEP_BUDGETS into a fresh store, run as a
+    user runs it: the installed CLI in a plain environment (no thread variable set)."""
+    args = ["sweep", trace_dir, "--policies", "all", "--workers", str(workers), "--budgets",
+            ",".join(map(str, SWEEP_BUDGETS)), "--quiet"]
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "sim.cli", "sweep", trace_dir, "--no-verify", "--quiet", "--workers",
-               str(workers), "--budgets", ",".join(map(str, SWEEP_BUDGETS)), "--out", tmp]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"kvsim sweep failed: {proc.stderr[-2000:]}")
-    return {"command": " ".join(cmd[2:]), "workers": workers, "budgets": list(SWEEP_BUDGETS),
-            "policies": list_policies(), "seconds": wall}
+        wall = cli_seconds([*args, "--out", tmp])
+    return {"command": "kvsim " + " ".join(args), "workers": workers, "budgets": list(SWEEP_BUDGETS),
+            "policies": list_policies(), "environment": "plain user shell (no thread variables)", "seconds": wall}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -231,9 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep-workers", type=int, default=2)
     args = ap.parse_args(argv)
 
-    import torch
+    import torch  # noqa: F401  (loaded before the cap, so limit_threads caps its pool too)
 
-    torch.set_num_threads(1)
+    limit_threads(1)     # the replay figures are per thread: the API a sweep worker uses, not environment variables
     load_start = os.getloadavg()[0]
     trace = ensure_trace(args.trace, args.model)
     meta = trace.meta

@@ -7,24 +7,21 @@ Writes benchmarks/results/serving.json.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import platform
+import tempfile
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+import numba
+import numpy as np
+import simpy
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numba  # noqa: E402
-import numpy as np  # noqa: E402
-import simpy  # noqa: E402
-
-from policies.registry import get_policy  # noqa: E402
-from sim.serving import (CostModel, SchedulerConfig, get_gpu, get_model, kv_pool_bytes, memory_tables,  # noqa: E402
+from policies.registry import get_policy
+from sim.threads import environment_record
+from sim.serving import (CostModel, SchedulerConfig, get_gpu, get_model, kv_pool_bytes, memory_tables,
                          poisson_workload, policy_footprint, simulate, summarize)
 
 
@@ -75,7 +72,7 @@ def main() -> None:
         "identical_results": bool(identical),
         "simulated": {k: s[k] for k in ("throughput_rps", "output_tokens_per_s", "mean_running", "ttft_p50_s",
                                         "tpot_p50_s", "e2e_p99_s", "memory_utilization", "preemptions")},
-        "env": {"cpus": os.cpu_count(), "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+        "env": {"cpus": os.cpu_count(), "threads": environment_record(),
                 "python": platform.python_version(), "numba": numba.__version__, "simpy": simpy.__version__,
                 "numpy": np.__version__, "machine": platform.machine()},
     }

@@ -13,7 +13,7 @@ from policies.base import Policy
 
 
 def text_metrics(model, ids: Sequence[int], n_prompt: int, policy: Policy, budget: int, *,
-                 backend: str = "torch", full_logits: np.ndarray | None = None) -> dict[str, Any]:
+                 backend: str = "torch", full_logits: np.ndarray | None = None, sliding: str = "keep") -> dict[str, Any]:
     """Teacher-forced run over ``ids`` (prompt = first n_prompt): ΔPPL and top-1 agreement vs the full cache.
 
     Scored predictions are those made by decode positions n_prompt .. len(ids)-2 (the steps where the
@@ -23,7 +23,8 @@ def text_metrics(model, ids: Sequence[int], n_prompt: int, policy: Policy, budge
     ids = [int(x) for x in ids]
     if not 1 <= n_prompt <= len(ids) - 2:
         raise ValidateError(f"need 1 <= n_prompt <= {len(ids) - 2} for {len(ids)} tokens, got {n_prompt}")
-    res = CompressedRunner(model, policy, budget, backend=backend).run(ids[:n_prompt], continuation=ids[n_prompt:])
+    res = CompressedRunner(model, policy, budget, backend=backend, sliding=sliding).run(ids[:n_prompt],
+                                                                                       continuation=ids[n_prompt:])
     full = full_model_logits(model, ids) if full_logits is None else full_logits
     return metrics_of_run(res, model, ids, n_prompt, full)
 
@@ -74,7 +75,7 @@ def passkey_prompt(tokenizer, filler_ids: Sequence[int], depth: float, n_context
 
 def passkey_accuracy(model, tokenizer, filler_ids: Sequence[int], policy: Policy, budget: int, *,
                      depths: Sequence[float] = (0.1, 0.5, 0.9), n_context: int = 256, n_keys: int = 2,
-                     backend: str = "torch", seed: int = 0, on_result=None) -> dict[str, float]:
+                     backend: str = "torch", seed: int = 0, on_result=None, sliding: str = "keep") -> dict[str, float]:
     """Exact-match retrieval of a random 5-digit key by greedy decoding, per depth (mean over n_keys keys).
     All depth × key prompts run as one batch; ``on_result(label, hit)`` is called per finished prompt."""
     from gpu_validate.runner import BatchJob, run_batch
@@ -93,16 +94,16 @@ def passkey_accuracy(model, tokenizer, filler_ids: Sequence[int], policy: Policy
         if on_result is not None:
             on_result(f"{policy.label()} @ {budget} passkey depth {depth:g}", hit)
 
-    run_batch(model, jobs, backend=backend, on_result=done)
+    run_batch(model, jobs, backend=backend, on_result=done, sliding=sliding)
     return {d: h / len(keys) for d, h in hits.items()}
 
 
 def kept_set_agreement(model, trace, policy: Policy, budget: int, n_steps: int, *,
-                       backend: str = "torch", sim_kept: np.ndarray | None = None) -> dict[str, Any]:
+                       backend: str = "torch", sliding: str = "keep") -> dict[str, Any]:
     """Open loop on the trace's own tokens: share of (layer, KV head, step) whose kept position sets are equal
     in the runner (kernel probabilities) and in the simulator (``sim.replay.replay``), over the first n_steps
-    decode steps; also the mean Jaccard overlap. The trace must come from the same model and text.
-    ``sim_kept`` reuses a replay's ``kept`` recorded with ``record_kept=(n_prompt, n_steps)``."""
+    decode steps, on the layers the policy compresses; also the mean Jaccard overlap. The trace must come from
+    the same model and text."""
     from sim.replay import replay
 
     meta = trace.meta
@@ -116,10 +117,11 @@ def kept_set_agreement(model, trace, policy: Policy, budget: int, n_steps: int, 
     if list(meta.model.layer_ids) != list(range(meta.model.n_layers)) or \
             meta.source.get("kv_heads", list(range(meta.model.n_kv_heads))) != list(range(meta.model.n_kv_heads)):
         raise ValidateError("kept-set agreement needs a trace of every layer and KV head of the model")
-    runner = CompressedRunner(model, policy, budget, backend=backend, open_loop=True, record_kept=(P, n_steps))
+    runner = CompressedRunner(model, policy, budget, backend=backend, open_loop=True, record_kept=(P, n_steps),
+                              sliding=sliding)
     gpu = runner.run(ids[:P], continuation=ids[P:P + n_steps + 1]).kept
-    sim = sim_kept if sim_kept is not None else replay(trace, policy, budget, record_kept=(P, n_steps), threads=1).kept
-    return compare_kept(gpu, sim, n_steps)
+    sim = replay(trace, policy, budget, record_kept=(P, n_steps), threads=1, sliding=sliding)
+    return compare_kept(gpu[sim.layer_index], sim.kept, n_steps)
 
 
 def compare_kept(gpu: np.ndarray, sim: np.ndarray, n_steps: int) -> dict[str, Any]:

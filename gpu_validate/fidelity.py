@@ -61,7 +61,7 @@ def within_budget_correlations(rows: list[dict[str, Any]]) -> dict[str, dict[str
 
 def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets: Sequence[int], *,
                  n_prompt: int, n_open_steps: int = 16, backend: str = "torch", model_id: str = "model",
-                 log=print, progress: bool = True) -> dict[str, Any]:
+                 log=print, progress: bool = True, sliding: str = "keep") -> dict[str, Any]:
     """All policies × budgets through the simulator and the model; returns the JSON-ready report."""
     from tqdm.auto import tqdm
 
@@ -87,7 +87,7 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
         trace = load_trace(Path(tmp) / "trace")
         inputs = load_layers(trace)
         full = full_model_logits(model, ids)
-        sims = [replay(trace, p, b, inputs=inputs, record_kept=(n_prompt, n_open_steps), threads=1)
+        sims = [replay(trace, p, b, inputs=inputs, record_kept=(n_prompt, n_open_steps), threads=1, sliding=sliding)
                 for p, b in configs]
         n_open = int(min(n_open_steps, n_decode))
         with tqdm(total=2 * len(configs), desc="fidelity", unit="run", disable=not progress) as bar:
@@ -96,14 +96,14 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
 
             opened = run_batch(model, [BatchJob(p, b, ids[:n_prompt], continuation=ids[n_prompt:n_prompt + n_open + 1])
                                        for p, b in configs], backend=backend, open_loop=True,
-                               record_kept=(n_prompt, n_open), on_result=kept_done)
+                               record_kept=(n_prompt, n_open), on_result=kept_done, sliding=sliding)
             rows: list[dict[str, Any] | None] = [None] * len(configs)
 
             def closed_done(i: int, res) -> None:
                 policy, budget = configs[i]
                 s = sims[i].summary()
                 m = metrics_of_run(res, model, ids, n_prompt, full)
-                a = compare_kept(opened[i].kept, sims[i].kept, n_open)
+                a = compare_kept(opened[i].kept[sims[i].layer_index], sims[i].kept, n_open)
                 row = {"policy": policy.name, "label": policy.label(), "budget": budget,
                        **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean", "mass_mean", "slots_mean")},
                        "miss_mass": 1.0 - s["mass_mean"], **m, "top1_disagreement": 1.0 - m["top1_agreement"],
@@ -116,7 +116,7 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
                 sys.stdout.flush()
 
             run_batch(model, [BatchJob(p, b, ids[:n_prompt], continuation=ids[n_prompt:]) for p, b in configs],
-                      backend=backend, on_result=closed_done)
+                      backend=backend, on_result=closed_done, sliding=sliding)
     rho = correlations(rows)
     best = {m: max(SIM_LOSSES, key=lambda s: -np.inf if np.isnan(rho[s][m]) else rho[s][m]) for m in MODEL_LOSSES}
     n_cmp = sum(r["n_compared"] for r in rows)

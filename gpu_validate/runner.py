@@ -16,6 +16,13 @@ BUZZ-style log-n scaling: ``logit_scale(params, t + 1)`` multiplies the scaled l
 ``open_loop=True`` is for fidelity checks: the model's output uses the full cache (so every layer's q/k/v
 equal a trace recorded from the same model and text), while the compressed cache and the policy run
 alongside on the kernel's probabilities; kept sets can then be compared slot for slot with the simulator.
+
+Hybrid models (Gemma-3): each layer's attention is what its call says (``scaling``, ``sliding_window``). With
+``sliding="keep"`` (default, as in ``sim.replay``) a sliding layer holds the model's own window (the
+``window`` policy at budget window - 1, which is exactly it) and the row's policy compresses the global layers;
+with ``sliding="compress"`` the policy runs on the sliding layers too, under their window
+(``sim.contract.apply_window``). Parameters that come from the layer (expected attention's RoPE base) are read
+from the model's config per layer.
 """
 from __future__ import annotations
 
@@ -30,7 +37,8 @@ from numba import njit
 
 from gpu_validate.backends import BACKENDS, TorchVarlenKVCache, make_cache
 from policies.base import Policy, PolicyError
-from sim.contract import check_allocation, check_kept, check_scale, check_step, raise_on, slot_capacity
+from sim.contract import (apply_window, check_allocation, check_kept, check_scale, check_step, raise_on,
+                          slot_capacity)
 
 IMPL_NAME = "kvsim_validate"
 _ACTIVE: list["CompressedRunner"] = []
@@ -178,12 +186,16 @@ class BatchJob:
 
 
 class _Row:
-    """Per-configuration state of a batch row: policy kernels, budgets, slot/head states, outputs."""
+    """Per-configuration state of a batch row: per-layer policies and kernels (the row's policy on the layers
+    it compresses, the model's own window on a kept sliding layer), budgets, slot/head states, outputs."""
 
     def __init__(self, job: BatchJob, n_layers: int, n_kv: int) -> None:
         self.job, self.policy = job, job.policy
-        self.step_fn, self.prefill_fn, self.scale_fn = job.policy.kernels()
-        self.params = job.policy.param_vector()
+        self.scale_fn = job.policy.kernels()[2]
+        self.scale_params: np.ndarray | None = None     # the policy's parameters on a layer it compresses
+        self.layer_policy: list[Policy] = []
+        self.kernels: list[tuple] = []
+        self.params: list[np.ndarray] = []
         self.prompt = [int(x) for x in job.prompt]
         self.cont = None if job.continuation is None else [int(x) for x in job.continuation]
         self.held = [0] * n_layers
@@ -197,6 +209,10 @@ class _Row:
     def next_token(self, r: int) -> int:
         """Decode input r: the teacher-forced token, or the greedy argmax of the previous prediction."""
         return self.cont[r] if self.cont is not None else self.preds_top1[-1]
+
+    def logit_scale(self, t: int) -> float:
+        """The policy's attention-logit multiplier at step t (BUZZ's log n; 1 for every other policy)."""
+        return float(self.scale_fn(self.scale_params, t + 1))
 
 
 class BatchRunner:
@@ -214,7 +230,7 @@ class BatchRunner:
 
     def __init__(self, model, jobs: Sequence[BatchJob], *, backend: str = "torch", open_loop: bool = False,
                  record_kept: tuple[int, int] | None = None, cache_dtype: torch.dtype | None = None,
-                 keep_logits: bool = False) -> None:
+                 keep_logits: bool = False, sliding: str = "keep") -> None:
         if not jobs:
             raise ValidateError("a batch needs at least one job")
         for j in jobs:
@@ -222,14 +238,17 @@ class BatchRunner:
         keys = {(j.streams, len(j.prompt), j.n_pred) for j in jobs}
         if len(keys) != 1:
             raise ValidateError(f"a batch needs one (streams prompt, prompt length, predictions) key, got {keys}")
-        self.model, self.jobs, self.backend = model, list(jobs), backend
+        if sliding not in ("keep", "compress"):
+            raise ValidateError(f"sliding must be 'keep' or 'compress', got {sliding!r}")
+        self.model, self.jobs, self.backend, self.sliding = model, list(jobs), backend, sliding
         self.open_loop, self.record_kept, self.keep_logits = open_loop, record_kept, keep_logits
         self.n_layers, self.n_q, self.n_kv, self.head_dim = model_geometry(model)
         self.group = self.n_q // self.n_kv
         self.device = next(model.parameters()).device
         self.cache_dtype = cache_dtype or next(model.parameters()).dtype
         self.mode = "prompt"
-        self.scale: float | None = None
+        self.layer_scale: dict[int, float] = {}
+        self.layer_window: dict[int, int | None] = {}
         self._wo_cache: dict[int, np.ndarray] = {}
 
     # ----- attention entry point (called by every attention module) -----
@@ -237,11 +256,9 @@ class BatchRunner:
         layer = _layer_idx(module)
         scaling = kwargs.get("scaling")
         scaling = float(scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
-        if self.scale is None:
-            self.scale = scaling
-        elif abs(self.scale - scaling) > 1e-12 * abs(scaling):
-            raise ValidateError(f"layer {layer} uses softmax scale {scaling}, another layer {self.scale}")
         if self.mode == "prompt":
+            self.layer_scale[layer] = scaling
+            self.layer_window[layer] = kwargs.get("sliding_window") or None
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
             kwargs.setdefault("dropout", 0.0)
@@ -261,7 +278,7 @@ class BatchRunner:
         cache = self.caches[layer]
         cache.append(key.to(self.cache_dtype), value.to(self.cache_dtype),
                      positions=torch.full((B, 1), t, device=self.device, dtype=torch.int64))
-        mults = self.mults
+        mults = self.mults if self.compressed[layer] else np.ones(B)   # a kept window is the model's attention
         q = query[:, :, 0, :].to(self.cache_dtype)
         if (mults == 1.0).all():
             o, _ = cache.attend(q, update_acc=False, update_ema=False)
@@ -277,15 +294,19 @@ class BatchRunner:
             dk, dv = self.dense[layer]
             dk, dv = torch.cat([dk, key], 2), torch.cat([dv, value], 2)
             self.dense[layer] = [dk, dv]
+            window = self.attn[layer].window
+            if window:                                   # the model's own attention on a sliding layer
+                dk, dv = dk[:, :, -window:], dv[:, :, -window:]
             rep = self.group
             kk = dk.repeat_interleave(rep, dim=1) if rep > 1 else dk
             vv = dv.repeat_interleave(rep, dim=1) if rep > 1 else dv
-            o = torch.nn.functional.scaled_dot_product_attention(query, kk, vv, scale=self.scale)[:, :, 0]
+            o = torch.nn.functional.scaled_dot_product_attention(query, kk, vv, scale=self.layer_scale[layer])[:, :, 0]
         return o.to(query.dtype).reshape(B, 1, self.n_q, self.head_dim)
 
     # ----- the policy step of every row on host arrays, as sim/engine.py calls it -----
     def _policy_step(self, layer: int, t: int, cache) -> bool:
-        """Every row's policy step on this layer; True when some row evicted or merged a slot."""
+        """Every row's policy step on this layer, then the layer's window; True when some row's policy evicted or
+        merged a slot of a layer it compresses (so the cache no longer holds what the model's attention sees)."""
         H = self.n_kv
         lengths_all = cache.length.cpu().numpy().astype(np.int64)
         idx, valid_all = self.slot_index[layer], np.arange(cache.max_capacity)[None, :] < lengths_all[:, None]
@@ -300,6 +321,8 @@ class BatchRunner:
         values_all = padded(cache.v, 0.0).astype(np.float32, copy=False)
         pos_all = padded(cache.positions, -1)
         width = cache.max_capacity
+        window = int(self.attn[layer].window or 0)
+        deviated = False
         keep_all = np.zeros((len(self.rows) * H, width), np.uint8)
         mt_all = np.full((len(self.rows) * H, width), -1, np.int64)
         mw_all = np.ones((len(self.rows) * H, width), np.float64)
@@ -317,11 +340,16 @@ class BatchRunner:
             merge_to = np.full((H, cap), -1, np.int64)
             merge_w = np.ones((H, cap), np.float64)
             budget = row.budgets[layer]
-            row.step_fn(row.params, layer, t, budget, lengths, probs, keys, values, pos, sst, hst, keep, merge_to,
-                        merge_w)
+            policy = row.layer_policy[layer]
+            row.kernels[layer][0](row.params[layer], layer, t, budget, lengths, probs, keys, values, pos, sst, hst,
+                                  keep, merge_to, merge_w)
             info = np.zeros(3, np.int64)
-            raise_on(row.policy, check_step(lengths, keep, merge_to, budget, row.policy.head_adaptive,
-                                            not row.policy.unbounded, t, info), info, layer)
+            raise_on(policy, check_step(lengths, keep, merge_to, budget, policy.head_adaptive,
+                                        not policy.unbounded, t, info), info, layer)
+            if self.compressed[layer] and not deviated:
+                held = (keep.astype(bool) & (np.arange(cap)[None, :] < lengths[:, None])).sum(1)
+                deviated = bool((held < lengths).any() or (merge_to >= 0).any())
+            apply_window(lengths, keep, merge_to, pos, t, window)
             kept_n = keep_kept_first(keep, lengths, sst, pos)
             keep_all[sl, :cap], mt_all[sl, :cap], mw_all[sl, :cap] = keep, merge_to, merge_w
             row.held[layer] = int(kept_n.sum())
@@ -345,7 +373,7 @@ class BatchRunner:
                 flat_mw[flat] = mw_all[valid_all]
                 flat_mt, flat_mw = torch.from_numpy(flat_mt).to(dev), torch.from_numpy(flat_mw).to(dev)
             cache.compact(torch.from_numpy(flat_keep).to(dev), flat_mt, flat_mw)
-        return evicted
+        return deviated
 
     # ----- setup -----
     def _forward(self, tokens: Sequence[int], t: int, *, logits: bool = True):
@@ -393,7 +421,7 @@ class BatchRunner:
             prompts.setdefault(tuple(row.prompt), len(prompts))
         self.prompt_of = torch.tensor([prompts[tuple(row.prompt)] for row in rows], device=self.device)
         self.prompt_q, self.prompt_k, self.prompt_v, self.dense = {}, {}, {}, {}
-        self.scale = None
+        self.layer_scale, self.layer_window = {}, {}
         self.mode = "prompt"
         self.model.eval()
         with torch.no_grad(), routed(self.model, self):
@@ -402,27 +430,24 @@ class BatchRunner:
             if len(self.prompt_q) != self.n_layers:
                 raise ValidateError(f"only {len(self.prompt_q)} of {self.n_layers} layers called the attention "
                                     "interface; this model is not supported")
+            self._layer_attention()
             caps = []
             for b, row in enumerate(rows):
-                u = int(self.prompt_of[b])
-                layers = [(self.prompt_q[l][u], self.prompt_k[l][u]) for l in range(self.n_layers)]
-                budgets = check_allocation(row.policy, row.policy.allocate(int(row.job.budget), self.n_kv, layers,
-                                                                          self.scale), self.n_layers, self.n_kv)
-                row.budgets = budgets
-                cap = np.stack([slot_capacity(row.policy, b, n_total) for b in budgets])
+                self._setup_row(row, int(self.prompt_of[b]), n_total)
+                cap = np.stack([slot_capacity(p, b, n_total) for p, b in zip(row.layer_policy, row.budgets)])
                 caps.append(cap)
-                row.slot_state = [np.zeros((self.n_kv, int(cap[l].max()), row.policy.slot_fields))
+                row.slot_state = [np.zeros((self.n_kv, int(cap[l].max()), row.layer_policy[l].slot_fields))
                                   for l in range(self.n_layers)]
-                row.head_state = [row.policy.head_state_init(self.n_kv, self.head_dim,
-                                                             self._wo(l) if row.policy.needs_wo else None)
-                                  for l in range(self.n_layers)]
+                row.head_state = [row.layer_policy[l].head_state_init(
+                    self.n_kv, self.head_dim, self._wo(l) if row.layer_policy[l].needs_wo else None)
+                    for l in range(self.n_layers)]
                 if self.record_kept:
                     row.kept = np.full((self.n_layers, self.record_kept[1], self.n_kv, int(cap.max())), -1, np.int32)
             caps_all = np.stack(caps, 1)   # [L, B, Hkv]
             B = len(rows)
             self.caches = [make_cache(self.backend, batch=B, n_kv_heads=self.n_kv, n_q_heads=self.n_q,
                                       head_dim=self.head_dim, capacity=caps_all[l].reshape(-1).tolist(),
-                                      dtype=self.cache_dtype, device=self.device, softmax_scale=self.scale,
+                                      dtype=self.cache_dtype, device=self.device, softmax_scale=self.layer_scale[l],
                                       track_acc=False)
                            for l in range(self.n_layers)]
             self.slot_index = [c.slot_rows.cpu().numpy() for c in self.caches]
@@ -434,7 +459,7 @@ class BatchRunner:
                 for l, (dk, dv) in self.dense.items():   # the dense copy holds the tokens the cache has seen
                     self.dense[l] = [dk[:, :, :t_model], dv[:, :, :t_model]]
                 for t in range(t_model, P):
-                    self.mults = np.array([float(row.scale_fn(row.params, t + 1)) for row in rows])
+                    self.mults = np.array([row.logit_scale(t) for row in rows])
                     self._check_mults(t)
                     last = self._forward([row.prompt[t] for row in rows], t, logits=t == P - 1)
             elem = torch.empty((), dtype=self.cache_dtype).element_size()
@@ -444,7 +469,7 @@ class BatchRunner:
             t0 = time.perf_counter()
             for r in range(n_pred - 1):
                 t = P + r
-                self.mults = np.array([float(row.scale_fn(row.params, t + 1)) for row in rows])
+                self.mults = np.array([row.logit_scale(t) for row in rows])
                 self._check_mults(t)
                 tokens = [row.next_token(r) for row in rows]
                 for row, tok in zip(rows, tokens):
@@ -481,7 +506,7 @@ class BatchRunner:
         rows, dev = self.rows, self.device
         idx = self.prompt_of.cpu().numpy()
         for t in range(P):
-            if any(float(row.scale_fn(row.params, t + 1)) != 1.0 for row in rows):
+            if any(row.logit_scale(t) != 1.0 for row in rows):
                 return t
             self.t = t
             evicted = False
@@ -497,6 +522,42 @@ class BatchRunner:
             if evicted:
                 return t + 1
         return P
+
+    def _layer_attention(self) -> None:
+        """Each layer's attention as its prompt call ran it, and which layers the rows' policies compress."""
+        from traces.capture import layer_attention
+
+        self.attn = [layer_attention(self.model.config, l, self.layer_scale[l], self.layer_window[l])
+                     for l in range(self.n_layers)]
+        self.compressed = [self.sliding == "compress" or not a.sliding for a in self.attn]
+        if not any(self.compressed):
+            raise ValidateError("every layer of this model slides over a window: with sliding='keep' no layer is "
+                                "compressed; use sliding='compress'")
+
+    def _setup_row(self, row: _Row, u: int, n_total: int) -> None:
+        """A row's per-layer policies, kernels, parameters and budgets: its policy's allocation over the layers
+        it compresses (from prompt u's q/k), the model's window (``window`` at window - 1) on a kept sliding
+        layer."""
+        from policies.registry import get_policy
+
+        comp = [l for l in range(self.n_layers) if self.compressed[l]]
+        layers = [(self.prompt_q[l][u], self.prompt_k[l][u]) for l in comp]
+        alloc = check_allocation(row.policy, row.policy.allocate(int(row.job.budget), self.n_kv, layers,
+                                                                 self.layer_scale[comp[0]]), len(comp), self.n_kv)
+        own_window = get_policy("window")
+        row.budgets = np.empty((self.n_layers, self.n_kv), np.int64)
+        for l, a in enumerate(self.attn):
+            if self.compressed[l]:
+                policy, row.budgets[l] = row.policy, alloc[comp.index(l)]
+            else:
+                policy, row.budgets[l] = own_window, max(1, int(a.window) - 1)
+            row.layer_policy.append(policy)
+            row.kernels.append(policy.kernels())
+            try:
+                row.params.append(policy.param_vector(a))
+            except PolicyError as exc:
+                raise ValidateError(str(exc)) from None
+        row.scale_params = row.params[comp[0]]
 
     def _wo(self, layer: int) -> np.ndarray:
         """The model's W_O of ``layer`` (for policies that read it), read once per batch."""
@@ -526,15 +587,19 @@ class BatchRunner:
                 k = np.ascontiguousarray(self.prompt_k[layer][u], np.float32)
                 v = np.ascontiguousarray(self.prompt_v[layer][u], np.float32)
                 keep = keep_all[b]
-                pst = np.zeros((H, P, row.policy.slot_fields))
+                policy = row.layer_policy[layer]
+                pst = np.zeros((H, P, policy.slot_fields))
                 budget = row.budgets[layer]
-                if row.policy.has_prefill:
-                    row.prefill_fn(row.params, layer, budget, q, k, v, float(self.scale), keep, pst,
-                                   row.head_state[layer])
+                if policy.has_prefill:
+                    row.kernels[layer][1](row.params[layer], layer, budget, q, k, v, float(self.layer_scale[layer]),
+                                          keep, pst, row.head_state[layer])
+                window = self.attn[layer].window
+                if window:                       # the window's rule after the selection, as in the engine
+                    keep[:, : max(0, P - window + 1)] = 0
                 kept_n = keep.sum(1).astype(np.int64)
                 info = np.zeros(3, np.int64)
-                raise_on(row.policy, check_kept(kept_n, budget, row.policy.head_adaptive, not row.policy.unbounded,
-                                                -1, info), info, layer)
+                raise_on(policy, check_kept(kept_n, budget, policy.head_adaptive, not policy.unbounded,
+                                            -1, info), info, layer)
                 sst = row.slot_state[layer]
                 order = np.argsort(1 - keep, axis=1, kind="stable")
                 n = min(P, sst.shape[1])
@@ -576,11 +641,11 @@ class CompressedRunner:
 
     def __init__(self, model, policy: Policy, budget: int, *, backend: str = "torch", open_loop: bool = False,
                  record_kept: tuple[int, int] | None = None, cache_dtype: torch.dtype | None = None,
-                 keep_logits: bool = False) -> None:
+                 keep_logits: bool = False, sliding: str = "keep") -> None:
         check_run_args(policy, budget, backend)
         self.model, self.policy, self.budget, self.backend = model, policy, int(budget), backend
         self.kwargs = dict(open_loop=open_loop, record_kept=record_kept, cache_dtype=cache_dtype,
-                           keep_logits=keep_logits)
+                           keep_logits=keep_logits, sliding=sliding)
 
     def run(self, prompt_ids: Sequence[int], *, continuation: Sequence[int] | None = None,
             n_generate: int = 0) -> RunResult:

@@ -130,7 +130,9 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
             for pol, b in configs:
                 res = replay(trace, pol, int(b), inputs=inputs, record_kept=(n_prompt, n_dec), threads=1)
                 s = res.summary()
-                err_wo = projected_errors(inputs, res.kept, wo, n_prompt, trace.meta.softmax_scale)
+                idx = res.layer_index                  # the layers the policy compresses
+                err_wo = projected_errors([inputs[i] for i in idx], res.kept, [wo[i] for i in idx], n_prompt,
+                                          trace.meta.softmax_scale)
                 seg_rows.append({"key": cell_key(model_id, seg, n_prompt, pol, b), "segment": seg.name,
                                  "text": seg.text, "label": pol.label(), "budget": int(b),
                                  **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean")},

@@ -61,6 +61,10 @@ class PolicyError(ValueError):
     """Unknown policy or parameter, a value out of range, or a broken policy contract."""
 
 
+#: the value of a ``from_layer`` parameter that means "the layer's own" (read from the trace or the model)
+FROM_MODEL = -1.0
+
+
 @dataclass(frozen=True)
 class Param:
     """One hyperparameter: its type, range and the paper's default."""
@@ -74,6 +78,9 @@ class Param:
     log: bool = False            # sample on a log scale in searches
     doc: str = ""
     searchable: bool = True      # part of the hyperparameter search space
+    #: a field of the layer's attention (``traces.format.LayerAttention``, e.g. ``rope_theta``) that this
+    #: parameter takes when its value is ``FROM_MODEL``: the trace's (or, closed loop, the model's) own value
+    from_layer: str | None = None
 
     def coerce(self, value: Any, policy: str) -> Any:
         """Validate and convert a user-supplied value, naming policy and parameter in errors."""
@@ -180,9 +187,25 @@ class Policy:
     def validate(self) -> None:
         """Cross-parameter checks; override to reject inconsistent combinations."""
 
-    def param_vector(self) -> np.ndarray:
-        """Parameters in schema order as the float64 vector the kernels read."""
-        return np.array([p.encode(self.params[p.name]) for p in self.schema], dtype=np.float64)
+    def param_vector(self, attention: Any = None) -> np.ndarray:
+        """Parameters in schema order as the float64 vector the kernels read. A ``from_layer`` parameter left at
+        ``FROM_MODEL`` takes the value ``attention`` (the layer's ``LayerAttention``) records, e.g. the layer's
+        own RoPE base, so one policy reads each layer's geometry (Gemma-3: 1e6 global, 1e4 sliding)."""
+        out = np.array([p.encode(self.params[p.name]) for p in self.schema], dtype=np.float64)
+        for i, p in enumerate(self.schema):
+            if p.from_layer and self.params[p.name] == FROM_MODEL:
+                value = getattr(attention, p.from_layer, None) if attention is not None else None
+                if value is None:
+                    raise PolicyError(f"{self.label()}: {p.name}={FROM_MODEL:g} means the layer's own "
+                                      f"{p.from_layer}, which this trace or model does not record (a version-1 "
+                                      f"trace, or a scaled RoPE); pass {p.name}=VALUE explicitly")
+                out[i] = float(value)
+        return out
+
+    @property
+    def reads_layer_attention(self) -> bool:
+        """True when a parameter comes from the layer's attention (``param_vector`` needs it per layer)."""
+        return any(p.from_layer and self.params[p.name] == FROM_MODEL for p in self.schema)
 
     def guarantees(self, budget: int) -> Guarantees:
         """What the policy promises to keep at this budget (checked by the property tests)."""

@@ -215,9 +215,8 @@ class Combined(ScorerPolicy):
         """The scorer's and the stages' zeros; with a ``critical`` stage, its slice: the index of its slot field,
         G*d, hidden, then per KV head its query group's W_O as float32 [G * hidden, d] (C order) packed in pairs
         into the float64 head state (read by ``stages.wo_l1``)."""
-        zeros = np.zeros((n_kv_heads, self.head_fields))
         if CriticalStage not in self.chain:
-            return zeros
+            return np.zeros((n_kv_heads, self.head_fields))
         if wo is None:
             raise PolicyError(f"{self.label()} needs the layer's output projection W_O, and this trace has none: "
                               "record it again with `kvsim record` (which stores W_O for Llama-family models)")
@@ -234,8 +233,11 @@ class Combined(ScorerPolicy):
             blocks = np.hstack([blocks, np.zeros((n_kv_heads, 1), np.float32)])
         off = self.head_offsets[CriticalStage.name]
         field = self.slot_fields - sum(s.slot_fields for s in self.chain[self.chain.index(CriticalStage):])
-        zeros[:, off:off + 3] = [float(field), float(gd), float(hidden)]
-        return np.hstack([zeros, blocks.view(np.float64)])   # bit-for-bit; copies of the head state keep the bits
+        # filled in place: the scorer's (possibly large, mostly untouched) zero block stays lazily allocated
+        out = np.zeros((n_kv_heads, self.head_fields + blocks.shape[1] // 2))
+        out[:, off:off + 3] = [float(field), float(gd), float(hidden)]
+        out[:, self.head_fields:] = blocks.view(np.float64)   # bit-for-bit; copies of the head state keep the bits
+        return out
 
 
 def _why_not(stage: type[Stage], inner: type[Policy]) -> str | None:

@@ -125,6 +125,27 @@ def check_step(lengths, keep, merge_to, budget, head_adaptive, bounded, t, info)
     return check_kept(kept_n, budget, head_adaptive, bounded, t, info)
 
 
+@njit(cache=True, nogil=True)
+def apply_window(lengths, keep, merge_to, positions, t, window):
+    """A sliding layer's own rule, applied on top of a policy's checked decision at step t: every slot the next
+    query (position t + 1) cannot see -- position <= t + 1 - window -- is dropped, and so is any merge into or
+    out of a dropped slot. ``window`` 0 (a global layer): nothing changes. After the prompt's selection, call
+    it with t = P - 1."""
+    if window <= 0:
+        return
+    oldest = t + 1 - window
+    for h in range(lengths.shape[0]):
+        n = lengths[h]
+        for i in range(n):
+            if positions[h, i] <= oldest:
+                keep[h, i] = 0
+                merge_to[h, i] = -1
+        for i in range(n):
+            j = merge_to[h, i]
+            if j >= 0 and keep[h, j] == 0:
+                merge_to[h, i] = -1
+
+
 def contract_error(policy: Policy, status: int, info: Sequence[int], layer: int) -> PolicyContractError:
     """The exception for a failed check: ``info = (step or -1 for the prefill, KV head or -1, value)``."""
     t, h, n = (int(x) for x in info)

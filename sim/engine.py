@@ -21,7 +21,7 @@ from numba import njit, objmode, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from sim.contract import OK, OVER_CAPACITY, check_kept, check_scale, check_step
+from sim.contract import OK, OVER_CAPACITY, apply_window, check_kept, check_scale, check_step
 from sim.metrics import N_METRICS, measure
 
 _VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the float32 dot products and sums
@@ -234,11 +234,13 @@ def _move_left(ck, cv, cpos, dirty, cst, i, j, dst):
 #: the policy and run settings of one layer's replay (numba reads it as a typed named tuple)
 #:   params float64[n_params]; layer; scale softmax scale; has_prefill; metric_start first measured step (the
 #:   prompt length); budget int64[Hkv]; head_adaptive; bounded (checks the budget); cap slots per head buffer;
-#:   n_slot_fields state width; head_init [Hkv, head state width] the initial head state (Policy.head_state_init);
+#:   n_slot_fields state width; head_init [Hkv, head state width] the initial head state (Policy.head_state_init;
+#:   a fresh array per replay, which the replay writes into);
 #:   rec_start first step whose kept positions are recorded; reads_attention: the step reads ``probs`` (when
-#:   not, unmeasured steps skip the attention)
+#:   not, unmeasured steps skip the attention); window > 0 makes the layer a sliding one
+#:   (``sim.contract.apply_window`` after every step and after the prompt's selection), 0 a global one
 EngineConfig = namedtuple("EngineConfig", "params layer scale has_prefill metric_start budget head_adaptive bounded "
-                                          "cap n_slot_fields head_init rec_start reads_attention")
+                                          "cap n_slot_fields head_init rec_start reads_attention window")
 #: one layer of the trace: q [T,Hq,d], k/v [T,Hkv,d] float32; lse [T,Hq], o [T,Hq,d] the full-attention
 #: reference; vmax1 [T,Hkv] running max of ||v||_1 (for the Ada-KV bound)
 LayerData = namedtuple("LayerData", "q k v lse o vmax1")
@@ -251,12 +253,14 @@ EngineOutputs = namedtuple("EngineOutputs", "metrics slots kept info")
 @njit(cache=True, nogil=True)
 def _new_buffers(hkv, g_n, d, cap, n_slot_fields, head_init):
     """Per-head slot buffers of a layer (keys, values, positions, slot state, merged flags), the head state
-    (a copy of ``head_init``) and the step's decision arrays, all for ``cap`` slots per KV head."""
+    (``head_init`` itself: the replay owns it, so a large, mostly untouched zero block -- expected attention's
+    statistics laid out for d <= 256 -- costs only the pages a policy writes) and the step's decision arrays,
+    all for ``cap`` slots per KV head."""
     ck = np.zeros((hkv, cap, d), np.float32)
     cv = np.zeros((hkv, cap, d), np.float32)
     cpos = np.full((hkv, cap), -1, np.int64)
     cst = np.zeros((hkv, cap, n_slot_fields), np.float64)
-    hst = head_init.copy()
+    hst = head_init
     dirty = np.zeros((hkv, cap), np.uint8)
     probs = np.zeros((hkv, g_n, cap), np.float64)
     keep = np.ones((hkv, cap), np.uint8)
@@ -352,6 +356,10 @@ def replay_layer(kernels, cfg, data, out):
             pkeep = np.ones((hkv, P), np.uint8)
             pst = np.zeros((hkv, P, cfg.n_slot_fields), np.float64)
             prefill(params, cfg.layer, budget, q[:P], k[:P], v[:P], cfg.scale, pkeep, pst, hst)
+            if cfg.window > 0:
+                for h in range(hkv):
+                    for i in range(min(P, P - cfg.window + 1)):
+                        pkeep[h, i] = 0
             for h in range(hkv):
                 n = 0
                 for i in range(P):
@@ -407,6 +415,7 @@ def replay_layer(kernels, cfg, data, out):
         status = check_step(clen, keep, merge_to, budget, cfg.head_adaptive, cfg.bounded, t, info)
         if status != OK:
             return status
+        apply_window(clen, keep, merge_to, cpos, t, cfg.window)
         for h in range(hkv):
             n = clen[h]
             _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, dirty)

@@ -37,10 +37,11 @@ def stable_smallest(vals, k):
 
 
 @njit(cache=True, nogil=True)
-def oracle_layer(q, k, v, o, vmax1, scale, budgets, metric_start, layer_scope, metrics_out, slots_out):
+def oracle_layer(q, k, v, o, vmax1, scale, budgets, metric_start, layer_scope, window, metrics_out, slots_out):
     """For every step t >= metric_start and every budget B in ``budgets`` (ascending), keep the newest token plus
     the top-B past tokens per KV head (or top B*Hkv across the layer's heads when ``layer_scope``) ranked by
-    the summed full-attention probability of the head's query heads; ties keep the older token.
+    the summed full-attention probability of the head's query heads; ties keep the older token. On a sliding
+    layer (``window`` > 0) the full attention is the windowed one: tokens the step cannot see have probability 0.
 
     metrics_out: [n_budgets, T - metric_start, Hq, N_METRICS]; slots_out: [n_budgets, T - metric_start, Hkv].
     The full attention rows are float64: logits from GEMM tiles of ``ATTN_BLOCK`` steps (BLAS), the softmax
@@ -84,6 +85,9 @@ def oracle_layer(q, k, v, o, vmax1, scale, budgets, metric_start, layer_scope, m
                     for c in range(t // blk + 1):
                         for j in range(min(blk, t + 1 - c * blk)):
                             p[hq, c * blk + j] = tiles[h, c, row, j]
+                    if window > 0:
+                        for j in range(max(0, t + 1 - window)):
+                            p[hq, j] = -np.inf
                     # normalised by this row's own float64 log-sum-exp: exact even where the stored float32 lse
                     # cannot resolve the logits (|logit| ~ 1e30)
                     softmax_rows_inplace(p[hq], t + 1, scale, ibuf)

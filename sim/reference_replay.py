@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from policies.base import Policy
-from sim.contract import check_kept, check_scale, check_step, raise_on, slot_capacity
+from sim.contract import apply_window, check_kept, check_scale, check_step, raise_on, slot_capacity
 from sim.metrics import N_METRICS, measure
 from sim.replay import LayerInputs
 
@@ -18,7 +18,8 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
                            scale: float) -> tuple[np.ndarray, np.ndarray, list[list[np.ndarray]]]:
     """Replay one layer; returns metrics [S, Hq, N_METRICS], slots [S, Hkv] and the kept positions per step and head."""
     step, prefill, logit_scale = policy.kernels()
-    params = policy.param_vector()
+    params = policy.param_vector(li.attention)
+    window = int(li.attention.window or 0)
     T, hq_n, d = li.q.shape
     hkv = li.k.shape[1]
     g_n = hq_n // hkv
@@ -39,6 +40,8 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
                 head_state)
         raise_on(policy, check_kept(pkeep.sum(axis=1).astype(np.int64), budget, policy.head_adaptive,
                                     not policy.unbounded, -1, info), info, layer)
+        if window:
+            pkeep[:, : max(0, n_prompt - window + 1)] = 0
         for h in range(hkv):
             sel = pkeep[h].astype(bool)
             keys[h], vals[h] = li.k[:n_prompt, h][sel], li.v[:n_prompt, h][sel]
@@ -90,6 +93,7 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
         step(params, layer, t, budget, lengths, probs, ck, cv, cpos, cst, head_state, keep, merge_to, merge_w)
         raise_on(policy, check_step(lengths, keep, merge_to, budget, policy.head_adaptive, not policy.unbounded, t,
                                     info), info, layer)
+        apply_window(lengths, keep, merge_to, cpos, t, window)
         step_kept = []
         for h in range(hkv):
             n = lengths[h]

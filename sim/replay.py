@@ -4,6 +4,14 @@ A policy is replayed by its *strategy* (``Policy.replay_strategy``): ``"step"`` 
 policy's numba kernels (the engine), ``"oracle"`` computes the future-attention oracle exactly from the full
 attention rows, every budget in one pass. ``replay`` and ``replay_budgets`` dispatch on it, so callers
 (executors, sweeps, reports) never special-case a policy.
+
+Hybrid models (Gemma-3: sliding-window layers next to global ones). On a sliding layer the model's own cache
+*is* its window, and the trace's reference is that windowed attention. By default (``sliding="keep"``) a
+policy compresses the global layers only: the sliding layers keep their window, are not replayed (their loss
+is zero by definition) and count in the memory held (``kv_bytes_mean``) at min(t + 1, window - 1) slots per KV
+head after step t. ``sliding="compress"`` applies the policy to the sliding layers too, on top of their window
+(``sim.contract.apply_window``), so budgets below the window save memory there. Metrics are means over the
+layers a policy compresses (``ReplayResult.layers``).
 """
 from __future__ import annotations
 
@@ -20,11 +28,14 @@ from sim.contract import PolicyContractError, check_allocation, raise_on, slot_c
 from sim.engine import EngineConfig, EngineOutputs, LayerData, replay_layer
 from sim.metrics import N_METRICS, NAMES, summarise
 from sim.oracle import oracle_layer
-from traces.format import LayerArrays, Trace
+from sim.threads import KVSIM_THREADS, available_cores, blas_per_layer_thread
+from traces.format import LayerArrays, LayerAttention, Trace
 from traces.reference import full_attention_reference
 
 #: bytes per cached element on the GPU the memory figures model (fp16/bf16 caches)
 KV_ELEMENT_BYTES = 2
+#: what a replay does with a hybrid model's sliding-window layers (see the module docstring)
+SLIDING_MODES = ("keep", "compress")
 
 
 class BudgetError(ValueError):
@@ -42,26 +53,30 @@ class LayerInputs:
     o: np.ndarray
     vmax1: np.ndarray
     wo: np.ndarray | None = None   # the layer's output projection [hidden, Hq*d] when the trace has it
+    attention: LayerAttention = LayerAttention()   # the layer's own attention (scale, window, RoPE base)
 
     @staticmethod
-    def from_arrays(la: LayerArrays, scale: float) -> "LayerInputs":
+    def from_arrays(la: LayerArrays, attention: LayerAttention) -> "LayerInputs":
         f32 = lambda a: np.array(a, dtype=np.float32, order="C")   # an owned, writable copy (traces are read-only maps)
         q, k, v = f32(la.q), f32(la.k), f32(la.v)
         if la.lse is None or la.o is None:
-            lse, o = full_attention_reference(q, k, v, scale)
+            lse, o = full_attention_reference(q, k, v, attention.scale, window=attention.window)
         else:
             lse, o = f32(la.lse), f32(la.o)
         vmax1 = np.maximum.accumulate(np.abs(v).sum(axis=2, dtype=np.float64), axis=0)
-        return LayerInputs(q, k, v, lse, o, np.ascontiguousarray(vmax1), None if la.wo is None else f32(la.wo))
+        return LayerInputs(q, k, v, lse, o, np.ascontiguousarray(vmax1), None if la.wo is None else f32(la.wo),
+                           attention)
 
 
 @dataclass
 class ReplayResult:
     """Metrics of one (trace, policy, budget) replay.
 
-    ``metrics[l, s, hq, m]`` for layer l, measured step s (absolute position ``steps[s]``), query head hq and
-    metric m in ``sim.metrics.NAMES``; ``slots[l, s, h]`` slots held per KV head after the step's eviction;
-    ``kept[l, r, h, :]`` cached positions (-1 padded) for the recorded steps, when asked for.
+    ``metrics[l, s, hq, m]`` for replayed layer l (the trace's stored layer ``layer_index[l]``), measured step s
+    (absolute position ``steps[s]``), query head hq and metric m in ``sim.metrics.NAMES``; ``slots[l, s, h]`` slots held
+    per KV head after the step's eviction; ``kept[l, r, h, :]`` cached positions (-1 padded) for the recorded
+    steps, when asked for. ``held_elsewhere[s]`` counts the slots the layers *not* replayed hold after step s
+    (a hybrid model's sliding windows, summed over layers and KV heads), so memory covers every layer.
     """
 
     trace: str
@@ -77,6 +92,14 @@ class ReplayResult:
     kept: np.ndarray | None = None
     kept_steps: np.ndarray | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    layers: np.ndarray | None = None          # stored-layer index of each replayed layer (None: all, in order)
+    held_elsewhere: np.ndarray | None = None  # [S] slots held by the layers not replayed
+    sliding: str = "keep"
+
+    @property
+    def layer_index(self) -> np.ndarray:
+        """The trace's stored-layer index of each replayed layer."""
+        return np.arange(self.metrics.shape[0]) if self.layers is None else self.layers
 
     def metric(self, name: str) -> np.ndarray:
         """One metric as [L, S, Hq]."""
@@ -90,9 +113,11 @@ class ReplayResult:
         out.update(summarise(self.metrics))
         out["slots_mean"] = float(self.slots.mean()) if n else float("nan")
         out["slots_peak"] = int(self.slots.sum(axis=2).max()) if n else 0
-        per_step_bytes = self.slots.sum(axis=(0, 2)) * 2 * self.head_dim * KV_ELEMENT_BYTES
+        held = self.slots.sum(axis=(0, 2)) + (0 if self.held_elsewhere is None else self.held_elsewhere)
+        per_step_bytes = held * 2 * self.head_dim * KV_ELEMENT_BYTES
         out["kv_bytes_mean"] = float(per_step_bytes.mean()) if n else float("nan")
         out["n_steps"] = int(n)
+        out["n_layers_compressed"] = int(self.metrics.shape[0])
         out["err_by_layer"] = [float(x) for x in self.metric("err").mean(axis=(1, 2))] if n else []
         out["mass_by_layer"] = [float(x) for x in self.metric("mass").mean(axis=(1, 2))] if n else []
         return out
@@ -101,7 +126,7 @@ class ReplayResult:
         """Metric means per (layer, query head)."""
         L, _, hq, _ = self.metrics.shape
         means = self.metrics.mean(axis=1)
-        rows = {"layer": np.repeat(np.arange(L), hq), "head": np.tile(np.arange(hq), L)}
+        rows = {"layer": np.repeat(self.layer_index, hq), "head": np.tile(np.arange(hq), L)}
         rows.update({name: means[:, :, i].reshape(-1) for i, name in enumerate(NAMES)})
         return pd.DataFrame(rows)
 
@@ -124,13 +149,48 @@ def _check_budget(trace: Trace, policy: Policy, budget: int) -> None:
 
 
 def _threads(threads: int | None, n_layers: int) -> int:
-    return max(1, min(n_layers, threads or int(os.environ.get("KVSIM_THREADS", os.cpu_count() or 1))))
+    """Layers replayed side by side: ``threads``, else this process's share (``KVSIM_THREADS``, which a sweep
+    worker's thread budget sets), else every core it may use."""
+    return max(1, min(n_layers, threads or int(os.environ.get(KVSIM_THREADS, available_cores()))))
 
 
 def load_layers(trace: Trace, layers: Sequence[int] | None = None) -> list[LayerInputs]:
     """Prepare the engine inputs of the chosen layers (all by default) once, for several replays."""
     idx = range(trace.n_layers) if layers is None else layers
-    return [LayerInputs.from_arrays(trace.layer(i), trace.meta.softmax_scale) for i in idx]
+    return [LayerInputs.from_arrays(trace.layer(i), trace.meta.attention(i)) for i in idx]
+
+
+def check_sliding(sliding: str) -> str:
+    """``sliding`` itself, or a ValueError naming the modes."""
+    if sliding not in SLIDING_MODES:
+        raise ValueError(f"sliding must be one of {SLIDING_MODES}, got {sliding!r}")
+    return sliding
+
+
+def compressed_layers(trace: Trace, sliding: str = "keep") -> list[int]:
+    """Stored-layer indices a policy compresses: every global layer, and the sliding ones with ``compress``."""
+    check_sliding(sliding)
+    idx = [i for i in range(trace.n_layers) if sliding == "compress" or not trace.meta.attention(i).sliding]
+    if not idx:
+        raise ValueError(f"trace {trace.path} has only sliding-window layers: with sliding='keep' nothing is "
+                         "compressed; replay with sliding='compress' (--sliding compress)")
+    return idx
+
+
+def held_elsewhere(trace: Trace, replayed: Sequence[int]) -> np.ndarray | None:
+    """[T - P] slots the layers not in ``replayed`` hold after each measured step: a sliding layer keeps its
+    window, min(t + 1, window - 1) per KV head after step t (the newest token joins before the next attention),
+    a global one everything. None when every layer is replayed."""
+    rest = [i for i in range(trace.n_layers) if i not in set(replayed)]
+    if not rest:
+        return None
+    meta = trace.meta
+    t = np.arange(meta.n_prompt, meta.n_tokens) + 1
+    out = np.zeros(t.shape, np.int64)
+    for i in rest:
+        w = meta.attention(i).window
+        out += np.minimum(t, w - 1) if w else t
+    return out * meta.model.n_kv_heads
 
 
 @dataclass(frozen=True)
@@ -158,66 +218,75 @@ def strategy_of(policy: Policy) -> ReplayStrategy:
 
 def replay_budgets(trace: Trace, policy: Policy, budgets: Sequence[int], *,
                    inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
-                   threads: int | None = None) -> list[ReplayResult]:
+                   threads: int | None = None, sliding: str = "keep") -> list[ReplayResult]:
     """Replay ``policy`` at each of ``budgets`` by its strategy; one result per budget, in order."""
     return strategy_of(policy).run(trace, policy, list(budgets), inputs=inputs, record_kept=record_kept,
-                                   threads=threads)
+                                   threads=threads, sliding=sliding)
 
 
 def replay(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInputs] | None = None,
-           record_kept: tuple[int, int] | None = None, threads: int | None = None) -> ReplayResult:
-    """Replay ``policy`` over every layer of ``trace`` with ``budget`` slots per KV head.
+           record_kept: tuple[int, int] | None = None, threads: int | None = None,
+           sliding: str = "keep") -> ReplayResult:
+    """Replay ``policy`` over the layers of ``trace`` it compresses (all, unless the model has sliding-window
+    layers and ``sliding`` is ``keep``) with ``budget`` slots per KV head.
 
     Steps from the trace's prompt length on are measured. ``record_kept=(start, n)`` records the cached
     positions of steps start..start+n-1 (for occupancy maps and fidelity checks), for every strategy.
     """
-    return replay_budgets(trace, policy, [budget], inputs=inputs, record_kept=record_kept, threads=threads)[0]
+    return replay_budgets(trace, policy, [budget], inputs=inputs, record_kept=record_kept, threads=threads,
+                          sliding=sliding)[0]
 
 
 def _replay_steps(trace: Trace, policy: Policy, budgets: Sequence[int], *,
                   inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
-                  threads: int | None = None) -> list[ReplayResult]:
+                  threads: int | None = None, sliding: str = "keep") -> list[ReplayResult]:
     """The step strategy: one engine replay per budget over the same prepared inputs."""
     inputs = inputs if inputs is not None else load_layers(trace)
-    return [replay_step(trace, policy, b, inputs=inputs, record_kept=record_kept, threads=threads) for b in budgets]
+    return [replay_step(trace, policy, b, inputs=inputs, record_kept=record_kept, threads=threads, sliding=sliding)
+            for b in budgets]
 
 
 def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInputs] | None = None,
-                record_kept: tuple[int, int] | None = None, threads: int | None = None) -> ReplayResult:
+                record_kept: tuple[int, int] | None = None, threads: int | None = None,
+                sliding: str = "keep") -> ReplayResult:
     """Stream ``trace`` through ``policy``'s kernels at ``budget``: policies with a prefill selector compress
     the prompt first, the others stream it through ``step``."""
     _check_budget(trace, policy, budget)
     meta = trace.meta
     inputs = inputs if inputs is not None else load_layers(trace)
+    layers = compressed_layers(trace, sliding)
     T, P = meta.n_tokens, meta.n_prompt
     hkv = meta.model.n_kv_heads
-    budgets = check_allocation(policy, policy.allocate(int(budget), hkv, [(li.q[:P], li.k[:P]) for li in inputs],
-                                                       meta.softmax_scale), len(inputs), hkv)
-    params = policy.param_vector()
+    budgets = check_allocation(policy, policy.allocate(int(budget), hkv,
+                                                       [(inputs[i].q[:P], inputs[i].k[:P]) for i in layers],
+                                                       meta.softmax_scale), len(layers), hkv)
     kernels = tuple((fn,) for fn in policy.kernels())
     n_steps = T - P
     rec_start, n_rec = record_kept if record_kept else (0, 0)
     n_rec = max(0, min(n_rec, T - rec_start))
 
-    def run(layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def run(j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        layer = layers[j]
         li = inputs[layer]
-        b = budgets[layer]
+        b = budgets[j]
         cap = int(slot_capacity(policy, b, T).max())
         out = EngineOutputs(metrics=np.zeros((n_steps, meta.model.n_q_heads, N_METRICS), np.float64),
                             slots=np.zeros((n_steps, hkv), np.int32), kept=np.full((n_rec, hkv, cap), -1, np.int32),
                             info=np.zeros(3, np.int64))
-        cfg = EngineConfig(params=params, layer=layer, scale=float(meta.softmax_scale), has_prefill=policy.has_prefill,
-                           metric_start=P, budget=b, head_adaptive=policy.head_adaptive, bounded=not policy.unbounded,
-                           cap=cap, n_slot_fields=policy.slot_fields,
-                           head_init=np.ascontiguousarray(policy.head_state_init(hkv, meta.model.head_dim, li.wo),
-                                                      np.float64),
-                           rec_start=rec_start, reads_attention=policy.reads_attention)
+        head_init = policy.head_state_init(hkv, meta.model.head_dim, li.wo)
+        cfg = EngineConfig(params=policy.param_vector(li.attention), layer=layer, scale=float(li.attention.scale),
+                           has_prefill=policy.has_prefill, metric_start=P, budget=b,
+                           head_adaptive=policy.head_adaptive, bounded=not policy.unbounded, cap=cap,
+                           n_slot_fields=policy.slot_fields, head_init=np.ascontiguousarray(head_init, np.float64),
+                           rec_start=rec_start, reads_attention=policy.reads_attention,
+                           window=int(li.attention.window or 0))
         status = replay_layer(kernels, cfg, LayerData(li.q, li.k, li.v, li.lse, li.o, li.vmax1), out)
         raise_on(policy, status, out.info, layer)
         return out.metrics, out.slots, out.kept
 
-    with ThreadPoolExecutor(_threads(threads, len(inputs))) as pool:
-        outs = list(pool.map(run, range(len(inputs))))
+    n_threads = _threads(threads, len(layers))
+    with blas_per_layer_thread(n_threads), ThreadPoolExecutor(n_threads) as pool:
+        outs = list(pool.map(run, range(len(layers))))
     kept = None
     if n_rec:
         width = max(o[2].shape[2] for o in outs)
@@ -229,20 +298,22 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
         budget=int(budget), budgets=budgets, steps=np.arange(P, T), metrics=np.stack([o[0] for o in outs]),
         slots=np.stack([o[1] for o in outs]), head_dim=meta.model.head_dim, kept=kept,
         kept_steps=np.arange(rec_start, rec_start + n_rec) if n_rec else None,
+        layers=np.asarray(layers, np.int64), held_elsewhere=held_elsewhere(trace, layers), sliding=sliding,
     )
 
 
 def _replay_oracle_policy(trace: Trace, policy: Policy, budgets: Sequence[int], *,
                           inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
-                          threads: int | None = None) -> list[ReplayResult]:
+                          threads: int | None = None, sliding: str = "keep") -> list[ReplayResult]:
     """The oracle strategy: its ``scope`` parameter is read here, and only here."""
     return replay_oracle(trace, budgets, scope=policy.params["scope"], inputs=inputs, threads=threads,
-                         label=policy.label(), record_kept=record_kept)
+                         label=policy.label(), record_kept=record_kept, sliding=sliding)
 
 
 def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
                   inputs: list[LayerInputs] | None = None, threads: int | None = None,
-                  label: str = "oracle", record_kept: tuple[int, int] | None = None) -> list[ReplayResult]:
+                  label: str = "oracle", record_kept: tuple[int, int] | None = None,
+                  sliding: str = "keep") -> list[ReplayResult]:
     """The oracle at several budgets from one pass over the full attention rows (a budget curve).
 
     ``record_kept=(start, n)`` records, for steps start..start+n-1, the positions the oracle attends at that
@@ -256,6 +327,7 @@ def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
         _check_budget(trace, oracle, b)
     meta = trace.meta
     inputs = inputs if inputs is not None else load_layers(trace)
+    layers = compressed_layers(trace, sliding)
     T, P = meta.n_tokens, meta.n_prompt
     order = np.argsort(np.asarray(budgets, np.int64), kind="stable")
     sorted_b = np.ascontiguousarray(np.asarray(budgets, np.int64)[order])
@@ -265,36 +337,39 @@ def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
         li = inputs[layer]
         metrics = np.zeros((nb, T - P, hq, N_METRICS), np.float64)
         slots = np.zeros((nb, T - P, hkv), np.int32)
-        oracle_layer(li.q, li.k, li.v, li.o, li.vmax1, float(meta.softmax_scale), sorted_b, P,
-                     scope == "layer", metrics, slots)
+        oracle_layer(li.q, li.k, li.v, li.o, li.vmax1, float(li.attention.scale), sorted_b, P,
+                     scope == "layer", int(li.attention.window or 0), metrics, slots)
         return metrics, slots
 
-    with ThreadPoolExecutor(_threads(threads, len(inputs))) as pool:
-        outs = list(pool.map(run, range(len(inputs))))
+    n_threads = _threads(threads, len(layers))
+    with blas_per_layer_thread(n_threads), ThreadPoolExecutor(n_threads) as pool:
+        outs = list(pool.map(run, layers))
     rec_start, n_rec = record_kept if record_kept else (0, 0)
     n_rec = max(0, min(n_rec, T - rec_start))
     results: list[ReplayResult] = [None] * nb  # type: ignore[list-item]
     for j, b in enumerate(sorted_b):
         kept = None
         if n_rec:
-            kept = np.stack([oracle_kept(li, float(meta.softmax_scale), int(b), rec_start, n_rec, scope == "layer")
-                             for li in inputs])
+            kept = np.stack([oracle_kept(inputs[i], int(b), rec_start, n_rec, scope == "layer") for i in layers])
         results[int(order[j])] = ReplayResult(
             trace=str(trace.path), policy="oracle", label=label, params={"scope": scope}, budget=int(b),
-            budgets=np.full((len(inputs), hkv), int(b), np.int64), steps=np.arange(P, T),
+            budgets=np.full((len(layers), hkv), int(b), np.int64), steps=np.arange(P, T),
             metrics=np.stack([o[0][j] for o in outs]), slots=np.stack([o[1][j] for o in outs]),
             head_dim=meta.model.head_dim, kept=kept,
-            kept_steps=np.arange(rec_start, rec_start + n_rec) if n_rec else None)
+            kept_steps=np.arange(rec_start, rec_start + n_rec) if n_rec else None,
+            layers=np.asarray(layers, np.int64), held_elsewhere=held_elsewhere(trace, layers), sliding=sliding)
     return results
 
 
-def oracle_kept(li: LayerInputs, scale: float, budget: int, start: int, n: int, layer_scope: bool) -> np.ndarray:
+def oracle_kept(li: LayerInputs, budget: int, start: int, n: int, layer_scope: bool) -> np.ndarray:
     """Positions the oracle attends at steps start..start+n-1 of one layer: [n, Hkv, width], -1 padded,
     ascending per head (the layout of ``ReplayResult.kept``); width = min(T, budget [* Hkv]) + 1.
 
-    The ranking is the one ``oracle_layer`` uses: the float64 full-attention probability summed over a KV
-    head's query heads, descending, ties to the older token (then the lower head, with ``layer_scope``).
+    The ranking is the one ``oracle_layer`` uses: the float64 full-attention probability (of the layer's own,
+    possibly windowed, attention) summed over a KV head's query heads, descending, ties to the older token
+    (then the lower head, with ``layer_scope``).
     """
+    scale, window = float(li.attention.scale), li.attention.window
     T, hq, _ = li.q.shape
     hkv = li.k.shape[1]
     g = hq // hkv
@@ -308,6 +383,8 @@ def oracle_kept(li: LayerInputs, scale: float, budget: int, start: int, n: int, 
             continue
         q = li.q[t].astype(np.float64).reshape(hkv, g, -1)
         logits = np.einsum("hgd,ihd->hgi", q, k64[: t + 1]) * scale
+        if window:
+            logits[:, :, : max(0, t + 1 - window)] = -np.inf
         p = np.exp(logits - logits.max(axis=2, keepdims=True))
         p /= p.sum(axis=2, keepdims=True)
         mass = p[:, :, :t].sum(axis=1)                                     # [Hkv, t] past tokens

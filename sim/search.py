@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from policies import Param, get_policy, policy_class
-from sim.executors import Job, TraceRef, execute
+from sim.executors import Executor, Job, TraceRef
 from sim.metrics import NAMES, metric
 from sim.specs import trace_id
 from sim.store import ResultStore, config_key
@@ -83,12 +83,15 @@ class SearchResult:
 
 def run_search(trace: TraceRef, policy: str, budgets: Sequence[int], store: ResultStore, *, objective: str = "err",
                n_trials: int = 40, multi_objective: bool = False, layer_weights: Sequence[float] | None = None,
-               workers: int = 1, ray_address: str | None = None, seed: int = 0, progress: bool = True) -> SearchResult:
+               workers: int = 1, ray_address: str | None = None, threads: int | None = None, seed: int = 0,
+               progress: bool = True) -> SearchResult:
     """TPE search of ``policy``'s hyperparameters on one trace.
 
     ``policy`` is a spec: ``NAME`` searches every searchable parameter, ``NAME:p=v,...`` holds ``p`` fixed.
     Single objective: minimise the loss averaged over ``budgets``. Multi-objective: the budget is searched
     too (among ``budgets``) and the study minimises (loss, KV bytes held), returning the Pareto front.
+    Trials are asked in batches of ``workers`` and run on one executor kept alive for the whole search, so
+    its worker processes stay warm (``threads`` per worker: see ``sim.executors.Executor``).
     """
     import optuna
     from tqdm.auto import tqdm
@@ -107,42 +110,43 @@ def run_search(trace: TraceRef, policy: str, budgets: Sequence[int], store: Resu
     study = optuna.create_study(directions=["minimize", "minimize"] if multi_objective else ["minimize"],
                                 sampler=sampler)
     cached = {r["key"]: r for r in store.load().to_dict("records")} if store.parts() else {}
-    oracle_err: dict[int, float] = {}
-    if objective == "gap":
-        oracle_err = _oracle_errors(trace, tid, budgets, store, cached)
-    records = []
-    bar = tqdm(total=n_trials, desc=f"search {policy}", unit="trial", disable=not progress)
-    while len(records) < n_trials:
-        batch = [study.ask() for _ in range(min(max(1, workers), n_trials - len(records)))]
-        plans = []
-        for trial in batch:
-            params = {**fixed, **{p.name: _suggest(trial, p) for p in space}}
-            pol = get_policy(policy, **params)
-            bset = [trial.suggest_categorical("budget", budgets)] if multi_objective else budgets
-            if pol.min_budget() > min(bset):
-                # e.g. more sinks than the budget holds: not a configuration, so the trial is pruned
-                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-                records.append({**pol.params, "label": pol.label(), "budget": min(bset), "loss": np.nan,
-                                "kv_bytes_mean": np.nan, "trial": trial.number})
+    with Executor(workers=workers, ray_address=ray_address, threads=threads) as ex:
+        oracle_err: dict[int, float] = {}
+        if objective == "gap":
+            oracle_err = _oracle_errors(ex, trace, tid, budgets, store, cached)
+        records = []
+        bar = tqdm(total=n_trials, desc=f"search {policy}", unit="trial", disable=not progress)
+        while len(records) < n_trials:
+            batch = [study.ask() for _ in range(min(max(1, workers), n_trials - len(records)))]
+            plans = []
+            for trial in batch:
+                params = {**fixed, **{p.name: _suggest(trial, p) for p in space}}
+                pol = get_policy(policy, **params)
+                bset = [trial.suggest_categorical("budget", budgets)] if multi_objective else budgets
+                if pol.min_budget() > min(bset):
+                    # e.g. more sinks than the budget holds: not a configuration, so the trial is pruned
+                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    records.append({**pol.params, "label": pol.label(), "budget": min(bset), "loss": np.nan,
+                                    "kv_bytes_mean": np.nan, "trial": trial.number})
+                    bar.update(1)
+                    continue
+                keys = [config_key(tid, pol.name, pol.params, b, trace.sliding) for b in bset]
+                plans.append((trial, pol, bset, keys))
+            missing = [Job(trace, pol.name, tuple(sorted(pol.params.items())), (b,), (k,))
+                       for _, pol, bset, keys in plans for b, k in zip(bset, keys) if k not in cached]
+            for rows in ex.run(missing):
+                store.add(rows)
+                cached.update({r["key"]: r for r in rows})
+            for trial, pol, bset, keys in plans:
+                rows = [cached[k] for k in keys]
+                loss = float(np.mean([row_loss(_decoded(r), objective, layer_weights, oracle_err.get(b))
+                                      for r, b in zip(rows, bset)]))
+                memory = float(np.mean([r["kv_bytes_mean"] for r in rows]))
+                study.tell(trial, [loss, memory] if multi_objective else loss)
+                records.append({**pol.params, "label": pol.label(), "budget": bset[0] if multi_objective else "mean",
+                                "loss": loss, "kv_bytes_mean": memory, "trial": trial.number})
                 bar.update(1)
-                continue
-            keys = [config_key(tid, pol.name, pol.params, b) for b in bset]
-            plans.append((trial, pol, bset, keys))
-        missing = [Job(trace, pol.name, tuple(sorted(pol.params.items())), (b,), (k,))
-                   for _, pol, bset, keys in plans for b, k in zip(bset, keys) if k not in cached]
-        for rows in execute(missing, workers=workers, ray_address=ray_address):
-            store.add(rows)
-            cached.update({r["key"]: r for r in rows})
-        for trial, pol, bset, keys in plans:
-            rows = [cached[k] for k in keys]
-            loss = float(np.mean([row_loss(_decoded(r), objective, layer_weights, oracle_err.get(b))
-                                  for r, b in zip(rows, bset)]))
-            memory = float(np.mean([r["kv_bytes_mean"] for r in rows]))
-            study.tell(trial, [loss, memory] if multi_objective else loss)
-            records.append({**pol.params, "label": pol.label(), "budget": bset[0] if multi_objective else "mean",
-                            "loss": loss, "kv_bytes_mean": memory, "trial": trial.number})
-            bar.update(1)
-    bar.close()
+        bar.close()
     trials = pd.DataFrame(records).dropna(subset=["loss"]).reset_index(drop=True)
     if trials.empty:
         raise ValueError(f"every sampled configuration of {policy} was invalid for budgets {list(budgets)}")
@@ -159,14 +163,14 @@ def _decoded(row: dict[str, Any]) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, np.ndarray) else v) for k, v in row.items()}
 
 
-def _oracle_errors(trace: TraceRef, tid: str, budgets: Sequence[int], store: ResultStore,
+def _oracle_errors(ex: Executor, trace: TraceRef, tid: str, budgets: Sequence[int], store: ResultStore,
                    cached: dict[str, Any]) -> dict[int, float]:
     oracle = get_policy("oracle")
-    keys = {b: config_key(tid, "oracle", oracle.params, b) for b in budgets}
+    keys = {b: config_key(tid, "oracle", oracle.params, b, trace.sliding) for b in budgets}
     todo = [b for b, k in keys.items() if k not in cached]
     if todo:
         job = Job(trace, "oracle", tuple(sorted(oracle.params.items())), tuple(todo), tuple(keys[b] for b in todo))
-        for rows in execute([job]):
+        for rows in ex.run([job]):
             store.add(rows)
             cached.update({r["key"]: r for r in rows})
     return {b: float(cached[k]["err_mean"]) for b, k in keys.items()}

@@ -16,9 +16,11 @@ from typing import Any, Iterable
 import pandas as pd
 
 
-def config_key(trace_id: str, policy: str, params: dict[str, Any], budget: int) -> str:
-    """Stable key of a (trace, policy, params, budget) configuration."""
-    payload = json.dumps([trace_id, policy, params, int(budget)], sort_keys=True, default=str)
+def config_key(trace_id: str, policy: str, params: dict[str, Any], budget: int, sliding: str = "keep") -> str:
+    """Stable key of a (trace, policy, params, budget) configuration; ``sliding`` joins the key only when it is
+    not the default, so stores written before it existed keep their keys."""
+    fields: list[Any] = [trace_id, policy, params, int(budget)] + ([sliding] if sliding != "keep" else [])
+    payload = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 

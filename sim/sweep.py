@@ -63,7 +63,7 @@ def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequen
         tid = trace_id(trace)
         for pol in policies:
             valid = [int(b) for b in budgets if pol.min_budget() <= b <= trace.meta.n_tokens]
-            todo = [(b, config_key(tid, pol.name, pol.params, b)) for b in valid]
+            todo = [(b, config_key(tid, pol.name, pol.params, b, ref.sliding)) for b in valid]
             todo = [(b, k) for b, k in todo if k not in done]
             if not todo:
                 continue
@@ -76,16 +76,17 @@ def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequen
 
 
 def run_sweep(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequence[int], store: ResultStore,
-              *, workers: int = 1, ray_address: str | None = None, progress: bool = True) -> pd.DataFrame:
+              *, workers: int = 1, ray_address: str | None = None, threads: int | None = None,
+              progress: bool = True) -> pd.DataFrame:
     """Evaluate every configuration not yet in ``store`` and return the store's full table.
 
     Each finished job is written at once (atomic part file), so Ctrl-C or kill -9 loses only running jobs
-    and a rerun resumes where it stopped.
+    and a rerun resumes where it stopped. ``threads`` per worker: see ``sim.executors.Executor``.
     """
     jobs = plan(traces, policies, budgets, store.keys())
     total = sum(len(j.budgets) for j in jobs)
     with tqdm(total=total, desc="sweep", unit="cfg", disable=not progress) as bar:
-        consume(execute(jobs, workers=workers, ray_address=ray_address), store.add, bar.update)
+        consume(execute(jobs, workers=workers, ray_address=ray_address, threads=threads), store.add, bar.update)
     return store.load()
 
 

@@ -2,6 +2,7 @@
 import os
 
 os.environ.setdefault("KVSIM_THREADS", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton kernels on the CPU unless a GPU run sets 0, before any import
 
 from hypothesis import HealthCheck, settings
 

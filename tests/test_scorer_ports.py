@@ -32,7 +32,7 @@ SPECS = [
     "ada_pyramidkv:window_size=8", "ada_pyramidkv:decode_alloc=flat,window_size=8",
     "ada_h2o", "ada_h2o:floor_alpha=0.0,recent_ratio=0.25", "ada_h2o:decode_alloc=flat", "ada_h2o:rounding=released",
     "knorm", "keydiff:n_sink=2", "lagkv:lag_size=8", "chunkkv:chunk_length=4,window_size=8",
-    "expected_attention:n_future_positions=16",
+    "expected_attention:n_future_positions=16,rope_theta=10000",
     "ada(knorm)", "ada(keydiff:n_sink=2, floor_alpha=0.2)", "ada(lagkv:lag_size=8)",
     "decoding(knorm, every=4)", "decoding(chunkkv:chunk_length=4,window_size=8, every=3, target=12)",
 ]

@@ -1,10 +1,12 @@
 """Capture post-RoPE q/k/v and the model's own attention output from HF decoder models.
 
 Method: a custom function registered in transformers' AttentionInterface (plus the matching sdpa mask
-in AttentionMaskInterface). Every attention module of Llama/Qwen2/Mistral/GPT-2-style models calls it
-with query/key/value exactly as the model attends: q after RoPE, k/v after RoPE and after the KV-cache
-update. The wrapper forwards to the model's sdpa kernel unchanged, so recording never alters outputs,
-and keeps the new positions' q/k/v and the attention output of the selected layers and KV heads.
+in AttentionMaskInterface). Every attention module of Llama/Qwen2/Qwen3/Mistral/Gemma-3/GPT-2-style models
+calls it with query/key/value exactly as the model attends: q after QK-norm and RoPE, k/v after RoPE and
+after the KV-cache update (a sliding layer's cache hands over only its window). The wrapper forwards to the
+model's sdpa kernel unchanged, so recording never alters outputs, and keeps the new positions' q/k/v and the
+attention output of the selected layers and KV heads, plus what each layer's call says about its attention
+(softmax scale, sliding window).
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
+
+from traces.format import LayerAttention
 
 IMPL_NAME = "kvsim_record"
 _ACTIVE: list["Capture"] = []
@@ -35,7 +39,7 @@ class ModelShape:
 
 
 def model_shape(config: Any) -> ModelShape:
-    """Read layers/heads/head_dim/positional scheme from a HF decoder config (Llama, Qwen2, Mistral, GPT-2...)."""
+    """Read layers/heads/head_dim/positional scheme from a HF decoder config (Llama, Qwen2/3, Mistral, Gemma-3, GPT-2...)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
     n_q = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
@@ -48,8 +52,49 @@ def model_shape(config: Any) -> ModelShape:
         raise CaptureError(f"num_attention_heads={n_q} is not a multiple of num_key_value_heads={n_kv}")
     rope = "none" if cfg.model_type in ("gpt2", "gpt_neo", "opt") else "rope"
     window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise CaptureError(f"model_type={cfg.model_type!r} soft-caps its attention logits "
+                           f"(attn_logit_softcapping={cfg.attn_logit_softcapping}); kvsim's recorder and replay "
+                           "engine compute plain softmax attention and would not reproduce it")
     return ModelShape(cfg.model_type, int(n_layers), int(n_q), int(n_kv), int(head_dim), rope,
                       int(window) if window else None)
+
+
+def layer_type(config: Any, layer: int) -> str | None:
+    """``config.layer_types[layer]`` (``full_attention`` / ``sliding_attention``) where the config has them."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types_ = getattr(cfg, "layer_types", None)
+    return str(types_[layer]) if types_ and layer < len(types_) else None
+
+
+def rope_theta(config: Any, layer: int) -> float | None:
+    """The RoPE base of one layer: its layer type's entry of ``rope_parameters`` (Gemma-3: 1e6 global, 1e4
+    sliding), else the model's one base; 0.0 for a model without RoPE. None when the rotation is not plain RoPE
+    at one base (llama3/yarn/linear scaling), so nothing downstream un-rotates with a wrong base."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if cfg.model_type in ("gpt2", "gpt_neo", "opt"):
+        return 0.0
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict):
+        kind = layer_type(cfg, layer)
+        if kind in params and isinstance(params[kind], dict):
+            params = params[kind]
+        theta = params.get("rope_theta")
+        scaling = params.get("rope_type", "default")
+    else:
+        theta = getattr(cfg, "rope_theta", None)
+        rs = getattr(cfg, "rope_scaling", None) or {}
+        scaling = rs.get("rope_type", rs.get("type", "default"))
+    if scaling != "default" or not theta:
+        return None
+    return float(theta)
+
+
+def layer_attention(config: Any, layer: int, scale: float, window: int | None) -> LayerAttention:
+    """The manifest entry of one recorded layer: the ``scale`` and ``window`` its attention call used, and its
+    RoPE base from the config."""
+    return LayerAttention(kind="sliding" if window else "global", window=int(window) if window else None,
+                          rope_theta=rope_theta(config, layer), scale=float(scale))
 
 
 @dataclass
@@ -64,23 +109,29 @@ class Capture:
     v: dict[int, list[np.ndarray]] = field(default_factory=dict)
     o: dict[int, list[np.ndarray]] = field(default_factory=dict)
     scaling: dict[int, float] = field(default_factory=dict)
+    window: dict[int, int | None] = field(default_factory=dict)
     seen: dict[int, int] = field(default_factory=dict)
 
     @property
     def q_heads(self) -> list[int]:
         return [h * self.group + j for h in self.kv_heads for j in range(self.group)]
 
-    def add(self, layer: int, query, key, value, out, scaling: float) -> None:
-        """Store one attention call: query [1,Hq,t,d], key/value [1,Hkv,S,d] (full cache), out [1,t,Hq,d]."""
+    def add(self, layer: int, query, key, value, out, scaling: float, window: int | None = None) -> None:
+        """Store one attention call: query [1,Hq,t,d], key/value [1,Hkv,S,d] (the cache as the layer attends
+        over it: everything seen, or on a sliding layer its last window - 1 tokens, then the t new ones),
+        out [1,t,Hq,d]."""
         if layer not in self.layer_ids:
             return
         if query.shape[0] != 1:
             raise CaptureError(f"recording supports batch size 1, got {query.shape[0]}")
         t, s = query.shape[2], key.shape[2]
-        if s != self.seen.get(layer, 0) + t:
-            raise CaptureError(f"layer {layer}: key length {s} != cached {self.seen.get(layer, 0)} + new {t}; "
-                               "the model must run with a growing KV cache (no sliding/static cache)")
-        self.seen[layer] = s
+        seen = self.seen.get(layer, 0)
+        held = seen if not window else min(seen, max(window - 1, 0))
+        if s not in (seen + t, held + t):
+            raise CaptureError(f"layer {layer}: key length {s} != cached {seen} + new {t}; the model must run "
+                               "with a growing KV cache (a sliding layer may hand over only its window)")
+        self.seen[layer] = seen + t
+        self.window[layer] = int(window) if window else None
         qh, kh = self.q_heads, list(self.kv_heads)
         to_np = lambda x: x.detach().float().cpu().numpy()  # noqa: E731
         self.q.setdefault(layer, []).append(to_np(query[0, qh].transpose(0, 1)).astype(self.store_dtype))
@@ -104,8 +155,9 @@ def _recording_attention(module, query, key, value, attention_mask, **kwargs):
     scaling = kwargs.get("scaling")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    window = kwargs.get("sliding_window")
     for cap in _ACTIVE:
-        cap.add(int(module.layer_idx), query, key, value, out, scaling)
+        cap.add(int(module.layer_idx), query, key, value, out, scaling, window)
     return out, weights
 
 

@@ -24,9 +24,10 @@ class UnfaithfulTraceError(ValueError):
 
 
 def layer_faithfulness(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, model_o: np.ndarray,
-                       scale: float) -> tuple[LayerFaithfulness, np.ndarray, np.ndarray]:
-    """Recompute full causal attention from q/k/v; return the comparison and the reference (lse, o)."""
-    lse, o = full_attention_reference(q, k, v, scale)
+                       scale: float, *, window: int | None = None) -> tuple[LayerFaithfulness, np.ndarray, np.ndarray]:
+    """Recompute the layer's causal attention (windowed on a sliding layer) from q/k/v; return the comparison
+    and the reference (lse, o)."""
+    lse, o = full_attention_reference(q, k, v, scale, window=window)
     err = float(np.max(np.abs(o - model_o))) if o.size else 0.0
     mag = float(np.max(np.abs(model_o))) if model_o.size else 0.0
     return LayerFaithfulness(layer, err, err / max(mag, 1e-30)), lse, o
@@ -73,8 +74,9 @@ def verify_trace_against_model(trace, model, *, tol: float | None = None) -> lis
     for i, layer in enumerate(trace.meta.model.layer_ids):
         la = trace.layer(i)
         model_o = cap.arrays(layer)[3]
+        attn = trace.meta.attention(i)
         res, _, _ = layer_faithfulness(layer, np.asarray(la.q), np.asarray(la.k), np.asarray(la.v), model_o,
-                                       trace.meta.softmax_scale)
+                                       attn.scale, window=attn.window)
         out.append(res)
     compute = str(next(model.parameters()).dtype)
     assert_faithful(out, default_tolerance(trace.meta.dtype, compute) if tol is None else tol)

@@ -1,8 +1,10 @@
 """On-disk trace format: a directory of memory-mappable .npy arrays plus a checksummed manifest.
 
-Layout (format version 1)::
+Layout (format version 2)::
 
-    manifest.json               format, version, model config, dtype, token counts, checksums
+    manifest.json               format, version, model config (with each stored layer's attention: global or
+                                sliding with its window, RoPE base, logit scale, soft-cap), dtype, token
+                                counts, checksums
     layers/<i:03d>/q.npy        [T, Hq, d]   post-RoPE queries
     layers/<i:03d>/k.npy        [T, Hkv, d]  post-RoPE keys
     layers/<i:03d>/v.npy        [T, Hkv, d]  values
@@ -14,6 +16,9 @@ Layout (format version 1)::
 
 Writes are atomic: everything goes into a sibling temp directory that is renamed into place only
 after the manifest (written last) is complete, so a killed writer never leaves a half-valid trace.
+
+Version 1 (before per-layer attention) still loads: its layers read as global attention at the trace's one
+softmax scale, with the RoPE base unknown (``LayerAttention.rope_theta`` None) unless the trace has no RoPE.
 """
 from __future__ import annotations
 
@@ -23,14 +28,16 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
 FORMAT_NAME = "kvsim-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+ATTENTION_KINDS = ("global", "sliding")
 STORAGE_DTYPES = ("float16", "float32")
 ARRAY_NAMES = ("q", "k", "v", "lse", "o")
 WO = "wo"   # the optional output-projection array, present for all layers or none ("has_wo" in the manifest)
@@ -40,6 +47,50 @@ _CHUNK_BYTES = 1 << 24
 
 class TraceError(ValueError):
     """A trace directory is missing, malformed, tampered with, or inconsistent; the message names the file and field."""
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One stored layer's attention as the model computes it: what "the full cache" means for that layer.
+
+    ``kind`` is ``global`` (every earlier token) or ``sliding``: each query sees the last ``window`` tokens,
+    itself included (Hugging Face's ``sliding_window``; Gemma-3: 512). ``rope_theta`` is the layer's RoPE base
+    (Gemma-3: 1e6 on global, 1e4 on sliding layers); 0.0 means the layer has no RoPE, None that the trace does
+    not say (version-1 traces). ``scale`` multiplies q.k before the softmax (Gemma-3:
+    ``query_pre_attn_scalar ** -0.5``); ``softcap`` is a tanh soft-cap of the logits (Gemma-2) or None.
+    """
+
+    kind: str = "global"
+    window: int | None = None
+    rope_theta: float | None = None
+    scale: float = 0.0
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ATTENTION_KINDS:
+            raise TraceError(f"attention.kind must be one of {ATTENTION_KINDS}, got {self.kind!r}")
+        if self.kind == "sliding":
+            if not isinstance(self.window, (int, np.integer)) or isinstance(self.window, bool) or self.window < 2:
+                raise TraceError(f"a sliding layer needs an integer window >= 2, got {self.window!r}")
+        elif self.window is not None:
+            raise TraceError(f"a global layer has no window, got window={self.window!r}")
+        if self.rope_theta is not None and (not np.isfinite(self.rope_theta) or self.rope_theta < 0):
+            raise TraceError(f"attention.rope_theta must be a finite number >= 0 or null, got {self.rope_theta!r}")
+        if not np.isfinite(self.scale) or self.scale < 0:
+            raise TraceError(f"attention.scale must be a finite number >= 0, got {self.scale!r}")
+        if self.softcap is not None and (not np.isfinite(self.softcap) or self.softcap <= 0):
+            raise TraceError(f"attention.softcap must be a positive number or null, got {self.softcap!r}")
+
+    @property
+    def sliding(self) -> bool:
+        return self.kind == "sliding"
+
+    def describe(self) -> str:
+        """``global`` / ``sliding 512``, with the RoPE base when known."""
+        kind = f"sliding {self.window}" if self.sliding else "global"
+        if self.rope_theta is None:
+            return kind
+        return kind + (", no RoPE" if self.rope_theta == 0 else f", RoPE {self.rope_theta:g}")
 
 
 @dataclass(frozen=True)
@@ -54,6 +105,8 @@ class ModelInfo:
     rope: str = "rope"
     layer_ids: tuple[int, ...] = ()
     hidden_size: int = 0   # the residual width (W_O's rows); 0 when unknown (a trace without W_O arrays)
+    #: per stored layer (aligned with ``layer_ids``); empty means every layer global, RoPE base unknown
+    attention: tuple[LayerAttention, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "n_q_heads", "n_kv_heads", "head_dim"):
@@ -70,11 +123,22 @@ class ModelInfo:
         if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
             raise TraceError(f"model.layer_ids must be distinct non-negative integers, got {ids}")
         object.__setattr__(self, "layer_ids", ids)
+        attn = tuple(a if isinstance(a, LayerAttention) else LayerAttention(**a) for a in self.attention)
+        if not attn:
+            attn = (LayerAttention(rope_theta=0.0 if self.rope == "none" else None),) * len(ids)
+        if len(attn) != len(ids):
+            raise TraceError(f"model.attention has {len(attn)} entries for {len(ids)} stored layers")
+        object.__setattr__(self, "attention", attn)
 
     @property
     def group_size(self) -> int:
         """Query heads per KV head (1 for MHA)."""
         return self.n_q_heads // self.n_kv_heads
+
+    @property
+    def hybrid(self) -> bool:
+        """True when some stored layer slides over a window (Gemma-2/3, Mistral-style local layers)."""
+        return any(a.sliding for a in self.attention)
 
 
 @dataclass(frozen=True)
@@ -100,6 +164,12 @@ class TraceMeta:
             object.__setattr__(self, "softmax_scale", float(self.model.head_dim) ** -0.5)
         if not np.isfinite(self.softmax_scale) or self.softmax_scale <= 0:
             raise TraceError(f"softmax_scale must be a positive finite number, got {self.softmax_scale}")
+        attn = tuple(a if a.scale > 0 else replace(a, scale=self.softmax_scale) for a in self.model.attention)
+        object.__setattr__(self, "model", replace(self.model, attention=attn))
+
+    def attention(self, i: int) -> LayerAttention:
+        """The attention of the i-th stored layer (file order)."""
+        return self.model.attention[i]
 
     def expected_shape(self, name: str) -> tuple[int, ...]:
         """Shape an array of this trace must have."""
@@ -119,12 +189,17 @@ class TraceMeta:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["model"]["layer_ids"] = list(self.model.layer_ids)
+        d["model"]["attention"] = [asdict(a) for a in self.model.attention]
         return d
 
     @staticmethod
     def from_json(d: dict[str, Any], where: str = "manifest.json") -> "TraceMeta":
         try:
-            model = ModelInfo(**{**d["model"], "layer_ids": tuple(d["model"].get("layer_ids", ()))})
+            attention = d["model"].get("attention", ())
+            if not isinstance(attention, (list, tuple)) or not all(isinstance(a, dict) for a in attention):
+                raise TraceError(f"{where}: field 'model.attention' must be a list of objects")
+            model = ModelInfo(**{**d["model"], "layer_ids": tuple(d["model"].get("layer_ids", ())),
+                                 "attention": tuple(LayerAttention(**a) for a in attention)})
             return TraceMeta(
                 model=model,
                 n_tokens=int(d["n_tokens"]),
@@ -138,6 +213,8 @@ class TraceMeta:
             raise TraceError(f"{where}: missing field {e.args[0]!r}") from None
         except TypeError as e:
             raise TraceError(f"{where}: malformed field: {e}") from None
+        except TraceError as e:
+            raise TraceError(f"{where}: {e}") from None
 
 
 class LayerArrays(NamedTuple):
@@ -228,7 +305,8 @@ class TraceWriter:
         if (lse is None) != (o is None):
             raise TraceError(f"layer {i}: give both lse and o, or neither")
         if lse is None and self.compute_reference:
-            lse, o = full_attention_reference(arrays.q, arrays.k, arrays.v, self.meta.softmax_scale)
+            attn = self.meta.attention(i)
+            lse, o = full_attention_reference(arrays.q, arrays.k, arrays.v, attn.scale, window=attn.window)
         has_ref = self._same_in_every_layer("reference lse/o", lse is not None, i)
         has_wo = self._same_in_every_layer("the W_O array", arrays.wo is not None, i)
         if has_wo and self.meta.model.hidden_size < 1:
@@ -407,8 +485,9 @@ def load_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
             raise TraceError(f"{mpath}: missing field {key!r}")
     if manifest["format"] != FORMAT_NAME:
         raise TraceError(f"{mpath}: field 'format' is {manifest['format']!r}, expected {FORMAT_NAME!r}")
-    if manifest["version"] != FORMAT_VERSION:
-        raise TraceError(f"{mpath}: field 'version' is {manifest['version']!r}; this kvsim reads version {FORMAT_VERSION}")
+    if manifest["version"] not in READABLE_VERSIONS:
+        raise TraceError(f"{mpath}: field 'version' is {manifest['version']!r}; this kvsim reads versions "
+                         f"{', '.join(map(str, READABLE_VERSIONS))}")
     meta = TraceMeta.from_json(manifest, where=str(mpath))
     entries = manifest["arrays"]
     if not isinstance(entries, dict):

@@ -2,7 +2,10 @@
 
 Prefill of the prompt, then token-by-token decode through the model's KV cache (greedy, or
 teacher-forced on the given text). Every stored layer is checked for faithfulness (attention recomputed
-from the stored q/k/v against the model's own attention output) before the trace is written atomically.
+from the stored q/k/v against the model's own attention output, windowed on a sliding layer) before the trace
+is written atomically. The manifest records each layer's attention as the model ran it (global or sliding with
+its window, RoPE base, softmax scale), so hybrid models (Gemma-3: 15 sliding + 3 global layers) record at any
+length the model supports.
 
 tokens.parquet row t describes position t: ``token_id`` fed at t, ``nll`` = -log p(token_t | tokens_<t)
 and ``top1_id`` = argmax p(. | tokens_<t) under the full cache (NaN / -1 at t = 0, which has no context).
@@ -16,10 +19,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from traces.capture import Capture, CaptureError, capturing, model_shape
+from traces.capture import Capture, CaptureError, capturing, layer_attention, model_shape
 from traces.faithful import LayerFaithfulness, assert_faithful, default_tolerance, layer_faithfulness
 from traces.format import LayerArrays, ModelInfo, TraceMeta, TraceWriter
-from traces.hf_cache import returned_cache, with_cache
 
 
 class RecordError(ValueError):
@@ -87,9 +89,6 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
     max_pos = _max_positions(model.config)
     if max_pos and total > max_pos:
         raise RecordError(f"n_prompt + n_decode = {total} exceeds the model's context of {max_pos} positions")
-    if shape.sliding_window and total > shape.sliding_window:
-        raise RecordError(f"{total} tokens exceed the model's sliding window {shape.sliding_window}; the full-cache "
-                          "reference would not be the model's attention")
     layer_ids = _check_subset("layers", layers, shape.n_layers)
     kv = _check_subset("kv_heads", kv_heads, shape.n_kv_heads)
     group = shape.n_q_heads // shape.n_kv_heads
@@ -101,6 +100,7 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
     device = next(model.parameters()).device
     fed, nll, top1 = [], [], []
     model.eval()
+    cache_kw = cache_keyword(model)
     with torch.no_grad(), capturing(model, cap), tqdm(total=total, desc="record", unit="tok",
                                                       disable=not progress) as bar:
         first = total if single_pass else n_prompt
@@ -112,15 +112,15 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
         tgt = torch.tensor(ids[1:first], device=device)
         nll.extend((-logp[:-1].gather(1, tgt[:, None])[:, 0]).tolist())
         top1.extend(logp[:-1].argmax(-1).tolist())
-        last, past = logp[-1], returned_cache(model, out)
+        last, past = logp[-1], returned_cache(out)
         bar.update(first)
         for step in range(total - first):
             tok = ids[n_prompt + step] if teacher_forced else int(last.argmax())
             nll.append(float(-last[tok]))
             top1.append(int(last.argmax()))
             fed.append(tok)
-            out = model(input_ids=torch.tensor([[tok]], device=device), use_cache=True, **with_cache(model, past))
-            last, past = torch.log_softmax(out.logits[0, -1].float(), dim=-1), returned_cache(model, out)
+            out = model(input_ids=torch.tensor([[tok]], device=device), use_cache=True, **{cache_kw: past})
+            last, past = torch.log_softmax(out.logits[0, -1].float(), dim=-1), returned_cache(out)
             bar.update(1)
 
     scales = {round(cap.scaling[layer], 12) for layer in layer_ids if layer in cap.scaling}
@@ -130,9 +130,11 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
 
     cols = np.concatenate([np.arange(h * shape.head_dim, (h + 1) * shape.head_dim) for h in cap.q_heads])
     layers_out, faith = [], []
-    for layer in layer_ids:
+    attention = tuple(layer_attention(model.config, layer, cap.scaling.get(layer, scale), cap.window.get(layer))
+                      for layer in layer_ids)
+    for layer, attn in zip(layer_ids, attention):
         q, k, v, model_o = cap.arrays(layer)
-        res, lse, o = layer_faithfulness(layer, q, k, v, model_o, scale)
+        res, lse, o = layer_faithfulness(layer, q, k, v, model_o, attn.scale, window=attn.window)
         faith.append(res)
         wo = output_projection(model, layer)
         layers_out.append(LayerArrays(q, k, v, lse, o, None if wo is None else wo[:, cols]))
@@ -144,7 +146,8 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
     name = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
     hidden = layers_out[0].wo.shape[0] if layers_out[0].wo is not None else 0
     info = ModelInfo(model_id=str(name), n_layers=shape.n_layers, n_q_heads=len(kv) * group, n_kv_heads=len(kv),
-                     head_dim=shape.head_dim, rope=shape.rope, layer_ids=layer_ids, hidden_size=hidden)
+                     head_dim=shape.head_dim, rope=shape.rope, layer_ids=layer_ids, hidden_size=hidden,
+                     attention=attention)
     src = {
         **(source or {}),
         "recorder": "traces.recorder",
@@ -175,6 +178,19 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
             w.add_layer(la)
         w.set_tokens(tokens)
     return RecordResult(out_dir, faith, mean_nll)
+
+
+def cache_keyword(model) -> str:
+    """The keyword a model's forward takes its KV cache by: ``cache`` (transformers >= 5.2x, where
+    ``past_key_values`` is deprecated) or ``past_key_values`` (earlier releases)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(out: Any) -> Any:
+    """The KV cache a forward returned, under either release's name."""
+    return out["cache"] if "cache" in out else out.past_key_values
 
 
 def output_projection(model, layer: int) -> np.ndarray | None:

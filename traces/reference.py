@@ -1,4 +1,10 @@
-"""Full causal attention reference (log-sum-exp and output per query) computed once per trace."""
+"""Full-cache attention reference (log-sum-exp and output per query), computed once per trace layer.
+
+"Full cache" means the layer's own attention: causal over every earlier token on a global layer, over the last
+``window`` tokens (itself included) on a sliding layer. The work is blocked: queries in chunks of
+``_ROW_CHUNK`` rows against only the keys they can see, so memory is O(chunk x visible keys) per KV head,
+never T x T.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -6,8 +12,15 @@ import numpy as np
 _ROW_CHUNK = 256
 
 
-def full_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """Causal softmax attention of every query over all keys up to its own position.
+def visible_range(r0: int, r1: int, window: int | None) -> int:
+    """First key any query of rows r0..r1-1 can see (0 on a global layer)."""
+    return 0 if not window else max(0, r0 - window + 1)
+
+
+def full_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
+                             window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Causal softmax attention of every query over the keys it sees: all earlier positions and itself, or
+    with ``window`` only the last ``window`` positions (query i sees keys i - window + 1 .. i).
 
     q: [T, Hq, d]; k, v: [T, Hkv, d] with Hq a multiple of Hkv (GQA). Returns lse [T, Hq] (of the scaled
     logits) and o [T, Hq, d], both float32, computed in float64 in row chunks to bound memory.
@@ -16,21 +29,28 @@ def full_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale:
     hkv = k.shape[1]
     if k.shape != (T, hkv, d) or v.shape != (T, hkv, d) or hq % hkv:
         raise ValueError(f"incompatible shapes q{q.shape} k{k.shape} v{v.shape}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     g = hq // hkv
     lse = np.empty((T, hq), np.float32)
     out = np.empty((T, hq, d), np.float32)
     for h in range(hkv):
-        kh = np.asarray(k[:, h], np.float64)
-        vh = np.asarray(v[:, h], np.float64)
         for r0 in range(0, T, _ROW_CHUNK):
             r1 = min(T, r0 + _ROW_CHUNK)
+            c0 = visible_range(r0, r1, window)
+            kh = np.asarray(k[c0:r1, h], np.float64)
+            vh = np.asarray(v[c0:r1, h], np.float64)
             qs = np.asarray(q[r0:r1, h * g:(h + 1) * g], np.float64)          # [R, G, d]
-            logits = np.einsum("rgd,td->rgt", qs, kh[:r1]) * scale              # [R, G, r1]
-            future = np.arange(r1)[None, :] > np.arange(r0, r1)[:, None]           # [R, r1]
-            logits = np.where(future[:, None, :], -np.inf, logits)
+            logits = np.einsum("rgd,td->rgt", qs, kh) * scale                   # [R, G, r1 - c0]
+            cols = np.arange(c0, r1)[None, :]
+            rows = np.arange(r0, r1)[:, None]
+            hidden = cols > rows
+            if window:
+                hidden |= cols <= rows - window
+            logits = np.where(hidden[:, None, :], -np.inf, logits)
             m = logits.max(axis=2, keepdims=True)
             p = np.exp(logits - m)
             s = p.sum(axis=2, keepdims=True)
             lse[r0:r1, h * g:(h + 1) * g] = (m + np.log(s))[..., 0]
-            out[r0:r1, h * g:(h + 1) * g] = np.einsum("rgt,td->rgd", p / s, vh[:r1])
+            out[r0:r1, h * g:(h + 1) * g] = np.einsum("rgt,td->rgd", p / s, vh)
     return lse, out

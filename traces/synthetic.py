@@ -15,11 +15,11 @@ Query heads sharing a KV head (GQA) see the same keys with jittered strengths. `
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from traces.format import InMemoryTrace, LayerArrays, ModelInfo, TraceMeta
+from traces.format import InMemoryTrace, LayerArrays, LayerAttention, ModelInfo, TraceMeta
 from traces.reference import full_attention_reference
 
 KINDS = ("mixed", "sinks", "zipf", "local", "recall", "topic_shift", "adversarial", "passkey", "random")
@@ -85,8 +85,10 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
                          head_dim: int = 32, n_tokens: int = 512, n_prompt: int = 64, seed: int = 0,
                          n_sinks: int = 4, zipf_alpha: float = 1.1, recall_every: int = 16, recall_window: int = 32,
                          segment: int = 128, passkey_pos: int | None = None, n_needle_queries: int = 16,
-                         local_length: float = 4.0, dtype: str = "float32") -> InMemoryTrace:
-    """Generate a synthetic trace with a known attention structure (see module docstring)."""
+                         local_length: float = 4.0, dtype: str = "float32",
+                         windows: Sequence[int | None] | None = None) -> InMemoryTrace:
+    """Generate a synthetic trace with a known attention structure (see module docstring). ``windows`` makes a
+    hybrid model: per layer None (global) or a sliding window, whose windowed attention is the reference."""
     if kind not in KINDS:
         raise ValueError(f"unknown synthetic kind {kind!r}; choose from {KINDS}")
     if head_dim < _MIN_HEAD_DIM:
@@ -95,6 +97,9 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
         raise ValueError(f"n_q_heads ({n_q_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
     if not 0 <= n_prompt < n_tokens:
         raise ValueError(f"n_prompt must be in [0, n_tokens={n_tokens}), got {n_prompt}")
+    windows = [None] * n_layers if windows is None else list(windows)
+    if len(windows) != n_layers:
+        raise ValueError(f"windows has {len(windows)} entries for {n_layers} layers")
     T, d, G = n_tokens, head_dim, n_q_heads // n_kv_heads
     scale = d ** -0.5
     rng = np.random.default_rng(seed)
@@ -143,11 +148,12 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
                     qc[has] += rec.recall * jit_[4] * tgt_vec / (scale * (tgt_vec ** 2).sum(1, keepdims=True))
                 qh[:, 2 + 2 * _N_FREQ:] = qc
         q32, k32, v32 = (a.astype(dtype) for a in (q, k, v))
-        lse, o = full_attention_reference(q32, k32, v32, scale)
+        lse, o = full_attention_reference(q32, k32, v32, scale, window=windows[layer])
         wo = random_output_projection(n_q_heads, head_dim, seed * 1000 + layer)
         layers.append(LayerArrays(q32, k32, v32, lse, o, wo))
+    attention = tuple(LayerAttention("sliding" if w else "global", w or None, 0.0, scale) for w in windows)
     model = ModelInfo(f"synthetic-{kind}", n_layers, n_q_heads, n_kv_heads, head_dim, rope="none",
-                      layer_ids=tuple(range(n_layers)), hidden_size=n_q_heads * head_dim)
+                      layer_ids=tuple(range(n_layers)), hidden_size=n_q_heads * head_dim, attention=attention)
     source: dict[str, Any] = dict(generator="traces.synthetic", kind=kind, seed=seed, n_sinks=n_sinks,
                                   local_length=local_length,
                                   zipf_alpha=zipf_alpha, recall_every=recall_every, recall_window=recall_window,

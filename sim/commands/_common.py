@@ -66,12 +66,22 @@ def add_verify_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_trace_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
-    """TRACE positional(s), the sizes used when a trace is ``synthetic:KIND``, and ``--no-verify``."""
+    """TRACE positional(s), the sizes used when a trace is ``synthetic:KIND``, ``--no-verify`` and
+    ``--sliding``."""
     p.add_argument("traces" if many else "trace", nargs="+" if many else None, metavar="TRACE",
                    help="trace directory (an existing path always wins), or synthetic:KIND (mixed, sinks, zipf, "
                         "local, recall, topic_shift, adversarial, passkey, random) generated in memory")
     add_synthetic_size_args(p)
     add_verify_option(p)
+    add_sliding_option(p)
+
+
+def add_sliding_option(p: argparse.ArgumentParser) -> None:
+    """``--sliding keep|compress``: what a policy does on a hybrid model's sliding-window layers."""
+    p.add_argument("--sliding", choices=("keep", "compress"), default="keep",
+                   help="hybrid models (Gemma-3): 'keep' compresses the global layers only and leaves each sliding "
+                        "layer its window, the model's own cache, counted in the memory held; 'compress' applies "
+                        "the policy to the sliding layers too, under their window (no effect on other models)")
 
 
 def add_policy_option(p: argparse.ArgumentParser, *, required: bool = True, default: str | None = None,
@@ -109,11 +119,15 @@ def add_out_option(p: argparse.ArgumentParser, default: Path | str | None, what:
 
 
 def add_executor_options(p: argparse.ArgumentParser) -> None:
-    """``--workers N`` and ``--ray ADDRESS``: where the replays run."""
+    """``--workers N``, ``--threads N`` and ``--ray ADDRESS``: where the replays run, with how many threads."""
     from sim.executors import default_workers
 
     p.add_argument("--workers", type=positive_int, default=default_workers(),
                    help="local worker processes (one per core on this machine)")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="threads per worker process or Ray task, for numba, BLAS and torch alike (default: the "
+                        "cores divided among the workers, so workers x threads <= cores; 1 per Ray task, which "
+                        "declares num_cpus=N to Ray's scheduler)")
     p.add_argument("--ray", metavar="ADDRESS", default=None,
                    help="run on Ray: a cluster address (ray://host:10001, auto) or 'local' (needs kvsim[ray])")
 
@@ -127,7 +141,8 @@ def trace_ref(args: argparse.Namespace, spec: str):
     """One TRACE argument as a reference every worker process can reopen (with the command's --no-verify)."""
     from sim.executors import TraceRef
 
-    return TraceRef(spec, args.tokens, args.prompt, args.layers, args.seed, verify=not args.no_verify)
+    return TraceRef(spec, args.tokens, args.prompt, args.layers, args.seed, verify=not args.no_verify,
+                    sliding=args.sliding)
 
 
 def trace_refs(args: argparse.Namespace) -> list:
@@ -144,8 +159,8 @@ def load(args: argparse.Namespace, spec: str) -> Trace:
 def add_model_option(p: argparse.ArgumentParser, *, default: str | None = "smollm2-135m") -> None:
     """``--model NAME|DIR|FILE.gguf``, resolved by traces.models (the one place that knows models)."""
     p.add_argument("--model", default=default, required=default is None, metavar="NAME|DIR|FILE.gguf",
-                   help="a registered model (`kvsim models`: smollm2-135m, tiny), a local Hugging Face folder, or a "
-                        "llama-family .gguf file")
+                   help="a registered model (`kvsim models`: smollm2-135m, gemma3-270m, tiny), a local Hugging Face "
+                        "folder, or a .gguf file (Llama, Qwen2, Qwen3, Mistral, Gemma-3)")
 
 
 def add_text_option(p: argparse.ArgumentParser, *, what: str = "text") -> None:

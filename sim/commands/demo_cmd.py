@@ -43,15 +43,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def demo_layers(n_layers: int, wanted: str | list[int] | None) -> tuple[int, ...]:
-    """The layers the demo records: all, the given ones, or DEMO_LAYERS evenly spaced ones."""
+def demo_layers(n_layers: int, wanted: str | list[int] | None, layer_types: list[str] | None = None) -> tuple[int, ...]:
+    """The layers the demo records: all, the given ones, or DEMO_LAYERS of them: evenly spaced, or on a hybrid
+    model (``layer_types`` with sliding layers) every global layer first, since those are what a policy
+    compresses, then the first sliding one."""
     if wanted == "all" or (wanted is None and n_layers <= DEMO_LAYERS):
         return tuple(range(n_layers))
-    if wanted is None:
-        import numpy as np
+    if wanted is not None:
+        return tuple(wanted)
+    if layer_types and "sliding_attention" in layer_types:
+        glob = [i for i, t in enumerate(layer_types) if t != "sliding_attention"][:DEMO_LAYERS - 1]
+        return tuple(sorted(glob + [layer_types.index("sliding_attention")]))
+    import numpy as np
 
-        return tuple(int(x) for x in np.unique(np.round(np.linspace(0, n_layers - 1, DEMO_LAYERS))))
-    return tuple(wanted)
+    return tuple(int(x) for x in np.unique(np.round(np.linspace(0, n_layers - 1, DEMO_LAYERS))))
 
 
 def demo_trace(args: argparse.Namespace):
@@ -66,8 +71,9 @@ def demo_trace(args: argparse.Namespace):
     if args.synthetic:
         return TraceRef(f"synthetic:{args.synthetic}", args.tokens, args.prompt, 2)
     folder = resolve_model(args.model)
-    n_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-    layers = demo_layers(n_layers, args.layers)
+    config = json.loads((folder / "config.json").read_text())
+    n_layers = config["num_hidden_layers"]
+    layers = demo_layers(n_layers, args.layers, config.get("layer_types"))
     name = model_id(args.model)
     tag = "all" if len(layers) == n_layers else "-".join(map(str, layers))
     path = args.out / f"demo-trace-{name}-{args.prompt}-{args.tokens - args.prompt}-L{tag}"
@@ -79,9 +85,24 @@ def demo_trace(args: argparse.Namespace):
         record_default_trace(path, n_prompt=args.prompt, n_decode=args.tokens - args.prompt, layers=layers,
                              overwrite=True, model=args.model)
     if len(layers) < n_layers:
-        print(f"replaying layers {', '.join(map(str, layers))} of {name}'s {n_layers} "
+        print(f"recorded layers {', '.join(map(str, layers))} of {name}'s {n_layers} "
               f"(--keep-layers all for every layer)")
     return TraceRef(str(path))
+
+
+def describe_replayed(trace) -> str:
+    """Which of the trace's layers the policies compress, and what the others keep (hybrid models)."""
+    from sim.replay import compressed_layers
+
+    ids = trace.meta.model.layer_ids
+    comp = compressed_layers(trace)
+    kept = [i for i in range(trace.n_layers) if i not in comp]
+    text = f"policies compress layers {', '.join(str(ids[i]) for i in comp)}"
+    if kept:
+        windows = sorted({trace.meta.attention(i).window for i in kept})
+        text += (f" (global); sliding layers {', '.join(str(ids[i]) for i in kept)} keep their "
+                 f"{'/'.join(map(str, windows))}-token window, counted in the memory held")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     ref = demo_trace(args)
     trace = ref.open()[0]
     print(repr(trace))
+    print(describe_replayed(trace))
     model = f"synthetic:{args.synthetic}" if args.synthetic else trace.meta.model.model_id
     layers = "" if args.synthetic else f", layers {','.join(map(str, trace.meta.model.layer_ids))}"
     title = f"kvsim demo — {model}{layers}"

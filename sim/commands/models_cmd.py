@@ -6,8 +6,9 @@ import argparse
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="list the registered models and whether each is cached",
-                       description="List kvsim's named models. Any command's --model also takes a local Hugging "
-                                   "Face folder or a llama-family .gguf file (Llama, Qwen2, Mistral).")
+                       description="List kvsim's named models with their licences. Any command's --model also "
+                                   "takes a local Hugging Face folder or a .gguf file (Llama, Qwen2, Qwen3, Mistral, "
+                                   "Gemma-3).")
     p.add_argument("--fetch", metavar="NAME", default=None,
                    help="fetch and convert this model into the cache now (e.g. on a connected machine)")
     p.set_defaults(func=run)

@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     ref = trace_ref(args, args.trace)
     res = run_search(ref, args.policy, args.budgets, ResultStore(args.out), objective=args.objective,
                      n_trials=args.trials, multi_objective=args.pareto, layer_weights=args.layer_weights,
-                     workers=args.workers, ray_address=args.ray, seed=args.search_seed, progress=not args.quiet)
+                     workers=args.workers, ray_address=args.ray, threads=args.threads, seed=args.search_seed,
+                     progress=not args.quiet)
     title = "Pareto front (loss vs KV bytes)" if args.pareto else f"best of {args.trials} trials"
     Console(width=140).print(f"[bold]{args.policy}: {title}, objective {args.objective}[/bold]")
     Console(width=140).print(res.pareto.drop(columns=["trial"]).to_string(index=False, float_format=lambda x: f"{x:.4g}"))

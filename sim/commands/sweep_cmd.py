@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     refs = trace_refs(args)
     budgets = args.budgets or default_budgets(min(r.open()[0].meta.n_tokens for r in refs))
     df = run_sweep(refs, parse_policy_grid(args.policies), budgets, ResultStore(args.out), workers=args.workers,
-                   ray_address=args.ray, progress=not args.quiet)
+                   ray_address=args.ray, threads=args.threads, progress=not args.quiet)
     df = with_oracle_gap(df[df.budget.isin(budgets)])
     print_ranked(df)
     print(f"results: {args.out} ({len(df)} rows for these budgets)")
