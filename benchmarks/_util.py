@@ -24,14 +24,6 @@ def best_time(fn: Callable[[], Any], repeat: int = 3) -> float:
     return min(times)
 
 
-def copy_bandwidth(n_bytes: int = 1 << 28) -> float:
-    """Measured main-memory bandwidth of this machine (bytes read + written per second by a large copy)."""
-    src = np.ones(n_bytes // 8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    return 2 * n_bytes / best_time(lambda: np.copyto(dst, src), repeat=5)
-
-
 def machine() -> dict[str, Any]:
     """The machine and the thread environment a result was measured in (pools as this process has them)."""
     from sim.threads import environment_record

@@ -35,17 +35,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-from numba import njit, objmode  # noqa: E402
+from numba import njit  # noqa: E402
 
 from benchmarks._util import cli_seconds, machine, write_result  # noqa: E402
 from policies import get_policy, list_policies  # noqa: E402
-from sim.engine import (N_METRICS, _attend_and_measure, _compact, _dots, _exp_shifted,  # noqa: E402
-                        _new_buffers, _normalise, _scaled_max)
+from sim.engine import profile_attention, profile_parts  # noqa: E402
+from sim.metrics import N_METRICS  # noqa: E402
 from sim.replay import load_layers, replay, replay_oracle  # noqa: E402
 from sim.threads import limit_threads  # noqa: E402
 from traces.format import load_trace  # noqa: E402
+from traces.recorder import cache_keyword, returned_cache  # noqa: E402
 
-#: where the shared SmolLM2-135M trace and HF folder live; rewire to the model registry when it lands
+#: the SmolLM2-135M trace (recorded on first use) and the registered model (traces/models.py) it comes from
 DEFAULT_TRACE = "kvsim-out/smollm2-135m-1024-256"
 DEFAULT_MODEL = "smollm2-135m"
 BUDGET = 128
@@ -83,35 +84,6 @@ def fma_peak_gmacs(repeat: int = 5) -> dict:
 
 
 # ----- the engine's attention inner loop alone -----
-@njit(cache=True)
-def _attention_only(q, k, v, lse, o, scale, start, stop, n_slots, probs, metric_row, out):
-    """The engine's per-(step, KV head) attention + metric pass of steps [start, stop) over ``n_slots`` fixed
-    cached slots (the trace's keys and values just before ``start``): ``replay_layer`` minus policy and copies."""
-    T, hq_n, d = q.shape
-    hkv = k.shape[1]
-    g_n = hq_n // hkv
-    ck = np.zeros((hkv, n_slots, d), np.float32)
-    cv = np.zeros((hkv, n_slots, d), np.float32)
-    cpos = np.zeros((hkv, n_slots), np.int64)
-    dirty = np.zeros((hkv, n_slots), np.uint8)
-    dots = np.zeros((g_n, n_slots), np.float32)
-    xs = np.zeros(n_slots, np.float32)
-    ebuf = np.zeros(n_slots, np.float32)
-    ibuf = np.zeros(n_slots, np.int32)
-    oacc = np.zeros((g_n, d), np.float64)
-    for h in range(hkv):
-        for i in range(n_slots):
-            src = start - n_slots + i
-            ck[h, i] = k[src, h]
-            cv[h, i] = v[src, h]
-            cpos[h, i] = src
-    for t in range(start, stop):
-        for h in range(hkv):
-            _attend_and_measure(t, h, g_n, n_slots, q, k, lse, o, scale, 1.0, ck, cv, cpos, dirty, probs, metric_row,
-                                True, dots, oacc, xs, ibuf, ebuf)
-            out[0] += metric_row[h * g_n, 1]
-
-
 def inner_loop_gmacs(li, scale: float, start: int, n_slots: int, block: int = 16, rounds: int = 3) -> dict:
     """GMAC/s of the attention inner loop (q.k and p.v, 2 * G * n * d MACs per KV head and step) on real data:
     the best rate over short blocks of ``block`` steps (~10 ms each, like the FMA peak's bursts), so that both
@@ -121,12 +93,12 @@ def inner_loop_gmacs(li, scale: float, start: int, n_slots: int, block: int = 16
     probs = np.zeros((hkv, hq_n // hkv, n_slots), np.float64)
     row = np.zeros((hq_n, N_METRICS), np.float64)
     sink = np.zeros(1)
-    _attention_only(li.q, li.k, li.v, li.lse, li.o, scale, start, start + 1, n_slots, probs, row, sink)
+    profile_attention(li.q, li.k, li.v, li.lse, li.o, li.vmax1, scale, start, start + 1, n_slots, probs, row, sink)
     best = np.inf
     for _ in range(rounds):
         for t0 in range(start, T - block + 1, block):
-            best = min(best, _timed(lambda: _attention_only(li.q, li.k, li.v, li.lse, li.o, scale, t0, t0 + block,
-                                                            n_slots, probs, row, sink)))
+            best = min(best, _timed(lambda: profile_attention(li.q, li.k, li.v, li.lse, li.o, li.vmax1, scale, t0,
+                                                            t0 + block, n_slots, probs, row, sink)))
     macs = 2 * hq_n * n_slots * d * block
     return {"n_slots": n_slots, "head_dim": d, "steps_per_block": block, "block_seconds": best,
             "gmacs": macs / best / 1e9,
@@ -134,67 +106,12 @@ def inner_loop_gmacs(li, scale: float, start: int, n_slots: int, block: int = 16
 
 
 # ----- where the time goes -----
-@njit(cache=True)
-def _engine_parts(q, k, v, lse, o, scale, t, n, rounds, keep_at, secs):
-    """Seconds per (step, KV head) of the engine's parts over ``n`` cached slots of real keys/values, each run
-    ``rounds`` times in a row: secs[0] q.k, [1] softmax, [2] p.v + metrics, [3] one eviction's compaction."""
-    T, hq_n, d = q.shape
-    hkv = k.shape[1]
-    g_n = hq_n // hkv
-    ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, n + 1, 1,
-                                                                                 np.zeros((hkv, 0)))
-    for h in range(hkv):
-        for i in range(n):
-            ck[h, i] = k[t - n + i, h]
-            cv[h, i] = v[t - n + i, h]
-            cpos[h, i] = t - n + i
-    dots = np.zeros((g_n, n + 1), np.float32)
-    xs = np.zeros(n + 1, np.float32)
-    ebuf = np.zeros(n + 1, np.float32)
-    ibuf = np.zeros(n + 1, np.int32)
-    oacc = np.zeros((g_n, d))
-    row = np.zeros((hq_n, N_METRICS))
-    f = np.float32(scale)
-    with objmode(t0="f8"):
-        t0 = time.perf_counter()
-    for _ in range(rounds):
-        for h in range(hkv):
-            _dots(q, t, h, g_n, ck, n, dots)
-    with objmode(t1="f8"):
-        t1 = time.perf_counter()
-    for _ in range(rounds):
-        for h in range(hkv):
-            for g in range(g_n):
-                mx = _scaled_max(dots, g, n, f, xs)
-                tot = _exp_shifted(xs, n, mx, ibuf, ebuf)
-                _normalise(ebuf, n, 1.0 / tot, probs[h, g])
-    with objmode(t2="f8"):
-        t2 = time.perf_counter()
-    for _ in range(rounds):
-        for h in range(hkv):
-            _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, 1.0, ck, cv, cpos, dirty, probs, row, True, dots,
-                                oacc, xs, ibuf, ebuf)
-    with objmode(t3="f8"):
-        t3 = time.perf_counter()
-    for _ in range(rounds):
-        for h in range(hkv):
-            keep[h, keep_at] = 0
-            _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst)   # slot n - 1 moves into place
-    with objmode(t4="f8"):
-        t4 = time.perf_counter()
-    per = 1.0 / (rounds * hkv)
-    secs[0] = (t1 - t0) * per
-    secs[1] = (t2 - t1) * per
-    secs[2] = (t3 - t2) * per - secs[0] - secs[1]     # _attend_and_measure = q.k + softmax + p.v and metrics
-    secs[3] = (t4 - t3) * per
-
-
 def engine_profile(li, scale: float, start: int, n_slots: int, rounds: int = 2000, repeat: int = 3) -> dict:
     """Microseconds per (step, KV head) of the engine's parts at ``n_slots`` slots (best of ``repeat``)."""
     secs = np.full(4, np.inf)
     for _ in range(repeat + 1):            # the first compiles or loads the cache
         got = np.zeros(4)
-        _engine_parts(li.q, li.k, li.v, li.lse, li.o, scale, start, n_slots, rounds, n_slots // 2, got)
+        profile_parts(li.q, li.k, li.v, li.lse, li.o, li.vmax1, scale, start, n_slots, rounds, n_slots // 2, got)
         secs = np.minimum(secs, got)
     names = ("qk_dots", "softmax", "pv_and_metrics", "compaction_one_eviction_mid")
     return {"n_slots": n_slots, "us_per_step_and_kv_head": {k: float(s * 1e6) for k, s in zip(names, secs)}}
@@ -235,9 +152,9 @@ def hf_token_by_token(model, ids: list[int]) -> float:
         past = None
         t0 = time.perf_counter()
         for i, tok in enumerate(ids):
-            out = model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True,
-                        position_ids=torch.tensor([[i]]))
-            past = out.past_key_values
+            out = model(input_ids=torch.tensor([[tok]]), use_cache=True, position_ids=torch.tensor([[i]]),
+                        **{cache_keyword(model): past})
+            past = returned_cache(out)
         return time.perf_counter() - t0
 
 
@@ -249,11 +166,11 @@ def hf_prefill_then_decode(model, ids: list[int], n_prompt: int) -> float:
     with torch.no_grad():
         t0 = time.perf_counter()
         out = model(input_ids=torch.tensor([ids[:n_prompt]]), use_cache=True)
-        past = out.past_key_values
+        past = returned_cache(out)
         for i in range(n_prompt, len(ids)):
-            out = model(input_ids=torch.tensor([[ids[i]]]), past_key_values=past, use_cache=True,
-                        position_ids=torch.tensor([[i]]))
-            past = out.past_key_values
+            out = model(input_ids=torch.tensor([[ids[i]]]), use_cache=True, position_ids=torch.tensor([[i]]),
+                        **{cache_keyword(model): past})
+            past = returned_cache(out)
         return time.perf_counter() - t0
 
 

@@ -18,11 +18,10 @@ import numpy as np
 from gpu_validate.evaluate import compare_kept, metrics_of_run
 from gpu_validate.runner import BatchJob, ValidateError, full_model_logits, run_batch
 from policies.base import Policy
+from sim.metrics import column
 
-#: simulated losses (higher = worse) compared with the model's losses
-SIM_LOSSES = {"err_mean": "mean attention-output error", "err_p95": "p95 attention-output error",
-              "kl_mean": "mean KL(full || cache)", "l1_mean": "mean L1 output error",
-              "miss_mass": "1 - retained attention mass"}
+#: simulated losses (higher = worse) compared with the model's losses, labelled as sim.metrics labels them
+SIM_LOSSES = {key: column(key).label for key in ("err_mean", "err_p95", "kl_mean", "l1_mean", "miss_mass")}
 MODEL_LOSSES = {"delta_nll": "ΔNLL (ranks as ΔPPL)", "top1_disagreement": "top-1 disagreement with the full cache"}
 
 

@@ -32,7 +32,7 @@ from numba import njit
 
 from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, param_indices
 from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
-from policies.h2o import recent_slots
+from policies.scorer import recent_slots
 from policies.registry import register
 
 CONCAVE = ("power", "log")

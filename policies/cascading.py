@@ -45,6 +45,12 @@ from the paper in five places; ``preset=reference`` sets them (``REFERENCE``; ex
   - ``ema_gamma=0.9999`` (the paper's formula is commented out there);
   - ``ties="incoming"``: the incoming token wins equal scores (``>=``);
   - not a parameter: RoPE indices are re-assigned consecutively over the cache (``pe_indices``; closed loop).
+One more difference is not in the code but in how its jobs run: the model, and with it the EMA state, is float16.
+At gamma = 0.9999 an update adds (1 - gamma) s ~ 1e-4 s, less than half a float16 step of most scores, so the
+increments round away and the scores freeze; compared step by step with a float16 run, the float64 preset agrees
+on 14-100% of steps depending on the layer. ``score_dtype=float16`` rounds every stored score to float16 after its
+update (the update itself in float64: one rounding where float16 arithmetic has three), which reproduces that
+freezing; it is not part of the preset, whose float64 scores are what the code computes.
 Like kvsim's engine, the released attention of step t covers the cached tokens and the new one before the
 cache update, and the EMA (new token included) takes that step's scores before the placement, so the preset
 keeps the released sets at every step given the same scores (tested against a step-by-step reading).
@@ -77,6 +83,7 @@ DECISION = ("layer", "head")
 CLOCK_PHASE = ("t", "sinks")
 TIES = ("resident", "incoming")
 PRESETS = ("paper", "reference")
+SCORE_DTYPES = ("float64", "float16")
 MAX_CASCADES = 16
 _SINK = 1.0
 _TAG0 = 2.0
@@ -103,6 +110,9 @@ SCHEMA = (
           doc="step clock counts t or t - n_sinks (released code)"),
     Param("eager_fill", False, "bool", doc="every sub-cache accepts up to the first overflow step (released code)"),
     Param("ties", "resident", "choice", choices=TIES, doc="equal EMA scores keep the resident or the incoming token"),
+    Param("score_dtype", "float64", "choice", choices=SCORE_DTYPES, searchable=False,
+          doc="precision of the stored EMA scores: float16 rounds each update as the released jobs' float16 "
+              "state does"),
     Param("preset", "paper", "choice", choices=PRESETS, searchable=False,
           doc="reference: the released code's values for every parameter not given"),
 )
@@ -138,6 +148,18 @@ def pe_indices(positions: np.ndarray) -> np.ndarray:
     """The paper's consecutive RoPE indices of cached tokens: rank of each original position (0, 1, 2...)."""
     pos = np.asarray(positions)
     return np.argsort(np.argsort(pos, kind="stable"), kind="stable")
+
+
+@njit(cache=True)
+def round_to_float16(x):
+    """x rounded to the nearest float16 value (ties to even; float16's subnormals below 2^-14 and overflow to
+    inf above 65504), returned as float64: the value a float16 score store keeps."""
+    if x == 0.0 or not np.isfinite(x):
+        return x
+    e = math.frexp(x)[1]                      # |x| in [2^(e-1), 2^e)
+    q = 2.0 ** (e - 11) if e - 1 >= -14 else 2.0 ** -24    # 11 significant bits, or the subnormal step
+    r = np.round(x / q) * q
+    return r if abs(r) <= 65504.0 else np.inf * np.sign(r)
 
 
 @njit(cache=True)
@@ -273,6 +295,7 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
         gamma = np.exp(-n_casc * np.log(params[P.ema_target]) / (budget[0] - int(params[P.n_sinks])))
     mode = int(params[P.head_reduce])
     per_head = int(params[P.decision]) == 1
+    half = int(params[P.score_dtype]) == 1
     buf = np.empty(probs.shape[0] * probs.shape[1], np.float64)
     for u in range(hkv if per_head else 1):
         n = lengths[u]
@@ -281,6 +304,8 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
         h0, h1 = (u, u + 1) if per_head else (0, hkv)
         for i in range(n):
             ema[i] = gamma * slot_state[u, i, 1] + (1.0 - gamma) * _reduced_score(probs, h0, h1, i, mode, buf)
+            if half:
+                ema[i] = round_to_float16(ema[i])
             tags[i] = slot_state[u, i, 0]
         drop = _place(params, head_state, u, budget[u], t, tags, ema, n)
         for h in range(u, u + 1) if per_head else range(hkv):

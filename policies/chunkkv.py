@@ -13,7 +13,7 @@ since the window's old queries are not stored; layer-wise index reuse (paper Sec
 import numpy as np
 from numba import njit
 
-from policies._adakv_core import group_rows_scores
+from policies.kernels import group_rows_scores
 from policies.base import Param, param_indices
 from policies.kernels import group_score
 from policies.registry import register
@@ -43,7 +43,7 @@ def chunk_sums(base, positions, n, chunk, out):
 
 
 @njit(SCORE_PROMPT_SIG, cache=True)
-def score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state):
+def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     n = k.shape[0]
     w = min(int(params[P.window_size]), n)
     ring = np.zeros((1, 1))
@@ -57,7 +57,7 @@ def score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state):
 
 
 @njit(SCORE_STEP_SIG, cache=True)
-def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, scores):
+def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     for h in range(lengths.shape[0]):
         n = lengths[h]
         for i in range(n):

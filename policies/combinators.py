@@ -1,109 +1,222 @@
-"""Combinators over any scorer: ``ada(<scorer>)``, ``decoding(<scorer>, every=N, target=B)`` and
-``critical(<scorer>)``.
+"""Combinators over any scorer, nested in any order the semantics allow: ``ada(...)``, ``decoding(...)`` and
+``critical(...)`` (kvpress's AdaKVPress, DecodingPress and CriticalKVPress / CriticalAdaKVPress).
 
-A combinator is a policy class built on demand from a scorer class (policies/scorer.py): it keeps the scorer's
-kernels and parameters, appends its own parameters at the end of the schema and its state after the scorer's
-head-state columns, and composes new step/prefill kernels with its eviction mode. Its name is the spec
-(``ada(knorm)``), so ``get_policy("ada(knorm)", floor_alpha=0.3)`` rebuilds it anywhere (sweep workers, Ray):
-a scorer written as one file gets both combinators with no other edit.
+A combinator is a *stage* of the scorer pipeline (policies/scorer.py): ``critical`` rescales the scores,
+``ada`` allocates each head's size, ``decoding`` schedules when the chain evicts. A stage has its own named
+parameters (appended to the schema and read by name) and its own slice of head and slot state (at offsets
+found by its name). The combined class's name is its spec (``critical(ada(knorm))``), so
+``get_policy("critical(ada(knorm))", floor_alpha=0.3)`` rebuilds it anywhere (sweep workers, Ray). Stages run
+innermost first: ``critical(ada(x))`` allocates on x's scores and rescales within the allocated sizes (kvpress's
+CriticalAdaKVPress), ``ada(critical(x))`` allocates on the rescaled scores (AdaKVPress(CriticalKVPress(x))).
 
-- ``ada``: Ada-KV (Feng et al., 2024) head-wise budget allocation with the safeguard, over the scorer's prompt
-  scores (``_adakv_core.select_prompt``: top-k over the flattened candidate scores of the layer's heads, mixed
-  with the uniform split by ``floor_alpha``); at decode every head keeps its prefill-allocated size, evicting
-  with the scorer's decode score (the authors' fixed allocation; ``ada_snapkv``'s ``decode_alloc='fixed'``).
-  ``ada(snapkv)``, ``ada(pyramidkv)`` and ``ada(h2o)`` resolve to the hand-written ``ada_snapkv``,
-  ``ada_pyramidkv`` and ``ada_h2o`` (``NATIVE``), which are exactly this combination.
-- ``decoding``: kvpress's DecodingPress: the cache grows during decoding and every ``every`` decode steps each
-  head is compressed back to ``target`` by the scorer. ``target=0`` (default) means ``budget - every + 1``,
-  the largest target whose peak (target + every - 1 slots after a step) stays within the budget. The prompt
-  is compressed once to the target (kvpress leaves prefill to the wrapped press; here the budget must hold
-  from the first step). kvpress defaults to ``compression_interval=512, target_size=2048``; kvsim budgets are
-  smaller, so the default interval is 16. With ``every=1`` this is the scorer's per-step eviction.
-- ``critical``: CriticalKV (Feng et al., 2025, arXiv 2502.03805; kvpress's CriticalKVPress). A token's output
-  contribution is its attention times its value *after* the output projection, so the scorer's score alone
-  misjudges tokens whose values W_O shrinks or amplifies. Two stages per head: the top
-  ``first_stage_ratio`` x budget tokens by the scorer's score are kept; the rest compete on
-  ``(score + critical_epsilon) * mean_j ||W_O^(j) v||_1`` over the group's query heads j (kvpress's L1 norm and group
-  mean; paper and kvpress default ratio 0.5, epsilon 1e-4). Choices: (a) kvpress applies it once, at prefill;
-  kvsim's scorers also evict per decode step, and ``critical`` applies the same two stages at every step (the
-  stage-1 set is recomputed each step); (b) stage 1 ranks every held token, protected sinks / recent window
-  included, as kvpress ranks every prompt token; (c) the rescaling assumes non-negative attention-like scores
-  (``expected_attention``, SnapKV-like); over a negative score (``knorm`` scores are minus the key norm) the
-  product inverts the ranking exactly as kvpress's does. W_O comes from the trace (``wo`` arrays, written by
-  ``kvsim record``) or, closed loop, from the model's ``o_proj``.
+- ``ada``: Ada-KV (Feng et al., 2024) head-wise budget allocation with the safeguard ``floor_alpha`` over the
+  prompt scores (``stages.ada_prompt``: top-k over the flattened candidate scores of the layer's heads, mixed
+  with the uniform split); at decode every head keeps its prefill-allocated size (``decode_alloc='fixed'``, the
+  authors'), or the layer re-allocates over the flattened scores at every step (``'flat'``). ``rounding``
+  chooses the safeguard's rounding. The protected recent window is the layer's smallest, kept by every head.
+  ``ada_snapkv``, ``ada_pyramidkv`` and ``ada_h2o`` are the names of ``ada(snapkv)``, ``ada(pyramidkv)`` and
+  ``ada(h2o)``. Against the released code (FFY0/AdaKV, GQA path): with ``group_reduce=mean, floor_alpha=0``
+  Ada-SnapKV's prefill is the released selection apart from equal-score ties; ``rounding=released`` is its
+  rounding; at a budget equal to the prompt length the released code still compresses (and its ``int()`` floor
+  can drop a slot per head) where kvsim keeps the prompt, and below the window (B < 32) it fails where kvsim
+  keeps the window (``window_only``), so "as the released code" holds at B = 32 only.
+- ``decoding``: kvpress's DecodingPress: the cache grows during decoding and every ``every`` steps each head is
+  compressed back to ``target`` by the chain inside it. ``target=0`` (default) means ``budget - every + 1``, the
+  largest target whose peak (target + every - 1 slots after a step) stays within the budget. A prompt the chain
+  selects from is compressed once to the target (kvpress leaves prefill to the wrapped press; here the budget
+  must hold from the first step); a streamed prompt is compressed every ``every`` steps like the decode. kvpress
+  defaults to ``compression_interval=512, target_size=2048``; kvsim budgets are smaller, so the default interval
+  is 16. With ``every=1`` this is the chain's per-step eviction. It must be the outermost stage: it schedules the
+  whole chain (kvpress's DecodingPress wraps a press; nothing wraps it).
+- ``critical``: CriticalKV (Feng et al., 2025, arXiv 2502.03805). A token's output contribution is its attention
+  times its value *after* the output projection, so the score alone misjudges tokens whose values W_O shrinks
+  or amplifies. Two stages per head: the top ``first_stage_ratio`` share of the head's slots for candidates
+  (its size less the protected tokens it holds) is kept by the current score; the other candidates compete on
+  ``(score + critical_epsilon) * mean_j ||W_O^(j) v||_1`` over the group's query heads j (kvpress's L1 norm and
+  group mean; paper and kvpress defaults 0.5 and 1e-4). The size is the head's budget, or its allocation when an
+  ``ada`` stage runs inside. Choices: (a) kvpress applies it once, at prefill; here the two stages run at every
+  eviction too; (b) stage 1 ranks the candidates only: kvpress protects nothing and ranks every prompt token,
+  here protected tokens are kept anyway, so they take no first-stage slot (with ``first_stage_ratio=1`` the
+  policy is the scorer's, as in kvpress); (c) the rescaling assumes non-negative attention-like scores (``expected_attention``
+  with ``use_vnorm=False``, SnapKV-like); over a negative score (``knorm``) the product inverts the ranking
+  exactly as kvpress's does. W_O comes from the trace (``wo`` arrays, written by ``kvsim record``) or, closed
+  loop, from the model's ``o_proj``.
+
+A chain that makes no sense is refused with the reason: a stage twice, ``decoding`` inside another stage,
+``ada``/``critical`` over a score that is only a position (StreamingLLM), ``ada`` over a scorer without a prompt
+score, and any combinator over a policy that is not a scorer (BUZZ, Cascading, BumbleBee, D2O, window, random,
+full, the oracle: their rules are not "score, protect, evict the lowest").
 """
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.adakv import FLOOR_ALPHA
+from policies import stages
 from policies.base import Param, Policy, PolicyError, param_indices
-from policies.scorer import ScorerPolicy
+from policies.registry import policy_class, register, register_wrapper, split_name
+from policies.h2o import H2O
+from policies.scorer import ScorerPolicy, StageCode
+from policies.snapkv import PyramidKV, SnapKV
 
+FLOOR_ALPHA = Param("floor_alpha", 0.5, "float", 0.0, 1.0,
+                    doc="safeguard: head budget = (1-a) * adaptive + a * uniform (0: pure Algorithm 2, 1: uniform)")
+DECODE_ALLOC = Param("decode_alloc", "fixed", "choice", choices=("fixed", "flat"),
+                     doc="decode: heads keep their prefill allocation (authors) or re-allocate over flattened scores")
+ROUNDING = Param("rounding", "largest_remainder", "choice", choices=stages.ROUNDING, searchable=False,
+                 doc="safeguard rounding: exact total, or the released int() floor + round-half-even")
 EVERY = Param("every", 16, "int", 1, 1024, log=True, doc="decode steps between compressions (kvpress compression_interval)")
 TARGET = Param("target", 0, "int", 0, 1 << 20,
                doc="slots per head after a compression; 0: budget - every + 1 (peak = budget)", searchable=False)
 EPSILON = Param("critical_epsilon", 1e-4, "float", 0.0, 1.0,
-                doc="added to the score before the W_O rescaling (CriticalKV, kvpress: epsilon)",
-                searchable=False)
+                doc="added to the score before the W_O rescaling (CriticalKV, kvpress: epsilon)", searchable=False)
 FIRST_STAGE_RATIO = Param("first_stage_ratio", 0.5, "float", 0.0, 1.0,
-                          doc="share of the budget selected by the plain score before the W_O rescaling (CriticalKV)")
+                          doc="share of the size selected by the plain score before the W_O rescaling (CriticalKV)")
+
+
+class Stage:
+    """One combinator: its name, its parameters, its state and the code it adds to the generated kernels."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    params: ClassVar[tuple[Param, ...]] = ()
+    head_fields: ClassVar[int] = 0            # fixed head-state columns (critical adds W_O after all of them)
+    slot_fields: ClassVar[int] = 0
+    needs_prompt_score: ClassVar[bool] = False
+    #: class attributes the combined policy takes from the stage
+    policy_attrs: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def refuse(cls, inner: type[ScorerPolicy]) -> str | None:
+        """Why ``name(inner)`` makes no sense, or None."""
+        return None
+
+    @classmethod
+    def code(cls, pol: type[ScorerPolicy]) -> StageCode:
+        raise NotImplementedError
+
+    @staticmethod
+    def index(pol: type[ScorerPolicy], name: str) -> int:
+        return [p.name for p in pol.schema].index(name)
+
+
+class AdaStage(Stage):
+    name = "ada"
+    summary = "Ada-KV head-wise budget allocation"
+    params = (FLOOR_ALPHA, DECODE_ALLOC, ROUNDING)
+    head_fields = 2
+    needs_prompt_score = True
+    policy_attrs = {"head_adaptive": True}
+
+    @classmethod
+    def refuse(cls, inner: type[ScorerPolicy]) -> str | None:
+        if inner.scorer.ranks_by_position:
+            return (f"{inner.scorer.name} ranks tokens by position only, and Ada-KV allocates a layer's budget by "
+                    f"importance scores: every head ties and the first heads would take the whole budget")
+        if inner.scorer.score_prompt is None:
+            return (f"{inner.scorer.name} has no prompt score, and Ada-KV allocates the layer's budget across heads "
+                    f"from the prompt's scores")
+        return None
+
+    @classmethod
+    def code(cls, pol: type[ScorerPolicy]) -> StageCode:
+        off = pol.head_offsets[cls.name]
+        a, flat, rnd = (cls.index(pol, p.name) for p in cls.params)
+        evict = (f"        if params[{flat}] == 1.0:\n"
+                 f"            ada_evict_flat(params[{a}], base, recent, lo, hi, lengths, positions, scores, "
+                 f"head_state, {off}, sizes, keep)\n"
+                 f"        else:\n"
+                 f"            evict_to(sizes, lo, hi, lengths, positions, scores, keep)\n")
+        return StageCode(step=f"    ada_sizes(head_state, {off}, base, sizes)\n",
+                         prompt=f"    ada_prompt(scores, base, recent[0], params[{a}], params[{rnd}] == 1.0, lo, hi, "
+                                f"head_state, {off}, sizes)\n",
+                         evict=evict, layer_window=True, sets_sizes=True,
+                         globals=(("ada_sizes", stages.ada_sizes), ("ada_prompt", stages.ada_prompt),
+                                  ("ada_evict_flat", stages.ada_evict_flat)))
+
+
+class DecodingStage(Stage):
+    name = "decoding"
+    summary = "DecodingPress: compress every N decode steps"
+    params = (EVERY, TARGET)
+    head_fields = 1
+    policy_attrs = {"compresses_below_budget": True}
+
+    @classmethod
+    def code(cls, pol: type[ScorerPolicy]) -> StageCode:
+        off = pol.head_offsets[cls.name]
+        every, target = (cls.index(pol, p.name) for p in cls.params)
+        return StageCode(base=(f"    for h in range(hkv):\n"
+                               f"        base[h] = decoding_target(budget[h], np.int64(params[{every}]), "
+                               f"np.int64(params[{target}]))\n"),
+                         step=f"    evict = decoding_tick(head_state, {off}, np.int64(params[{every}]))\n",
+                         globals=(("decoding_target", stages.decoding_target),
+                                  ("decoding_tick", stages.decoding_tick)))
+
+
+class CriticalStage(Stage):
+    name = "critical"
+    summary = "CriticalKV's W_O rescaling"
+    params = (EPSILON, FIRST_STAGE_RATIO)
+    head_fields = 3          # its slot-field index, G*d, hidden; the W_O block follows (head_state_init)
+    slot_fields = 1          # the slot's projected value norm, computed once
+    policy_attrs = {"needs_wo": True}
+
+    @classmethod
+    def refuse(cls, inner: type[ScorerPolicy]) -> str | None:
+        if inner.scorer.ranks_by_position:
+            return (f"{inner.scorer.name} ranks tokens by position only: rescaling a position by the W_O-projected "
+                    f"value norm has no meaning")
+        return None
+
+    @classmethod
+    def code(cls, pol: type[ScorerPolicy]) -> StageCode:
+        off = pol.head_offsets[cls.name]
+        eps, ratio = (cls.index(pol, p.name) for p in cls.params)
+        return StageCode(step=f"    critical_step(params[{eps}], params[{ratio}], sizes, lo, hi, lengths, positions, "
+                              f"values, slot_state, head_state, {off}, scores)\n",
+                         prompt=f"    critical_prompt(params[{eps}], params[{ratio}], sizes, lo, hi, v, slot_state, "
+                                f"head_state, {off}, scores)\n",
+                         globals=(("critical_step", stages.critical_step),
+                                  ("critical_prompt", stages.critical_prompt)))
+
+
+STAGES: dict[str, type[Stage]] = {s.name: s for s in (AdaStage, DecodingStage, CriticalStage)}
 
 
 class Combined(ScorerPolicy):
-    """Common part of the combinators: labels are specs, so a label pasted on the command line rebuilds it."""
+    """A scorer with stages around it (built by ``combined_class``): labels are specs, so a label pasted on the
+    command line rebuilds it."""
 
     def label(self) -> str:
         return policy_spec(self)
 
-
-class AdaScorer(Combined):
-    """Ada-KV head-wise allocation over a scorer (see the module docstring)."""
-
-    wrapper = "ada"
-    extra = (FLOOR_ALPHA,)
-    extra_head_fields = 2
-    head_adaptive = True
-
-
-class DecodingScorer(Combined):
-    """DecodingPress over a scorer: compress back to ``target`` every ``every`` decode steps."""
-
-    wrapper = "decoding"
-    extra = (EVERY, TARGET)
-    compresses_below_budget = True   # compressions go to the target, below the budget, even when all would fit
-    extra_head_fields = 1
-
-    def _target(self, budget: int) -> int:
-        return self.params["target"] or budget - self.params["every"] + 1
+    def base_size(self, budget: int) -> int:
+        if DecodingStage in self.chain:
+            return self.params["target"] or budget - self.params["every"] + 1
+        return budget
 
     def min_budget(self) -> int:
         inner = super().min_budget()
-        if self.params["target"]:
-            return max(inner, self.params["target"] + self.params["every"] - 1)
-        return inner + self.params["every"] - 1
+        if DecodingStage in self.chain:
+            every, target = self.params["every"], self.params["target"]
+            return max(inner, target + every - 1) if target else inner + every - 1
+        return inner
 
     def validate(self) -> None:
         super().validate()
-        if self.params["target"] and self.params["target"] < super().min_budget():
+        if DecodingStage in self.chain and self.params["target"] and self.params["target"] < super().min_budget():
             raise PolicyError(f"{self.name}.target: {self.params['target']} is below the scorer's minimum "
                               f"{super().min_budget()} (its protected tokens plus one)")
 
-
-class CriticalScorer(Combined):
-    """CriticalKV over a scorer: W_O-projected value norms rescale the scores beyond a first-stage top set."""
-
-    wrapper = "critical"
-    extra = (EPSILON, FIRST_STAGE_RATIO)
-    extra_slot_fields = 1        # the slot's projected value norm, computed once
-    needs_wo = True
-
     def head_state_init(self, n_kv_heads: int, head_dim: int, wo: np.ndarray | None = None) -> np.ndarray:
-        """The scorer's zeros, then per KV head its query group's W_O as float32 [G * hidden, d] (C order) packed
-        in pairs into the float64 head state, then G*d and hidden (read by ``policies.scorer.wo_l1``)."""
+        """The scorer's and the stages' zeros; with a ``critical`` stage, its slice: the index of its slot field,
+        G*d, hidden, then per KV head its query group's W_O as float32 [G * hidden, d] (C order) packed in pairs
+        into the float64 head state (read by ``stages.wo_l1``)."""
+        if CriticalStage not in self.chain:
+            return np.zeros((n_kv_heads, self.head_fields))
         if wo is None:
             raise PolicyError(f"{self.label()} needs the layer's output projection W_O, and this trace has none: "
                               "record it again with `kvsim record` (which stores W_O for Llama-family models)")
@@ -118,70 +231,112 @@ class CriticalScorer(Combined):
         blocks = blocks.reshape(n_kv_heads, hidden * gd)
         if blocks.shape[1] % 2:                  # whole float64 slots: pad one float32 (never read)
             blocks = np.hstack([blocks, np.zeros((n_kv_heads, 1), np.float32)])
-        blocks = blocks.view(np.float64)        # bit-for-bit; copies of the head state keep the bits
+        off = self.head_offsets[CriticalStage.name]
+        field = self.slot_fields - sum(s.slot_fields for s in self.chain[self.chain.index(CriticalStage):])
         # filled in place: the scorer's (possibly large, mostly untouched) zero block stays lazily allocated
-        out = np.zeros((n_kv_heads, self.head_fields + blocks.shape[1] + 2))
-        out[:, self.head_fields:-2] = blocks
-        out[:, -2:] = [float(gd), float(hidden)]
+        out = np.zeros((n_kv_heads, self.head_fields + blocks.shape[1] // 2))
+        out[:, off:off + 3] = [float(field), float(gd), float(hidden)]
+        out[:, self.head_fields:] = blocks.view(np.float64)   # bit-for-bit; copies of the head state keep the bits
         return out
 
 
-WRAPPERS: dict[str, type[ScorerPolicy]] = {"ada": AdaScorer, "decoding": DecodingScorer, "critical": CriticalScorer}
-
-#: hand-written policies that already are a combinator over a policy not built on the scorer base:
-#: ``ada(snapkv)`` is Ada-SnapKV, etc. (their scores need the observation-window ring state those kernels keep)
-NATIVE = {("ada", "snapkv"): "ada_snapkv", ("ada", "pyramidkv"): "ada_pyramidkv", ("ada", "h2o"): "ada_h2o"}
-
-
-def policy_spec(policy: Policy) -> str:
-    """The spec string ``sim.specs.parse_policy`` turns back into an equal policy (non-default parameters
-    only): ``knorm:n_sink=4``, ``decoding(knorm:n_sink=4, every=8)``."""
-    diff = {p.name: policy.params[p.name] for p in policy.schema if policy.params[p.name] != p.default}
-    own = {p.name for p in getattr(policy, "extra", ())} if "(" in policy.name else set()
-    inner = ",".join(f"{k}={v}" for k, v in diff.items() if k not in own)
-    outer = "".join(f", {k}={v}" for k, v in diff.items() if k in own)
-    split = split_name(policy.name)
-    if split is None:
-        return f"{policy.name}:{inner}" if inner else policy.name
-    return f"{split[0]}({split[1]}{':' + inner if inner else ''}{outer})"
-
-
-def split_name(name: str) -> tuple[str, str] | None:
-    """``'ada(knorm)'`` -> ``('ada', 'knorm')``; None for a plain name."""
-    head, paren, rest = name.partition("(")
-    if not paren:
-        return None
-    if not rest.endswith(")"):
-        raise PolicyError(f"policy name {name!r}: unbalanced parentheses")
-    return head.strip(), rest[:-1].strip()
+def _why_not(stage: type[Stage], inner: type[Policy]) -> str | None:
+    """Why ``stage(inner)`` makes no sense, or None."""
+    wrapper = stage.name
+    if not issubclass(inner, ScorerPolicy):
+        return (f"{inner.name} is not a scorer (its rule is not 'score, protect, evict the lowest'), so it exposes "
+                f"no per-slot scores for {wrapper} to work on; the scorers are the policies built on "
+                f"policies/scorer.py (`kvsim policies` lists {wrapper}(...) over them)")
+    if stage in inner.chain:
+        return (f"{wrapper} appears twice in the chain; each stage runs at most once "
+                f"({'a layer budget is allocated once' if stage is AdaStage else 'nothing is gained'})")
+    if DecodingStage in inner.chain:
+        return (f"decoding(...) schedules when the whole chain compresses, so it must be the outermost "
+                f"combinator: write decoding({wrapper}(...)) instead")
+    why = stage.refuse(inner)
+    if why:
+        return why
+    clash = {p.name for p in inner.schema} & {p.name for p in stage.params}
+    if clash:
+        return f"parameter name(s) {sorted(clash)} clash with the combinator's"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
 def combined_class(wrapper: str, inner: type[Policy]) -> type[Policy]:
-    """The policy class ``wrapper(inner)``, built once per process (its kernels cache on disk)."""
-    if wrapper not in WRAPPERS:
-        raise PolicyError(f"unknown combinator {wrapper!r}; available: {', '.join(WRAPPERS)}")
-    if (wrapper, inner.name) in NATIVE:
-        from policies.registry import policy_class
-        return policy_class(NATIVE[wrapper, inner.name])
-    if not (issubclass(inner, ScorerPolicy) and inner.mode == "plain"):
-        raise PolicyError(f"{wrapper}({inner.name}): {inner.name} does not expose per-slot scores (combinators take a "
-                          f"scorer built on policies/scorer.py, not another combinator or a hand-written policy)")
-    base = WRAPPERS[wrapper]
-    schema = inner.schema + base.extra
-    clash = {p.name for p in inner.schema} & {p.name for p in base.extra}
-    if clash:
-        raise PolicyError(f"{wrapper}({inner.name}): parameter name(s) {sorted(clash)} clash with the combinator's")
-    attrs = {"name": f"{wrapper}({inner.name})", "summary": f"{inner.summary} + {base.__doc__.splitlines()[0]}",
-             "schema": schema, "P": param_indices(schema), "mode": wrapper,
-             "head_fields": inner.head_fields + base.extra_head_fields,
-             "slot_fields": inner.slot_fields + base.extra_slot_fields, "__doc__": base.__doc__,
-             "__module__": inner.__module__}
-    return type(f"{base.__name__}_{inner.__name__}", (base, inner), attrs)
+    """The policy class ``wrapper(inner)``, built once per process (its kernels cache on disk), or PolicyError
+    saying why the pair makes no sense."""
+    stage = STAGES.get(wrapper)
+    if stage is None:
+        raise PolicyError(f"unknown combinator {wrapper!r}; available: {', '.join(STAGES)}")
+    why = _why_not(stage, inner)
+    if why:
+        raise PolicyError(f"{wrapper}({inner.name}): {why}")
+    chain = inner.chain + (stage,)
+    schema = inner.schema + stage.params
+    fixed = [s for s in chain if s is not CriticalStage] + ([CriticalStage] if CriticalStage in chain else [])
+    offsets, at = {}, inner.scorer.head_fields
+    for s in fixed:                          # critical's variable-width W_O block last
+        offsets[s.name] = at
+        at += s.head_fields
+    attrs = {"name": f"{wrapper}({inner.name})", "summary": f"{inner.summary} + {stage.summary}",
+             "schema": schema, "P": param_indices(schema), "chain": chain, "scorer": inner.scorer, "head_offsets": offsets,
+             "head_fields": at, "__doc__": f"{stage.summary} over {inner.name} (see policies/combinators.py).",
+             "__module__": inner.__module__, "label": Combined.label}
+    for s in chain:
+        attrs.update(s.policy_attrs)
+    bases = (inner,) if issubclass(inner, Combined) else (Combined, inner)
+    return type(f"{stage.__name__}_{inner.__name__}", bases, attrs)
+
+
+def _listed(wrapper: str, cls: type[Policy]) -> bool:
+    """``list_policies`` enumerates a combinator over every plain scorer it accepts (aliases name the rest)."""
+    return (issubclass(cls, ScorerPolicy) and not cls.chain and (wrapper, cls.name) not in _ALIAS_OF
+            and _why_not(STAGES[wrapper], cls) is None)
+
+
+def alias(name: str, spec_wrapper: str, inner: type[Policy], summary: str) -> type[Policy]:
+    """Register ``name`` as another name of ``spec_wrapper(inner)`` (same class, same results, plain labels)."""
+    cls = combined_class(spec_wrapper, inner)
+    attrs = {"name": name, "summary": summary, "__doc__": f"``{spec_wrapper}({inner})``: {summary}.",
+             "__module__": cls.__module__, "label": Policy.label}
+    sub = type(name.title().replace("_", ""), (cls,), attrs)
+    _ALIAS_OF[spec_wrapper, inner.name] = name
+    return register(sub)
+
+
+_ALIAS_OF: dict[tuple[str, str], str] = {}
+
+
+def policy_spec(policy: Policy) -> str:
+    """The spec string ``sim.specs.parse_policy`` turns back into an equal policy (non-default parameters
+    only): ``knorm:n_sink=4``, ``decoding(knorm:n_sink=4, every=8)``, ``critical(ada(knorm, floor_alpha=0.3))``."""
+    diff = {p.name: policy.params[p.name] for p in policy.schema if policy.params[p.name] != p.default}
+    split = split_name(policy.name)
+    if split is None:
+        inner = ",".join(f"{k}={v}" for k, v in diff.items())
+        return f"{policy.name}:{inner}" if inner else policy.name
+    own: set[str] = {p.name for s in policy.chain for p in s.params}
+    scorer = policy.scorer
+    spec = scorer.name
+    inner = ",".join(f"{k}={v}" for k, v in diff.items() if k not in own)
+    spec += f":{inner}" if inner else ""
+    names = []                               # stage names from the policy's name, innermost first
+    rest = policy.name
+    while (part := split_name(rest)) is not None:
+        names.append(part[0])
+        rest = part[1]
+    if rest != scorer.name:                  # wrapped around an alias such as ada_snapkv: keep the alias
+        spec = policy_spec(policy_class(rest)(**{k: v for k, v in policy.params.items()
+                                                 if k in {p.name for p in policy_class(rest).schema}}))
+    for name in reversed(names):
+        stage = STAGES[name]
+        outer = "".join(f", {p.name}={diff[p.name]}" for p in stage.params if p.name in diff)
+        spec = f"{name}({spec}{outer})"
+    return spec
 
 
 def _wrap(wrapper: str, inner: Policy | type[Policy] | str, params: dict[str, Any]) -> Policy:
-    from policies.registry import policy_class
     if isinstance(inner, str):
         cls = policy_class(inner)
     elif isinstance(inner, Policy):
@@ -204,3 +359,11 @@ def critical(inner: Policy | type[Policy] | str, **params: Any) -> Policy:
 def decoding(inner: Policy | type[Policy] | str, **params: Any) -> Policy:
     """``decoding(get_policy("knorm"), every=64, target=128)``: DecodingPress over a scorer."""
     return _wrap("decoding", inner, params)
+
+
+for _name in STAGES:
+    register_wrapper(_name, functools.partial(combined_class, _name), functools.partial(_listed, _name))
+
+alias("ada_snapkv", "ada", SnapKV, "SnapKV with Ada-KV head-wise budget allocation")
+alias("ada_pyramidkv", "ada", PyramidKV, "PyramidKV with Ada-KV head-wise budget allocation")
+alias("ada_h2o", "ada", H2O, "H2O accumulated scores with Ada-KV head-wise budget allocation")

@@ -50,6 +50,10 @@ Other ambiguities, chosen and documented (parameterised where reasonable people 
 ``preset=reference`` fills every parameter not given explicitly with the released code's value
 (``REFERENCE``): normalized allocation with exempt layers, prompt once, sinks in the heavy-hitter share with a
 1:1 split (its run scripts' hh_ratio = recent_ratio), beta 0.5, one tau per layer, released merge weights.
+Two differences the preset does not reproduce: the released code floors each half of a layer's budget S (heavy
+hitters and recent window get floor(S / 2) each, so it holds 2 floor(S / 2), one slot less at odd S; kvsim keeps
+S), and under GQA it keeps one cache per *query* head (each query head evicts and merges on its own and the
+group's keys are stored G times); kvsim decides per KV head with ``group_reduce`` over its query group.
 Keys are the cache's post-RoPE keys, as the authors' implementation sees them.
 
 slot_state: [0] accumulated attention. head_state: [0] tau, [1] 1 once tau is initialised (head 0 holds the
@@ -63,7 +67,7 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from policies._adakv_core import group_rows_scores
+from policies.kernels import group_rows_scores
 from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, param_indices, stream_prefill
 from policies.kernels import GROUP_REDUCE, evict_lowest, evict_lowest_sorted, group_score
 from policies.registry import register

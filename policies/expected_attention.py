@@ -177,7 +177,7 @@ def _stats_at(head_state, h, g, d):
 
 
 @njit(SCORE_PROMPT_SIG, cache=True)
-def score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state):
+def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     n, hkv, d = k.shape
     g_n = q.shape[1] // hkv
     if g_n > MAX_G or d > MAX_D:
@@ -204,7 +204,7 @@ def score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state):
 
 
 @njit(SCORE_STEP_SIG, cache=True)
-def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, scores):
+def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     d = keys.shape[2]
     g_n = probs.shape[1]
     use_cov = params[P.use_covariance] != 0.0

@@ -1,10 +1,17 @@
-"""H2O (Zhang et al., 2023): heavy hitters by accumulated attention plus a recent window."""
+"""H2O (Zhang et al., 2023): heavy hitters by accumulated attention plus a recent window, on the scorer base.
+
+The score of a slot is the attention it accumulated over every query that saw it (``slot_state[..., 0]``); the
+recent window is ``recent_ratio`` of the head's budget (``recent_slots``). The plain policy streams the prompt
+through the step, so the prompt's scores accumulate over the cached tokens only; its prompt score (the column
+sums of the whole prompt's attention) is what ``ada(h2o)`` (``ada_h2o``) allocates with at prefill.
+"""
+import numpy as np
 from numba import njit
 
-from policies.base import STEP_SIG, Guarantees, Param, Policy, param_indices
-from policies.kernels import GROUP_REDUCE, evict_lowest, group_score
+from policies.base import Param, param_indices
+from policies.kernels import GROUP_REDUCE, group_rows_scores, group_score
 from policies.registry import register
-
+from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
 
 SCHEMA = (
     Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as recent window"),
@@ -13,40 +20,30 @@ SCHEMA = (
 P = param_indices(SCHEMA)
 
 
-@njit(cache=True)
-def recent_slots(budget: int, recent_ratio: float) -> int:
-    """Recent-window size for a budget: ``round(budget * recent_ratio)`` within [0, budget].
+@njit(SCORE_PROMPT_SIG, cache=True)
+def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
+    """Each prompt token's attention accumulated over all prompt queries (GQA-reduced per query); it stays the
+    slot's accumulated score for decode."""
+    P_ = q.shape[0]
+    ring = np.zeros((1, 1), np.float64)
+    for h in range(k.shape[1]):
+        group_rows_scores(q, k, scale, h, 0, P_, int(params[P.group_reduce]), scores[h], ring, 0)
+        for i in range(P_):
+            slot_state[h, i, 0] = scores[h, i]
 
-    The one definition of a recent window (H2O, Ada-H2O and Bumblebee use it): ``recent_ratio = 0`` is no
-    window at all, the heavy-hitter-only ablation of the H2O paper and Bumblebee's Alg. 2 alone. Rounding is
-    Python's (half to even), so budget 1 at the default 0.5 has no window.
-    """
-    return min(budget, max(0, int(round(budget * recent_ratio))))
 
-
-@njit(STEP_SIG, cache=True)
-def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
-          merge_w):
-    """Add each slot's attention to its accumulated score (slot_state[..., 0]), then evict the lowest-scored
-    slots outside the recent window.
-
-    Shapes (the engine's step contract, policies/base.py): budget, lengths [Hkv]; probs [Hkv, G, cap] the step's
-    attention over the cached slots; keys, values [Hkv, cap, d]; positions [Hkv, cap]; slot_state [Hkv, cap, 1];
-    head_state [Hkv, 0]; keep, merge_to, merge_w [Hkv, cap]; params [2] read by name through ``P``.
-    """
-    ratio = params[P.recent_ratio]
+@njit(SCORE_STEP_SIG, cache=True)
+def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
+    """Add each slot's attention to its accumulated score (slot_state[..., 0]); that is its score."""
     mode = int(params[P.group_reduce])
     for h in range(lengths.shape[0]):
-        n = lengths[h]
-        for i in range(n):
+        for i in range(lengths[h]):
             slot_state[h, i, 0] += group_score(probs, h, i, mode)
-        if n > budget[h]:
-            recent = recent_slots(budget[h], ratio)
-            evict_lowest(slot_state[h, :, 0], positions[h], n, n - budget[h], 0, t - recent + 1, keep[h])
+            scores[h, i] = slot_state[h, i, 0]
 
 
 @register
-class H2O(Policy):
+class H2O(ScorerPolicy):
     """Keep the ``recent_ratio`` share of the budget as a recent window and fill the rest with the tokens of
     highest accumulated attention (sum over all past queries). The paper uses an even split of heavy hitters
     and recent tokens. GQA: the query heads sharing a KV head are reduced by ``group_reduce`` (the paper
@@ -58,7 +55,7 @@ class H2O(Policy):
     schema = SCHEMA
     P = P
     slot_fields = 1
-    step_fn = _step
-
-    def guarantees(self, budget: int) -> Guarantees:
-        return Guarantees(recent=int(recent_slots(budget, self.params["recent_ratio"])))
+    protect = Protection(sinks=None, recent="recent_ratio", rule="share")
+    stream_prompt = True
+    score_prompt = score_prompt
+    score_step = score_step

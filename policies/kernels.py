@@ -38,17 +38,19 @@ def l2_norm(x):
 def evict_lowest(scores, positions, n, n_evict, lo_pos, hi_pos, keep):
     """Evict the ``n_evict`` slots with the lowest score among slots whose position is in [lo_pos, hi_pos).
 
-    Ties go to the older token (smaller position) first, so decisions are deterministic. Slots
-    outside the window are protected. Returns how many slots were evicted (fewer if too few candidates).
+    Ties go to the older token (smaller position) first, so decisions are deterministic: slots are in position
+    order in every cache kvsim builds (appends at the end, stable compaction), so the first lowest slot in slot
+    order is the oldest. Slots outside the window are protected. Returns how many slots were evicted (fewer if
+    too few candidates).
     """
     done = 0
     for _ in range(n_evict):
         best = -1
+        low = np.inf
         for i in range(n):
-            if keep[i] == 0 or positions[i] < lo_pos or positions[i] >= hi_pos:
-                continue
-            if best < 0 or scores[i] < scores[best] or (scores[i] == scores[best] and positions[i] < positions[best]):
+            if keep[i] != 0 and lo_pos <= positions[i] < hi_pos and (best < 0 or scores[i] < low):
                 best = i
+                low = scores[i]
         if best < 0:
             break
         keep[best] = 0
@@ -263,3 +265,53 @@ def causal_column_sums(q, k, scale, hq, h, r0, r1):
     sums = np.zeros(r1, np.float64)
     causal_attention_scores(q, k, scale, hq, 1, h, r0, r1, 1, sums, np.zeros((1, 1)), 0)
     return sums
+
+
+@njit(cache=True)
+def group_rows_scores(q, k, scale, h, r0, r1, mode, scores, ring, ring_w):
+    """Add, for every query row r in [r0, r1), the group-reduced causal attention of KV head h to ``scores[:r1]``.
+
+    mode: 0 mean, 1 sum, 2 max over the G query heads of each row; 3 the max over the group's heads of their
+    sums over the rows (the ring then gets the row max). When ``ring_w > 0`` each row's reduced probabilities
+    also go to ``ring[:, 1 + r % ring_w]`` (the decode-time observation-window ring).
+    Blocked float64 GEMM tiles (``causal_attention_scores``): O((r1 - r0) * r1 * G * d) time.
+    """
+    g_n = q.shape[1] // k.shape[1]
+    if mode != 3:
+        causal_attention_scores(q, k, scale, h * g_n, g_n, h, r0, r1, mode, scores, ring, ring_w)
+        return
+    if ring_w > 0:   # the ring holds each row's max over the group
+        causal_attention_scores(q, k, scale, h * g_n, g_n, h, r0, r1, 2, np.zeros(r1), ring, ring_w)
+    head_sums = np.zeros((g_n, r1), np.float64)
+    no_ring = np.zeros((1, 1), np.float64)
+    for g in range(g_n):
+        causal_attention_scores(q, k, scale, h * g_n + g, 1, h, r0, r1, 1, head_sums[g], no_ring, 0)
+    for i in range(r1):
+        m = head_sums[0, i]
+        for g in range(1, g_n):
+            m = max(m, head_sums[g, i])
+        scores[i] += m
+
+
+@njit(cache=True)
+def pool_scores(scores, n, kernel, pooling, out):
+    """1-D pooling of ``scores[:n]`` with stride 1 and padding kernel // 2 (SnapKV's clustering step).
+
+    pooling 0: max (padding ignored), 1: average over the full kernel (padding counts as 0, like
+    ``avg_pool1d``'s default ``count_include_pad``).
+    """
+    r = kernel // 2
+    for i in range(n):
+        lo = max(0, i - r)
+        hi = min(n, i + r + 1)
+        if pooling == 0:
+            m = scores[lo]
+            for j in range(lo + 1, hi):
+                if scores[j] > m:
+                    m = scores[j]
+            out[i] = m
+        else:
+            s = 0.0
+            for j in range(lo, hi):
+                s += scores[j]
+            out[i] = s / kernel

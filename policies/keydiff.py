@@ -39,13 +39,13 @@ def anti_cosine(keys, n, out):
 
 
 @njit(SCORE_PROMPT_SIG, cache=True)
-def score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state):
+def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     for h in range(k.shape[1]):
         anti_cosine(k[:, h, :], k.shape[0], scores[h])
 
 
 @njit(SCORE_STEP_SIG, cache=True)
-def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, scores):
+def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     for h in range(lengths.shape[0]):
         anti_cosine(keys[h], lengths[h], scores[h])
 

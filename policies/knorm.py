@@ -15,14 +15,14 @@ P = param_indices(SCHEMA)
 
 
 @njit(SCORE_PROMPT_SIG, cache=True)
-def score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state):
+def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     for i in range(k.shape[0]):
         for h in range(k.shape[1]):
             scores[h, i] = -l2_norm(k[i, h])
 
 
 @njit(SCORE_STEP_SIG, cache=True)
-def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, scores):
+def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     for h in range(lengths.shape[0]):
         for i in range(lengths[h]):
             scores[h, i] = -l2_norm(keys[h, i])

@@ -84,7 +84,7 @@ def lag_scores(keys, values, positions, n, n_sink, lag, out):
 
 
 @njit(SCORE_PROMPT_SIG, cache=True)
-def score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state):
+def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     pos = np.arange(k.shape[0])
     for h in range(k.shape[1]):
         lag_scores(k[:, h, :], v[:, h, :], pos, k.shape[0], int(params[P.n_sink]), int(params[P.lag_size]),
@@ -92,7 +92,7 @@ def score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state):
 
 
 @njit(SCORE_STEP_SIG, cache=True)
-def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, scores):
+def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     for h in range(lengths.shape[0]):
         lag_scores(keys[h], values[h], positions[h], lengths[h], int(params[P.n_sink]), int(params[P.lag_size]),
                    scores[h])

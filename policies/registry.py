@@ -1,15 +1,38 @@
-"""Registry of policies: every module in this package registers its classes; users register their own."""
+"""Registry of policies: every module in this package registers its classes, installed plug-ins register theirs
+through the ``kvsim.policies`` entry-point group, and users register their own with ``@register``.
+
+Combinators (``ada(...)``, ``decoding(...)``, ``critical(...)``) are registered here as *wrappers*: a name and a
+function that builds the class ``wrapper(inner)`` from the inner policy's class. ``policies/combinators.py``
+registers kvsim's own when it is imported (discovery imports it like any policy module), so this module imports
+nothing above ``policies.base``.
+"""
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any
+import warnings
+from importlib.metadata import entry_points
+from typing import Any, Callable, NamedTuple
 
 from policies.base import Policy, PolicyError
 
+#: entry-point group of policy plug-ins: ``name = "package.module"``; importing the module registers its policies
+POLICIES_GROUP = "kvsim.policies"
+
 _REGISTRY: dict[str, type[Policy]] = {}
-_NOT_POLICY_MODULES = {"base", "registry", "kernels", "scorer", "combinators"}
+_NOT_POLICY_MODULES = {"base", "registry", "kernels", "scorer"}
 _discovered = False
+
+
+class Wrapper(NamedTuple):
+    """A combinator: ``build(inner_class)`` returns the class ``name(inner)`` or raises PolicyError saying why the
+    pair makes no sense; ``listed(inner_class)`` says whether ``list_policies`` enumerates ``name(inner)``."""
+
+    build: Callable[[type[Policy]], type[Policy]]
+    listed: Callable[[type[Policy]], bool]
+
+
+_WRAPPERS: dict[str, Wrapper] = {}
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -27,37 +50,69 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
+def register_wrapper(name: str, build: Callable[[type[Policy]], type[Policy]],
+                     listed: Callable[[type[Policy]], bool] = lambda cls: False) -> None:
+    """Make ``name(INNER)`` resolvable: ``build`` turns the inner policy's class into the combined class."""
+    if not name.isidentifier():
+        raise PolicyError(f"combinator name {name!r} must be an identifier")
+    _WRAPPERS[name] = Wrapper(build, listed)
+
+
+def _load_plugins() -> None:
+    """Import every module named in the ``kvsim.policies`` entry-point group (installed plug-in packages)."""
+    for ep in entry_points(group=POLICIES_GROUP):
+        try:
+            ep.load()
+        except Exception as e:  # noqa: BLE001 - any failure of third-party code is reported the same way
+            dist = f" (package {ep.dist.name})" if getattr(ep, "dist", None) else ""
+            warnings.warn(f"kvsim policy plug-in {ep.name!r} = {ep.value!r}{dist} failed to load and is left out: "
+                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+
+
 def _discover() -> None:
     global _discovered
     if _discovered:
         return
+    _discovered = True
     import policies
 
     for mod in pkgutil.iter_modules(policies.__path__):
         if mod.name not in _NOT_POLICY_MODULES and not mod.name.startswith("_"):
             importlib.import_module(f"policies.{mod.name}")
-    _discovered = True
+    _load_plugins()
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """``'ada(knorm)'`` -> ``('ada', 'knorm')``, ``'ada(critical(knorm))'`` -> ``('ada', 'critical(knorm)')``;
+    None for a plain name."""
+    head, paren, rest = name.partition("(")
+    if not paren:
+        return None
+    if not rest.endswith(")") or rest.count("(") != rest.count(")") - 1:
+        raise PolicyError(f"policy name {name!r}: unbalanced parentheses")
+    return head.strip(), rest[:-1].strip()
 
 
 def list_policies(combinators: bool = True) -> list[str]:
-    """Names of all registered policies, sorted, then (``combinators``) every combinator over every scorer."""
+    """Names of all registered policies, sorted, then (``combinators``) every combinator over every policy it
+    lists (one level: ``ada(knorm)``, not ``ada(critical(knorm))``)."""
     _discover()
     names = sorted(_REGISTRY)
     if combinators:
-        from policies.combinators import WRAPPERS
-        from policies.scorer import ScorerPolicy
-        scorers = [n for n in names if issubclass(_REGISTRY[n], ScorerPolicy)]
-        names += [f"{w}({n})" for w in WRAPPERS for n in scorers]
+        names += [f"{w}({n})" for w, wrapper in _WRAPPERS.items() for n in sorted(_REGISTRY)
+                  if wrapper.listed(_REGISTRY[n])]
     return names
 
 
 def policy_class(name: str) -> type[Policy]:
-    """The class registered under ``name``, or the combinator class ``wrapper(scorer)``."""
+    """The class registered under ``name``, or the combined class of ``wrapper(inner)`` (nested to any depth)."""
     _discover()
-    if "(" in name:
-        from policies.combinators import combined_class, split_name
-        wrapper, inner = split_name(name)
-        return combined_class(wrapper, policy_class(inner))
+    split = split_name(name)
+    if split is not None:
+        wrapper, inner = split
+        if wrapper not in _WRAPPERS:
+            raise PolicyError(f"unknown combinator {wrapper!r} in {name!r}; available: {', '.join(sorted(_WRAPPERS))}")
+        return _WRAPPERS[wrapper].build(policy_class(inner))
     try:
         return _REGISTRY[name]
     except KeyError:

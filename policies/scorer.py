@@ -1,334 +1,347 @@
-"""Scorer base: a policy whose author writes only the kernels that fill per-slot scores.
+"""Scorer base: a policy whose rule is "score every cached token, protect some, evict the lowest".
 
-kvpress builds most presses as a ``score()`` method; this is kvsim's equivalent. A scorer module declares
+kvpress builds most presses as a ``score()`` method; this is kvsim's equivalent, and every score-based policy
+is built on it (H2O, TOVA, SnapKV, PyramidKV, StreamingLLM and the kvpress scorers). A scorer module declares
 
-- ``SCHEMA = protection(n_sink=..., n_recent=...) + (its own Params...)`` and ``P = param_indices(SCHEMA)``
-  (the protection parameters come first, so the shared eviction code reads them at fixed positions);
-- ``score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state)`` (``SCORE_PROMPT_SIG``):
+- its ``SCHEMA`` and ``P = param_indices(SCHEMA)``, and a ``Protection`` naming the parameters of its protected
+  tokens (``protection(n_sink=..., n_recent=...)`` gives the usual two);
+- ``score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state)`` (``SCORE_PROMPT_SIG``):
   fill ``scores[h, i]`` for the P prompt tokens (higher = keep); ``slot_state[h, i, :]`` set here travels with
-  the slot into decode;
-- ``score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, scores)``
+  the slot into decode. Optional: a scorer without one streams its prompt through the step;
+- ``score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores)``
   (``SCORE_STEP_SIG``): fill ``scores[h, i]`` for the ``lengths[h]`` cached slots at decode step ``t``;
 
-and a ``ScorerPolicy`` subclass naming them. The base supplies everything else: sink and recent-window
-protection (``n_sink`` first positions and the ``n_recent`` newest are never candidates), per-head budgets,
-eviction of the lowest scores (ties evict the older token), and the state layout. The combinators
-``ada(scorer)`` and ``decoding(scorer, every, target)`` (policies/combinators.py) reuse the same two kernels.
+and a ``ScorerPolicy`` subclass naming them. ``hi[h]`` is the first position of head h's protected recent window
+(positions ``>= hi[h]`` are never evicted at this step); most scorers ignore it, SnapKV's pooling stops there.
+Scores must be filled for every held slot, protected ones included (``critical`` ranks them all).
+
+The base supplies the rest: protection (the first ``sinks`` positions and the recent window are never
+candidates), eviction of the lowest scores down to each head's size (ties evict the older token), the state
+layout, and the pipeline of the combinators wrapped around the scorer (policies/combinators.py): each *stage*
+(``critical`` rescales the scores, ``ada`` allocates the sizes, ``decoding`` schedules the evictions) adds its own
+named parameters and its own slice of head and slot state, and its kernel calls are generated into the policy's
+step and prefill, innermost stage first (``critical(ada(x))`` allocates on x's scores, then rescales within the
+allocated sizes; ``ada(critical(x))`` allocates on the rescaled scores).
+
+Protected positions of a head with ``base`` slots (``base`` = its budget, or the ``decoding`` target):
+``sinks`` first positions, and a recent window by one of three rules: ``count`` (the ``recent`` parameter's
+value), ``share`` (``round(base * ratio)``, H2O's ``recent_slots``) or ``window`` (``min(window, base - 1)``, or
+``base`` when ``window_only`` and ``base <= window``: SnapKV's observation window, ``protected_window``).
 
 Why generated wrappers: the engine takes kernels as first-class functions of one fixed signature
-(``STEP_SIG``/``PREFILL_SIG``), so the step of each (scorer, mode) pair is its own small function calling the
-scorer's kernels and a shared eviction routine as globals. It is built from a template with ``exec`` under
-the scorer module's file name and a unique qualified name, which keeps numba's on-disk cache working: a
-second process loads it instead of compiling (tests/test_scorers.py checks this). Closures over dispatchers
-would not cache (their pickled identity changes per process).
+(``STEP_SIG``/``PREFILL_SIG``), so the step of each (scorer, stages) chain is its own small function calling the
+scorer's kernels, the stages' kernels and the shared eviction as globals, with parameters and state offsets
+written in as constants found by name. It is built from a template with ``exec`` under the scorer module's
+file name and a unique qualified name, which keeps numba's on-disk cache working: a second process loads it
+instead of compiling (tests/test_scorers.py checks this). Closures over dispatchers would not cache (their
+pickled identity changes per process).
 """
 from __future__ import annotations
 
 import hashlib
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 from numba import njit, types
 
-from policies._adakv_core import select_prompt, target_size
 from policies.base import (PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError, _f4t, _f8m, _f8t, _f8v,
-                           _i8m, _i8v)
+                           _i8v)
 from policies.kernels import evict_lowest, evict_lowest_sorted
 
-#: score_prompt(params, layer, q[P,Hq,d], k[P,Hkv,d], v[P,Hkv,d], scale, scores[Hkv,P], slot_state[Hkv,P,S],
-#:              head_state[Hkv,Hs]) -> None
-SCORE_PROMPT_SIG = types.void(_f8v, types.int64, _f4t, _f4t, _f4t, types.float64, _f8m, _f8t, _f8m)
+#: score_prompt(params, layer, q[P,Hq,d], k[P,Hkv,d], v[P,Hkv,d], scale, hi[Hkv], scores[Hkv,P],
+#:              slot_state[Hkv,P,S], head_state[Hkv,Hs]) -> None
+SCORE_PROMPT_SIG = types.void(_f8v, types.int64, _f4t, _f4t, _f4t, types.float64, _i8v, _f8m, _f8t, _f8m)
 #: score_step(params, layer, t, lengths[Hkv], probs[Hkv,G,cap], keys[Hkv,cap,d], values[Hkv,cap,d],
-#:            positions[Hkv,cap], slot_state[Hkv,cap,S], head_state[Hkv,Hs], scores[Hkv,cap]) -> None
-SCORE_STEP_SIG = types.void(_f8v, types.int64, types.int64, _i8v, _f8t, _f4t, _f4t, _i8m, _f8t, _f8m, _f8m)
+#:            positions[Hkv,cap], slot_state[Hkv,cap,S], head_state[Hkv,Hs], hi[Hkv], scores[Hkv,cap]) -> None
+SCORE_STEP_SIG = types.void(_f8v, types.int64, types.int64, types.int64[::1], _f8t, _f4t, _f4t, types.int64[:, ::1],
+                            _f8t, _f8m, _i8v, _f8m)
 
-SINK, RECENT = 0, 1   # fixed positions of the protection parameters in every scorer's params vector
+RECENT_RULES = ("count", "share", "window")
 
 
 def protection(n_sink: int = 0, n_recent: int = 1) -> tuple[Param, Param]:
-    """The two protection parameters every scorer schema starts with, with the scorer's defaults."""
+    """The two usual protection parameters, with the scorer's defaults (``Protection()`` names them)."""
     return (Param("n_sink", n_sink, "int", 0, 64, doc="first positions never evicted (attention sinks)",
                   searchable=False),
             Param("n_recent", n_recent, "int", 0, 1024, doc="newest positions never evicted (recent window)",
                   searchable=False))
 
 
-# ---------------------------------------------------------------- shared eviction (one per mode, compiled once)
+@dataclass(frozen=True)
+class Protection:
+    """Which positions a scorer never evicts, by parameter name (None: no such protection).
+
+    ``sinks``: an int parameter, the first positions; ``recent``: the parameter of the recent window, read by
+    ``rule`` (``count``, ``share`` or ``window``, see the module docstring); ``window_only``: the bool parameter
+    of the ``window`` rule."""
+
+    sinks: str | None = "n_sink"
+    recent: str | None = "n_recent"
+    rule: str = "count"
+    window_only: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.rule not in RECENT_RULES:
+            raise PolicyError(f"protection rule {self.rule!r} is not one of {RECENT_RULES}")
+
+    def sinks_of(self, params: dict[str, Any]) -> int:
+        return int(params[self.sinks]) if self.sinks else 0
+
+    def recent_of(self, params: dict[str, Any], base: int) -> int:
+        """The recent window of a head holding ``base`` slots (the kernels compute the same)."""
+        if not self.recent:
+            return 0
+        if self.rule == "count":
+            return int(params[self.recent])
+        if self.rule == "share":
+            return int(recent_slots(base, float(params[self.recent])))
+        only = bool(params[self.window_only]) if self.window_only else False
+        return int(protected_window(int(params[self.recent]), base, only))
+
+    def code(self, schema: Sequence[Param]) -> tuple[str, str]:
+        """Source expressions of (sinks, recent window) in ``params`` and ``b`` (the head's base size) for the
+        generated kernels, parameters found by name."""
+        idx = {p.name: i for i, p in enumerate(schema)}
+        for name in (self.sinks, self.recent, self.window_only):
+            if name is not None and name not in idx:
+                raise PolicyError(f"protection names parameter {name!r}, which is not in the schema {list(idx)}")
+        sinks = f"np.int64(params[{idx[self.sinks]}])" if self.sinks else "np.int64(0)"
+        if not self.recent:
+            recent = "np.int64(0)"
+        elif self.rule == "count":
+            recent = f"np.int64(params[{idx[self.recent]}])"
+        elif self.rule == "share":
+            recent = f"recent_slots(b, params[{idx[self.recent]}])"
+        else:
+            only = f"params[{idx[self.window_only]}] != 0.0" if self.window_only else "False"
+            recent = f"protected_window(np.int64(params[{idx[self.recent]}]), b, {only})"
+        return sinks, recent
+
 
 @njit(cache=True)
-def evict_prompt(params, budget, scores, keep):
-    """Per head, drop the lowest-scored prompt tokens among positions [n_sink, P - n_recent) down to the budget."""
+def recent_slots(budget, recent_ratio):
+    """Recent-window size for a budget: ``round(budget * recent_ratio)`` within [0, budget].
+
+    The one definition of a recent window as a share of the budget (H2O, Ada-H2O and BumbleBee use it):
+    ``recent_ratio = 0`` is no window at all, the heavy-hitter-only ablation of the H2O paper and BumbleBee's
+    Alg. 2 alone. Rounding is Python's (half to even), so budget 1 at the default 0.5 has no window.
+    """
+    return np.int64(min(budget, max(0, int(round(budget * recent_ratio)))))
+
+
+@njit(cache=True)
+def protected_window(window, budget, window_only=False):
+    """Recent tokens a head with ``budget`` slots always keeps under SnapKV's observation window: the window,
+    leaving one selected slot (``window_only``: the whole budget when it is at most the window)."""
+    if window_only and budget <= window:
+        return np.int64(max(0, budget))
+    return np.int64(max(0, min(window, budget - 1)))
+
+
+# ---------------------------------------------------------------- shared eviction
+
+@njit(cache=True)
+def evict_prompt(sizes, lo, hi, scores, keep):
+    """Per head, drop the lowest-scored prompt tokens among positions [lo[h], hi[h]) down to ``sizes[h]``."""
     P = scores.shape[1]
     pos = np.arange(P)
     for h in range(scores.shape[0]):
-        if P > budget[h]:
-            evict_lowest_sorted(scores[h], pos, P, P - budget[h], int(params[SINK]), P - int(params[RECENT]), keep[h])
+        if P > sizes[h]:
+            evict_lowest_sorted(scores[h], pos, P, P - sizes[h], lo[h], hi[h], keep[h])
 
 
 @njit(cache=True)
-def evict_to(params, t, sizes, lengths, positions, scores, keep):
-    """Per head, drop the lowest-scored cached slots (sinks and recent window excluded) down to ``sizes[h]``."""
-    lo = int(params[SINK])
-    hi = t - int(params[RECENT]) + 1
+def evict_oldest(sizes, lo, hi, lengths, positions, keep):
+    """``evict_to`` for scores that are the positions (``ranks_by_position``): the oldest candidates go, found
+    from the front of each head's slots (they are in position order) without a score pass."""
+    for h in range(lengths.shape[0]):
+        excess = lengths[h] - sizes[h]
+        i = 0
+        while excess > 0 and i < lengths[h]:
+            if lo[h] <= positions[h, i] < hi[h]:
+                keep[h, i] = 0
+                excess -= 1
+            i += 1
+
+
+@njit(cache=True)
+def evict_to(sizes, lo, hi, lengths, positions, scores, keep):
+    """Per head, drop the lowest-scored cached slots among positions [lo[h], hi[h]) down to ``sizes[h]``."""
     for h in range(lengths.shape[0]):
         n = lengths[h]
         if n > sizes[h]:
-            evict_lowest(scores[h], positions[h], n, n - sizes[h], lo, hi, keep[h])
+            evict_lowest(scores[h], positions[h], n, n - sizes[h], lo[h], hi[h], keep[h])
 
 
-@njit(cache=True)
-def ada_prompt(params, budget, scores, keep, head_state):
-    """Ada-KV prompt selection over any scorer's scores: the layer's candidate budget is split across heads by
-    Ada-KV's allocation with the safeguard ``floor_alpha`` (the last parameter); sinks rank first (+inf, other
-    scores capped at 1e300),
-    the recent window is kept by every head. Each head's resulting size is stored in the last two head-state
-    columns (the decode-time target)."""
-    n_sink = int(params[SINK])
-    for h in range(scores.shape[0]):
-        for i in range(scores.shape[1]):   # sinks strictly above every other score, +inf ones included
-            scores[h, i] = np.inf if i < n_sink else min(scores[h, i], 1e300)
-    hs_n = head_state.shape[1]
-    alloc = np.ascontiguousarray(head_state[:, hs_n - 2:])
-    select_prompt(scores, budget, int(params[RECENT]), params[params.shape[0] - 1], keep, alloc)
-    head_state[:, hs_n - 2:] = alloc
+#: the protection of each head (lo, hi: its candidate positions; recent: its recent window), shared by both kernels
+_BOUNDS = '''{base}    bounds = np.empty((3, hkv), np.int64)
+    lo = bounds[0]
+    hi = bounds[1]
+    recent = bounds[2]
+    for h in range(hkv):
+        b = base[h]
+        lo[h] = {sinks}
+        recent[h] = {recent}
+'''
 
-
-@njit(cache=True)
-def ada_step(params, t, budget, lengths, positions, scores, head_state, keep):
-    """Ada-KV at decode (the authors' fixed allocation): every head keeps its prefill-allocated size."""
-    hs_n = head_state.shape[1]
-    alloc = np.ascontiguousarray(head_state[:, hs_n - 2:])
-    sizes = np.empty(lengths.shape[0], np.int64)
-    for h in range(lengths.shape[0]):
-        sizes[h] = target_size(budget, alloc, h)
-    evict_to(params, t, sizes, lengths, positions, scores, keep)
-
-
-@njit(cache=True)
-def decoding_target(params, budget, h):
-    """The size a ``decoding`` wrapper compresses head h to: ``target``, or ``budget - every + 1`` when 0."""
-    every = int(params[params.shape[0] - 2])
-    target = int(params[params.shape[0] - 1])
-    return target if target > 0 else budget[h] - every + 1
-
-
-@njit(cache=True)
-def decoding_prompt(params, budget, scores, keep):
-    """The prompt is compressed once to the decoding target (kvpress compresses prefill with its own press)."""
-    sizes = np.empty(budget.shape[0], np.int64)
-    for h in range(budget.shape[0]):
-        sizes[h] = decoding_target(params, budget, h)
-    evict_prompt(params, sizes, scores, keep)
-
-
-@njit(cache=True)
-def decoding_step(params, t, budget, lengths, positions, scores, head_state, keep):
-    """DecodingPress: count decode steps in the last head-state column; every ``every`` steps compress each
-    head back to its target, else keep everything appended."""
-    c = head_state.shape[1] - 1
-    every = int(params[params.shape[0] - 2])
-    head_state[0, c] += 1.0
-    if head_state[0, c] < every:
-        return
-    head_state[0, c] = 0.0
-    sizes = np.empty(lengths.shape[0], np.int64)
-    for h in range(lengths.shape[0]):
-        sizes[h] = decoding_target(params, budget, h)
-    evict_to(params, t, sizes, lengths, positions, scores, keep)
-
-
-@njit(cache=True)
-def plain_step(params, t, budget, lengths, positions, scores, head_state, keep):
-    """Per-step eviction: each head back to its budget."""
-    evict_to(params, t, budget, lengths, positions, scores, keep)
-
-
-@njit(cache=True)
-def plain_prompt(params, budget, scores, keep, head_state):
-    evict_prompt(params, budget, scores, keep)
-
-
-@njit(cache=True)
-def decoding_prompt_h(params, budget, scores, keep, head_state):
-    decoding_prompt(params, budget, scores, keep)
-
-
-@njit(cache=True)
-def keep_scores_step(params, budget, lengths, values, slot_state, head_state, scores):
-    """No rescaling (every mode but ``critical``)."""
-
-
-@njit(cache=True)
-def keep_scores_prompt(params, budget, v, slot_state, head_state, scores):
-    """No rescaling (every mode but ``critical``)."""
-
-
-@njit(cache=True)
-def wo_l1(head_state, h, vecs):
-    """CriticalKV's projected value norms of KV head h for the rows of ``vecs`` [n, d] (float32): the L1 norm of
-    W_O^(j) v averaged over the query heads j of its group. One float32 GEMM against the group's W_O stacked
-    as [G * hidden, d] (SGEMM: the products to ~1e-7, half the memory traffic of float64 at a decode step),
-    the L1 sums in float64. The head state ends with that block as float32 pairs packed into float64 slots,
-    then G*d and hidden (``CriticalScorer.head_state_init``)."""
-    hs_n = head_state.shape[1]
-    gd = int(head_state[h, hs_n - 2])
-    hidden = int(head_state[h, hs_n - 1])
-    d = vecs.shape[1]
-    g_n = gd // d
-    m = g_n * hidden * d
-    base = hs_n - 2 - (m + 1) // 2
-    block = head_state[h, base:base + (m + 1) // 2].view(np.float32)[:m].reshape((g_n * hidden, d))
-    n = vecs.shape[0]
-    out = np.zeros(n)
-    rows = min(n, 256)                   # GEMM row blocks: no [n, G * hidden] temporary
-    prods = np.empty((rows, g_n * hidden), np.float32)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        np.dot(vecs[r0:r1], block.T, prods[:r1 - r0])
-        _abs_row_means(prods, r1 - r0, g_n, out[r0:r1])
-    return out
-
-
-@njit(cache=True, fastmath={"reassoc", "contract"})   # SIMD sums (rounding-level differences)
-def _abs_row_means(prods, m, g_n, out):
-    """out[r] = sum_j |prods[r, j]| / g_n in float64 for the first m rows."""
-    for r in range(m):
-        acc = 0.0
-        for j in range(prods.shape[1]):
-            acc += abs(np.float64(prods[r, j]))
-        out[r] = acc / g_n
-
-
-@njit(cache=True)
-def critical_stages(params, budget, h, n, scores, norms):
-    """CriticalKV's two stages on head h's first n scores: the top ``first_stage_ratio`` x budget by the plain
-    score are kept outright (+inf); the others are rescored ``(score + epsilon) * ||W_O v||_1``."""
-    eps = params[params.shape[0] - 2]
-    n1 = int(budget[h] * params[params.shape[0] - 1])
-    first = np.zeros(n, np.bool_)
-    if n1 > 0:
-        order = np.argsort(-scores[h, :n], kind="mergesort")   # ties: the older token first
-        for i in range(min(n1, n)):
-            first[order[i]] = True
-    for i in range(n):
-        scores[h, i] = np.inf if first[i] else (scores[h, i] + eps) * norms[i]
-
-
-@njit(cache=True)
-def critical_step(params, budget, lengths, values, slot_state, head_state, scores):
-    """CriticalKV at a decode step: a slot's projected value norm is computed once, when it is new (kept in the
-    last slot field; 0 = not yet), then the two stages."""
-    last = slot_state.shape[2] - 1
-    d = values.shape[2]
-    for h in range(lengths.shape[0]):
-        n = lengths[h]
-        todo = np.flatnonzero(slot_state[h, :n, last] == 0.0)
-        if todo.size:
-            vecs = np.empty((todo.size, d), np.float32)
-            for j in range(todo.size):
-                vecs[j] = values[h, todo[j]]
-            norms = wo_l1(head_state, h, vecs)
-            for j in range(todo.size):
-                slot_state[h, todo[j], last] = norms[j]
-        critical_stages(params, budget, h, n, scores, slot_state[h, :n, last].copy())
-
-
-@njit(cache=True)
-def critical_prompt(params, budget, v, slot_state, head_state, scores):
-    """CriticalKV on the prompt (v [P, Hkv, d]): every token's projected value norm (one GEMM per query head),
-    then the two stages."""
-    last = slot_state.shape[2] - 1
-    for h in range(v.shape[1]):
-        norms = wo_l1(head_state, h, np.ascontiguousarray(v[:, h, :]))
-        slot_state[h, :, last] = norms
-        critical_stages(params, budget, h, v.shape[0], scores, norms)
-
-
-#: mode -> (prompt eviction, step eviction, prompt rescaling, step rescaling) globals of the generated kernels
-MODES: dict[str, tuple[Callable, Callable, Callable, Callable]] = {
-    "plain": (plain_prompt, plain_step, keep_scores_prompt, keep_scores_step),
-    "ada": (ada_prompt, ada_step, keep_scores_prompt, keep_scores_step),
-    "decoding": (decoding_prompt_h, decoding_step, keep_scores_prompt, keep_scores_step),
-    "critical": (plain_prompt, plain_step, critical_prompt, critical_step),
-}
-
-_TEMPLATE = '''
+_HEAD = '''
 def {name}_step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep,
                 merge_to, merge_w):
-    scores = np.zeros((lengths.shape[0], keep.shape[1]), np.float64)
-    score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, scores)
-    rescale_step(params, budget, lengths, values, slot_state, head_state, scores)
-    evict_step(params, t, budget, lengths, positions, scores, head_state, keep)
+    hkv = lengths.shape[0]
+{bounds}        hi[h] = t - recent[h] + 1
+{score}{sizes}    evict = True
+{step}    if evict:
+{evict}
+'''
 
-
+_PREFILL = '''
 def {name}_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
-    scores = np.zeros((k.shape[1], k.shape[0]), np.float64)
-    score_prompt(params, layer, q, k, v, scale, scores, slot_state, head_state)
-    rescale_prompt(params, budget, v, slot_state, head_state, scores)
-    evict_prompt(params, budget, scores, keep, head_state)
+    hkv = k.shape[1]
+    P = k.shape[0]
+{bounds}{window}    for h in range(hkv):
+        hi[h] = P - recent[h]
+    scores = np.zeros((hkv, P), np.float64)
+    score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state)
+{sizes}{prompt}    evict_prompt(sizes, lo, hi, scores, keep)
 '''
 
 
-def compose(score_prompt: Any, score_step: Any, mode: str, module: str, name: str) -> tuple[Any, Any]:
-    """The (step, prefill) kernels of a scorer under an eviction mode, compiled with the engine's signatures.
+@dataclass(frozen=True)
+class StageCode:
+    """What one stage contributes to the generated kernels: source lines (indented to the function body) for the
+    base sizes, the step and the prompt, whether it writes the heads' ``sizes``, an optional final eviction that
+    replaces ``evict_to``, whether the prompt's protected window is one for the whole layer, and the globals
+    (kernels) the lines call."""
 
-    The wrappers are compiled under ``module``'s source file with the unique name ``name`` so numba caches
-    them on disk like hand-written kernels (and invalidates them when that file changes).
+    base: str = ""
+    sets_sizes: bool = False
+    step: str = ""
+    prompt: str = ""
+    evict: str = ""
+    layer_window: bool = False
+    globals: tuple[tuple[str, Any], ...] = ()
+
+
+def compose(cls: type["ScorerPolicy"], module: str, name: str) -> tuple[Any, Any]:
+    """The (step, prefill) kernels of a scorer class and its stages, compiled with the engine's signatures (the
+    prefill is None when the chain streams its prompt).
+
+    Compiled under ``module``'s source file with the unique name ``name`` so numba caches them on disk like
+    hand-written kernels (and invalidates them when that file changes).
     """
-    evict_prompt_fn, evict_step_fn, rescale_prompt_fn, rescale_step_fn = MODES[mode]
-    namespace = {"np": np, "score_prompt": score_prompt, "score_step": score_step, "evict_prompt": evict_prompt_fn,
-                 "evict_step": evict_step_fn, "rescale_prompt": rescale_prompt_fn, "rescale_step": rescale_step_fn}
+    sinks, recent = cls.protect.code(cls.schema)
+    codes = [stage.code(cls) for stage in cls.chain]
+    namespace = {"np": np, "score_prompt": cls.score_prompt, "score_step": cls.score_step,
+                 "evict_prompt": evict_prompt, "evict_to": evict_to, "evict_oldest": evict_oldest,
+                 "recent_slots": recent_slots, "protected_window": protected_window}
+    for c in codes:
+        namespace.update(dict(c.globals))
+    base = "".join(c.base for c in codes)
+    base = f"    base = budget.copy()\n{base}" if base else "    base = budget\n"
+    # sizes are the base sizes unless a stage sets them (copies only where a stage writes: the step is hot)
+    sizes = "    sizes = base.copy()\n" if any(c.sets_sizes for c in codes) else "    sizes = base\n"
+    score = ("    scores = np.zeros((hkv, keep.shape[1]), np.float64)\n"
+             "    score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, "
+             "scores)\n")
+    plain = "        evict_to(sizes, lo, hi, lengths, positions, scores, keep)\n"
+    if cls.scorer.ranks_by_position:        # the ranking is the slot order: no score pass (ada, critical refuse it)
+        score, plain = "", "        evict_oldest(sizes, lo, hi, lengths, positions, keep)\n"
+    evict = next((c.evict for c in codes if c.evict), plain)
+    bounds = _BOUNDS.format(base=base, sinks=sinks, recent=recent)
+    src = _HEAD.format(name=name, bounds=bounds, sizes=sizes, score=score,
+                       step="".join(c.step for c in codes), evict=evict.rstrip("\n"))
+    if cls.has_prompt_selection():
+        window = ("    w_min = recent.min()\n    for h in range(hkv):\n        recent[h] = w_min\n"
+                  if any(c.layer_window for c in codes) else "")
+        src += _PREFILL.format(name=name, bounds=bounds, window=window, sizes=sizes,
+                               prompt="".join(c.prompt for c in codes))
     mod = sys.modules.get(module)
     filename = getattr(mod, "__file__", None)    # exec'd code (a notebook, a README test) has none: no disk cache
-    exec(compile(_TEMPLATE.format(name=name), filename or f"<scorer {name}>", "exec"), namespace)
-    step, prefill = namespace[f"{name}_step"], namespace[f"{name}_prefill"]
-    for fn in (step, prefill):
-        fn.__module__ = module
+    exec(compile(src, filename or f"<scorer {name}>", "exec"), namespace)
     cache = filename is not None
-    return njit(STEP_SIG, cache=cache)(step), njit(PREFILL_SIG, cache=cache)(prefill)
+    step = namespace[f"{name}_step"]
+    step.__module__ = module
+    prefill = namespace.get(f"{name}_prefill")
+    if prefill is not None:
+        prefill.__module__ = module
+        prefill = njit(PREFILL_SIG, cache=cache)(prefill)
+    return njit(STEP_SIG, cache=cache)(step), prefill
 
 
 def _source_hash(*modules: str) -> str:
-    """Short hash of the shared eviction code's sources. Numba invalidates a cached function only when its own
-    file changes, not its callees'; the composed kernels live under the scorer's file, so this hash goes into
-    their names and an edit of the shared code compiles them afresh instead of loading stale machine code."""
+    """Short hash of the shared eviction and stage code's sources. Numba invalidates a cached function only when
+    its own file changes, not its callees'; the composed kernels live under the scorer's file, so this hash goes
+    into their names and an edit of the shared code compiles them afresh instead of loading stale machine code."""
     h = hashlib.sha256()
     for m in modules:
         h.update(Path(sys.modules[m].__file__).read_bytes())
     return h.hexdigest()[:10]
 
 
-_BASE_HASH = _source_hash(__name__, "policies._adakv_core", "policies.kernels")
-
-
 class ScorerPolicy(Policy):
-    """Base class of scorers: set ``name``, ``summary``, ``schema`` (starting with ``protection()``), ``P``,
-    ``score_prompt`` and ``score_step`` (and ``slot_fields``/``head_fields`` if the kernels keep state); the
-    step and prefill kernels are composed when the class is defined."""
+    """Base class of scorers: set ``name``, ``summary``, ``schema``, ``P``, ``score_step`` and usually
+    ``score_prompt`` (and ``slot_fields``/``head_fields`` if the kernels keep state, ``protect`` if the protected
+    tokens are not ``n_sink``/``n_recent``); the step and prefill kernels are composed when the class is defined.
 
-    score_prompt: Any = None
-    score_step: Any = None
-    mode: str = "plain"
-    extra_head_fields: int = 0     # head-state columns a combinator appends after the scorer's own
-    extra_slot_fields: int = 0     # slot-state fields a combinator appends after the scorer's own
+    ``stream_prompt``: the plain policy streams its prompt through the step even though it has a prompt score
+    (H2O: its score accumulates over the cached tokens; ``ada(...)`` still uses the prompt score).
+    ``ranks_by_position``: the score is the position alone (StreamingLLM), which ``ada`` and ``critical`` refuse;
+    the eviction then takes the oldest candidates from the front of the slots without calling ``score_step``.
+    """
+
+    score_prompt: ClassVar[Any] = None
+    score_step: ClassVar[Any] = None
+    protect: ClassVar[Protection] = Protection()
+    stream_prompt: ClassVar[bool] = False
+    ranks_by_position: ClassVar[bool] = False
+    #: the stages wrapped around the scorer, innermost first (set on combined classes by policies/combinators.py)
+    chain: ClassVar[tuple] = ()
+    #: the plain scorer class under the stages (itself for a plain scorer)
+    scorer: ClassVar[type] = None  # type: ignore[assignment]
+    #: offset of each stage's head-state slice, by stage name (after the scorer's own fields)
+    head_offsets: ClassVar[dict[str, int]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "score_step" not in cls.__dict__ and "mode" not in cls.__dict__:
-            return
-        if cls.score_step is None or cls.score_prompt is None:
-            raise PolicyError(f"{cls.__name__}: a scorer needs both score_prompt and score_step kernels")
-        if [p.name for p in cls.schema[:2]] != ["n_sink", "n_recent"]:
-            raise PolicyError(f"{cls.__name__}: a scorer schema must start with protection(...)")
+        if not cls.chain:
+            cls.scorer = cls  # a plain scorer (a subclass such as PyramidKV too), not a stage around one
+        if "score_step" not in cls.__dict__ and "chain" not in cls.__dict__:
+            return        # an intermediate base, a subclass with the same kernels, an alias: nothing new to compose
+        if cls.score_step is None:
+            raise PolicyError(f"{cls.__name__}: a scorer needs a score_step kernel")
+        cls.protect.code(cls.schema)       # every named protection parameter exists
         tag = "".join(c if c.isalnum() else "_" for c in cls.name)
-        step, prefill = compose(cls.score_prompt, cls.score_step, cls.mode, cls.score_step.py_func.__module__,
-                                f"_{cls.mode}_{tag}_{_BASE_HASH}")
-        cls.step_fn, cls.prefill_fn = step, prefill
+        import policies.stages  # noqa: F401  (the stage kernels' source goes into the hash)
+        base_hash = _source_hash(__name__, "policies.stages", "policies.kernels")
+        cls.step_fn, cls.prefill_fn = compose(cls, cls.score_step.py_func.__module__, f"_{tag}_{base_hash}")
+
+    @classmethod
+    def has_prompt_selection(cls) -> bool:
+        """Whether the policy selects from the prompt at once (else the engine streams it through the step)."""
+        if any(stage.needs_prompt_score for stage in cls.chain):
+            return True
+        return cls.score_prompt is not None and not cls.scorer.stream_prompt
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self.slot_fields = self.scorer_slot_fields() + sum(stage.slot_fields for stage in self.chain)
+
+    def scorer_slot_fields(self) -> int:
+        """Per-slot fields the scorer's own kernels use (SnapKV's depend on its window)."""
+        return type(self).scorer.slot_fields
+
+    def base_size(self, budget: int) -> int:
+        """The slots a head keeps after an eviction at this budget (a ``decoding`` stage's target)."""
+        return budget
 
     def min_budget(self) -> int:
-        return self.params["n_sink"] + max(1, self.params["n_recent"])
+        pr = self.protect
+        recent = max(1, int(self.params[pr.recent])) if pr.recent and pr.rule == "count" else 1
+        return pr.sinks_of(self.params) + recent
 
     def guarantees(self, budget: int) -> Guarantees:
-        return Guarantees(sinks=self.params["n_sink"], recent=self.params["n_recent"])
+        return Guarantees(sinks=self.protect.sinks_of(self.params),
+                          recent=self.protect.recent_of(self.params, self.base_size(budget)))

@@ -1,9 +1,19 @@
-"""TOVA (Oren et al., 2024): evict the token with the lowest attention from the current query."""
+"""TOVA (Oren et al., 2024): evict the token with the lowest attention from the current query, on the scorer base.
+
+The score of a slot is the current query's attention to it: summed over all heads of the layer (``scope='layer'``,
+the paper: every head then ranks alike and evicts the same token, so heads hold the same positions), or per KV
+head reduced over its query group (``scope='head'``). Nothing is protected, the newest token included. The plain
+policy streams the prompt; its prompt score (the last prompt query's attention, the paper's rule applied once
+to the whole prompt, as kvpress's TOVAPress does) serves ``ada(tova)``. Under ``ada`` heads hold different
+positions, so the layer score of a token sums the heads that still hold it.
+"""
+import numpy as np
 from numba import njit
 
-from policies.base import STEP_SIG, Param, Policy, param_indices
-from policies.kernels import GROUP_REDUCE, group_score
+from policies.base import Param, param_indices
+from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
 from policies.registry import register
+from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
 
 SCOPES = ("layer", "head")
 SCHEMA = (
@@ -14,51 +24,69 @@ P = param_indices(SCHEMA)
 _LAYER_SCOPE = float(SCOPES.index("layer"))     # how the kernel sees scope='layer' (choices encode by index)
 
 
-@njit(STEP_SIG, cache=True)
-def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
-          merge_w):
-    """Evict the slots the current query attends to least (summed over the layer, or per head).
-
-    Shapes (the engine's step contract, policies/base.py): budget, lengths [Hkv]; probs [Hkv, G, cap] the step's
-    attention over the cached slots; keys, values [Hkv, cap, d]; positions [Hkv, cap]; slot_state [Hkv, cap, 0];
-    head_state [Hkv, 0]; keep, merge_to, merge_w [Hkv, cap]; params [2] read by name through ``P``.
-    """
+@njit(SCORE_PROMPT_SIG, cache=True)
+def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
+    """The last prompt query's attention over the prompt (layer scope: the group means summed over the heads)."""
+    n = k.shape[0]
+    hkv = k.shape[1]
+    g_n = q.shape[1] // hkv
     per_layer = params[P.scope] == _LAYER_SCOPE
-    mode = int(params[P.group_reduce])
-    hkv = lengths.shape[0]
-    if per_layer:
-        # one decision for the whole layer: heads hold the same positions (same appends, same evictions)
-        n = lengths[0]
-        for _ in range(max(0, n - budget[0])):
-            best = -1
-            best_s = 0.0
-            for i in range(n):
-                if keep[0, i] == 0:
-                    continue
-                s = 0.0
-                for h in range(hkv):
-                    s += group_score(probs, h, i, 0)
-                if best < 0 or s < best_s:
-                    best, best_s = i, s
-            for h in range(hkv):
-                keep[h, best] = 0
-        return
+    mode = 0 if per_layer else int(params[P.group_reduce])
+    ring = np.zeros((1, 1), np.float64)
+    row = np.zeros((hkv, n), np.float64)
     for h in range(hkv):
-        n = lengths[h]
-        for _ in range(max(0, n - budget[h])):
-            best = -1
-            best_s = 0.0
-            for i in range(n):
-                if keep[h, i] == 0:
-                    continue
-                s = group_score(probs, h, i, mode)
-                if best < 0 or s < best_s:
-                    best, best_s = i, s
-            keep[h, best] = 0
+        causal_attention_scores(q, k, scale, h * g_n, g_n, h, n - 1, n, mode, row[h], ring, 0)
+    for h in range(hkv):
+        for i in range(n):
+            if per_layer:
+                s = 0.0
+                for u in range(hkv):
+                    s += row[u, i]
+                scores[h, i] = s
+            else:
+                scores[h, i] = row[h, i]
+
+
+@njit(SCORE_STEP_SIG, cache=True)
+def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
+    """The current query's attention to each cached slot (layer scope: summed over the heads holding it)."""
+    hkv = lengths.shape[0]
+    if params[P.scope] != _LAYER_SCOPE:
+        mode = int(params[P.group_reduce])
+        for h in range(hkv):
+            for i in range(lengths[h]):
+                scores[h, i] = group_score(probs, h, i, mode)
+        return
+    n = lengths[0]
+    same = True                                # the plain policy: every head holds the same positions
+    for h in range(1, hkv):
+        if lengths[h] != n:
+            same = False
+            break
+        for i in range(n):
+            if positions[h, i] != positions[0, i]:
+                same = False
+                break
+    if same:
+        for i in range(n):
+            s = 0.0
+            for h in range(hkv):
+                s += group_score(probs, h, i, 0)
+            scores[0, i] = s
+        for h in range(1, hkv):
+            scores[h, :n] = scores[0, :n]
+        return
+    acc = np.zeros(t + 1, np.float64)          # by position: heads hold different tokens (under ada)
+    for h in range(hkv):
+        for i in range(lengths[h]):
+            acc[positions[h, i]] += group_score(probs, h, i, 0)
+    for h in range(hkv):
+        for i in range(lengths[h]):
+            scores[h, i] = acc[positions[h, i]]
 
 
 @register
-class TOVA(Policy):
+class TOVA(ScorerPolicy):
     """When over budget, drop the token the current query attends to least. The paper averages attention over
     all heads of a layer and evicts the same token from every head (``scope='layer'``); ``scope='head'``
     decides per KV head with ``group_reduce`` over its query heads. Ties evict the older token.
@@ -68,4 +96,7 @@ class TOVA(Policy):
     summary = "lowest current attention"
     schema = SCHEMA
     P = P
-    step_fn = _step
+    protect = Protection(sinks=None, recent=None)
+    stream_prompt = True
+    score_prompt = score_prompt
+    score_step = score_step

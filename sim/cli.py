@@ -1,4 +1,5 @@
-"""The ``kvsim`` command line: each module in sim/commands adds one subcommand."""
+"""The ``kvsim`` command line: each module in sim/commands adds one subcommand, and so does every entry point of
+the ``kvsim.commands`` group (kvsim's own model commands in gpu_validate, and installed plug-ins)."""
 from __future__ import annotations
 
 import argparse
@@ -6,11 +7,36 @@ import importlib
 import pkgutil
 import sys
 import warnings
+from importlib.metadata import entry_points
 
 from policies import PolicyError
 from traces.format import TraceError
 
 warnings.filterwarnings("ignore", message="First-class function type feature is experimental")
+
+
+#: entry-point group of subcommands: ``name = "package.module"`` (its ``register(subparsers)`` adds the command) or
+#: ``name = "package.module:register"``
+COMMANDS_GROUP = "kvsim.commands"
+
+
+def _register_plugin(ep, sub: argparse._SubParsersAction) -> None:
+    """Add the subcommand of one ``kvsim.commands`` entry point; a plug-in that fails to load is named in a warning
+    and left out, so one broken package does not take the other commands down."""
+    where = f"{ep.value}" + (f" (package {ep.dist.name})" if getattr(ep, "dist", None) else "")
+    try:
+        obj = ep.load()
+        register = getattr(obj, "register", obj)
+        if not callable(register):
+            raise TypeError(f"{ep.value} is neither a register(subparsers) function nor a module with one")
+        before = set(sub.choices)
+        register(sub)
+    except Exception as e:  # noqa: BLE001 - any failure of third-party code is reported the same way
+        print(f"kvsim: warning: command plug-in {ep.name!r} from {where} failed to load: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return
+    if not set(sub.choices) - before:
+        print(f"kvsim: warning: command plug-in {ep.name!r} from {where} added no command", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,9 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "and validate them on GPU. Run `kvsim COMMAND --help` for a command's options.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for mod in sorted(pkgutil.iter_modules(sim.commands.__path__), key=lambda m: m.name):
-        if not mod.name.startswith("_"):
-            importlib.import_module(f"sim.commands.{mod.name}").register(sub)
+    builtin = {m.name.removesuffix("_cmd"): m.name for m in pkgutil.iter_modules(sim.commands.__path__)
+               if not m.name.startswith("_")}
+    plugins = {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
+    for name in sorted(set(builtin) | set(plugins)):       # one alphabetical list in --help
+        if name in builtin:
+            importlib.import_module(f"sim.commands.{builtin[name]}").register(sub)
+        if name in plugins:
+            _register_plugin(plugins[name], sub)
     from sim.commands._common import DefaultsHelpFormatter
 
     for command in sub.choices.values():

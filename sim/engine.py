@@ -15,15 +15,14 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-from numba import njit, types
+import time
+
+from numba import njit, objmode, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from sim.contract import OK, OVER_CAPACITY, apply_window, check_kept, check_scale, check_step
-
-#: metric columns of the per-(step, query head) output, in order
-METRICS = ("mass", "err", "kl", "l1", "l1_bound")
-N_METRICS = len(METRICS)
+from sim.metrics import N_METRICS, measure
 
 _VECTOR_MATH = {"reassoc", "contract"}   # lets LLVM vectorise the float32 dot products and sums
 
@@ -155,27 +154,11 @@ def _normalise(ebuf, n, inv, row):
         row[i] = ebuf[i] * inv
 
 
-@njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
-def _output_error(o, t, hq, oacc, g):
-    """(||o_ref - o|| / ||o_ref|| (the absolute norm when o_ref = 0), ||o_ref - o||_1) of query head hq at step t
-    against the cache's output ``oacc[g]``, in float64."""
-    num = 0.0
-    den = 0.0
-    l1 = 0.0
-    for x in range(o.shape[2]):
-        ref = np.float64(o[t, hq, x])
-        diff = ref - oacc[g, x]
-        num += diff * diff
-        den += ref * ref
-        l1 += abs(diff)
-    return (np.sqrt(num / den) if den > 0.0 else np.sqrt(num)), l1
-
-
 @njit(cache=True, nogil=True)
-def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, dirty, probs, metric_row, want, dots,
-                        oacc, xs, ibuf, ebuf):
+def _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, mult, ck, cv, cpos, dirty, probs, metric_row, want,
+                        dots, oacc, xs, ibuf, ebuf):
     """Attention of the G query heads of KV head h over its n cached slots into ``probs[h]``; when ``want``,
-    also the step's metrics against the full-attention reference into ``metric_row[hq, :4]``."""
+    also the step's metrics (``sim.metrics.measure``) against the full-attention reference into ``metric_row[hq]``."""
     _dots(q, t, h, g_n, ck, n, dots)
     f = np.float32(scale * mult)
     lse_caches = np.empty(g_n, np.float64)
@@ -211,12 +194,7 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, scale, mult, ck, cv, cpos, d
                 p = probs[h, g, i]
                 if p > 0.0:
                     kl += p * (np.log(p) - log_pfull)
-        err, l1 = _output_error(o, t, hq, oacc, g)
-        # the stored float32 lse limits precision to ~6e-8 * |lse|: keep mass in [0, 1] where it cannot resolve
-        metric_row[hq, 0] = min(1.0, mass)
-        metric_row[hq, 1] = err
-        metric_row[hq, 2] = max(kl, 0.0)
-        metric_row[hq, 3] = l1
+        measure(mass, kl, o[t, hq], oacc[g], 1.0, vmax1[t, h], metric_row[hq])
 
 
 @intrinsic
@@ -292,6 +270,14 @@ def _new_buffers(hkv, g_n, d, cap, n_slot_fields, head_init):
 
 
 @njit(cache=True, nogil=True)
+def _attention_scratch(g_n, d, cap):
+    """Scratch of ``_attend_and_measure`` for up to ``cap`` slots: float32 logits [G, cap], their scaled copy,
+    exponentials and exponent bits [cap], and the float64 outputs of the G query heads [G, d]."""
+    return (np.zeros((g_n, cap), np.float32), np.zeros(cap, np.float32), np.zeros(cap, np.float32),
+            np.zeros(cap, np.int32), np.zeros((g_n, d), np.float64))
+
+
+@njit(cache=True, nogil=True)
 def _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, dirty):
     """Fold the merged slots of head h: scale each receiving slot by its self weight once, then add the weighted
     sources (``dirty`` = 2 marks a slot merged this step). The merges were checked by ``check_step``."""
@@ -360,11 +346,7 @@ def replay_layer(kernels, cfg, data, out):
     ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, cap, cfg.n_slot_fields,
                                                                                  cfg.head_init)
     metric_row = np.zeros((hq_n, N_METRICS), np.float64)
-    dots = np.zeros((g_n, cap), np.float32)
-    xs = np.zeros(cap, np.float32)
-    ebuf = np.zeros(cap, np.float32)
-    ibuf = np.zeros(cap, np.int32)
-    oacc = np.zeros((g_n, d), np.float64)
+    dots, xs, ebuf, ibuf, oacc = _attention_scratch(g_n, d, cap)
     clen = np.zeros(hkv, np.int64)
 
     t0 = 0
@@ -421,15 +403,13 @@ def replay_layer(kernels, cfg, data, out):
                 cst[h, s, f] = 0.0
             clen[h] = s + 1
             if want or cfg.reads_attention:
-                    _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, cfg.scale, mult, ck, cv, cpos, dirty, probs,
-                                    metric_row, want, dots, oacc, xs, ibuf, ebuf)
+                _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, vmax1, cfg.scale, mult, ck, cv, cpos, dirty,
+                                    probs, metric_row, want, dots, oacc, xs, ibuf, ebuf)
             if want:
-                r = t - P
                 for g in range(g_n):
                     hq = h * g_n + g
-                    for m in range(4):
-                        out.metrics[r, hq, m] = metric_row[hq, m]
-                    out.metrics[r, hq, 4] = 2.0 * max(0.0, 1.0 - metric_row[hq, 0]) * vmax1[t, h]
+                    for m in range(N_METRICS):
+                        out.metrics[t - P, hq, m] = metric_row[hq, m]
 
         step(params, cfg.layer, t, budget, clen, probs, ck, cv, cpos, cst, hst, keep, merge_to, merge_w)
         status = check_step(clen, keep, merge_to, budget, cfg.head_adaptive, cfg.bounded, t, info)
@@ -449,3 +429,82 @@ def replay_layer(kernels, cfg, data, out):
                 for i in range(clen[h]):
                     out.kept[r, h, i] = cpos[h, i]
     return OK
+
+
+# ---------------------------------------------------------------- profiling hooks (the replay benchmark)
+
+@njit(cache=True, nogil=True)
+def profile_attention(q, k, v, lse, o, vmax1, scale, start, stop, n_slots, probs, metric_row, out):
+    """Profiling hook (benchmarks/replay.py): the engine's per-(step, KV head) attention + metric pass of steps
+    [start, stop) over ``n_slots`` fixed cached slots (the trace's keys and values just before ``start``), that is
+    ``replay_layer`` minus the policy and the copies. ``out[0]`` accumulates one error per step (keeps the work
+    observable)."""
+    T, hq_n, d = q.shape
+    hkv = k.shape[1]
+    g_n = hq_n // hkv
+    ck, cv, cpos, cst, hst, dirty, probs_, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, n_slots, 1,
+                                                                                  np.zeros((hkv, 0)))
+    dots, xs, ebuf, ibuf, oacc = _attention_scratch(g_n, d, n_slots)
+    for h in range(hkv):
+        for i in range(n_slots):
+            src = start - n_slots + i
+            ck[h, i] = k[src, h]
+            cv[h, i] = v[src, h]
+            cpos[h, i] = src
+    for t in range(start, stop):
+        for h in range(hkv):
+            _attend_and_measure(t, h, g_n, n_slots, q, k, lse, o, vmax1, scale, 1.0, ck, cv, cpos, dirty, probs,
+                                metric_row, True, dots, oacc, xs, ibuf, ebuf)
+            out[0] += metric_row[h * g_n, 1]
+
+
+@njit(cache=True)
+def profile_parts(q, k, v, lse, o, vmax1, scale, t, n, rounds, keep_at, secs):
+    """Profiling hook (benchmarks/replay.py): seconds per (step, KV head) of the engine's parts over ``n`` cached
+    slots of real keys/values at step t, each run ``rounds`` times in a row: secs[0] q.k, [1] softmax, [2] p.v and
+    metrics, [3] one eviction's compaction (slot ``keep_at`` dropped)."""
+    T, hq_n, d = q.shape
+    hkv = k.shape[1]
+    g_n = hq_n // hkv
+    ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, n + 1, 1,
+                                                                                 np.zeros((hkv, 0)))
+    for h in range(hkv):
+        for i in range(n):
+            ck[h, i] = k[t - n + i, h]
+            cv[h, i] = v[t - n + i, h]
+            cpos[h, i] = t - n + i
+    dots, xs, ebuf, ibuf, oacc = _attention_scratch(g_n, d, n + 1)
+    row = np.zeros((hq_n, N_METRICS))
+    f = np.float32(scale)
+    with objmode(t0="f8"):
+        t0 = time.perf_counter()
+    for _ in range(rounds):
+        for h in range(hkv):
+            _dots(q, t, h, g_n, ck, n, dots)
+    with objmode(t1="f8"):
+        t1 = time.perf_counter()
+    for _ in range(rounds):
+        for h in range(hkv):
+            for g in range(g_n):
+                mx = _scaled_max(dots, g, n, f, xs)
+                tot = _exp_shifted(xs, n, mx, ibuf, ebuf)
+                _normalise(ebuf, n, 1.0 / tot, probs[h, g])
+    with objmode(t2="f8"):
+        t2 = time.perf_counter()
+    for _ in range(rounds):
+        for h in range(hkv):
+            _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, 1.0, ck, cv, cpos, dirty, probs, row, True,
+                                dots, oacc, xs, ibuf, ebuf)
+    with objmode(t3="f8"):
+        t3 = time.perf_counter()
+    for _ in range(rounds):
+        for h in range(hkv):
+            keep[h, keep_at] = 0
+            _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst)   # slot n - 1 moves into place
+    with objmode(t4="f8"):
+        t4 = time.perf_counter()
+    per = 1.0 / (rounds * hkv)
+    secs[0] = (t1 - t0) * per
+    secs[1] = (t2 - t1) * per
+    secs[2] = (t3 - t2) * per - secs[0] - secs[1]     # _attend_and_measure = q.k + softmax + p.v and metrics
+    secs[3] = (t4 - t3) * per

@@ -5,7 +5,7 @@ import numpy as np
 from numba import njit
 
 from policies.kernels import ATTN_BLOCK, key_tiles, softmax_rows_inplace
-from sim.engine import N_METRICS
+from sim.metrics import N_METRICS, measure
 
 
 @njit(cache=True, nogil=True)
@@ -161,23 +161,12 @@ def _take(h, i, g_n, d, p, v, mass, oacc):
 
 @njit(cache=True, nogil=True)
 def _write_oracle_metrics(b, r, t, hkv, g_n, d, mass, oacc, o, vmax1, count, metrics_out):
+    """The metrics of budget b's kept sets at step t: a subset of the full row renormalised, so KL = −log mass."""
     for h in range(hkv):
         for g in range(g_n):
             hq = h * g_n + g
             m = mass[hq]
             # kept mass can underflow to 0 with |logits| ~ 1e30; the output is then reported as zero
             inv = 1.0 / m if m > 0.0 else 0.0
-            num = 0.0
-            den = 0.0
-            l1 = 0.0
-            for x in range(d):
-                ref = np.float64(o[t, hq, x])
-                diff = ref - oacc[hq, x] * inv
-                num += diff * diff
-                den += ref * ref
-                l1 += abs(diff)
-            metrics_out[b, r, hq, 0] = m
-            metrics_out[b, r, hq, 1] = np.sqrt(num / den) if den > 0.0 else np.sqrt(num)
-            metrics_out[b, r, hq, 2] = min(max(-np.log(max(m, 1e-300)), 0.0), 690.8)
-            metrics_out[b, r, hq, 3] = l1
-            metrics_out[b, r, hq, 4] = 2.0 * max(0.0, 1.0 - m) * vmax1[t, h]
+            kl = min(-np.log(max(m, 1e-300)), 690.8)
+            measure(m, kl, o[t, hq], oacc[hq], inv, vmax1[t, h], metrics_out[b, r, hq])

@@ -10,13 +10,13 @@ import numpy as np
 
 from policies.base import Policy
 from sim.contract import apply_window, check_kept, check_scale, check_step, raise_on, slot_capacity
-from sim.engine import N_METRICS
+from sim.metrics import N_METRICS, measure
 from sim.replay import LayerInputs
 
 
 def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: np.ndarray, n_prompt: int,
                            scale: float) -> tuple[np.ndarray, np.ndarray, list[list[np.ndarray]]]:
-    """Replay one layer; returns metrics [S, Hq, 5], slots [S, Hkv] and the kept positions per step and head."""
+    """Replay one layer; returns metrics [S, Hq, N_METRICS], slots [S, Hkv] and the kept positions per step and head."""
     step, prefill, logit_scale = policy.kernels()
     params = policy.param_vector(li.attention)
     window = int(li.attention.window or 0)
@@ -78,22 +78,14 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
                 orig = np.where(dirty[h][None], (qg @ li.k[pos[h], h].T).astype(np.float64), dots)
                 lse = li.lse[t, h * g_n:(h + 1) * g_n].astype(np.float64)[:, None]
                 log_pfull = orig * scale - lse
-                o_cache = p @ vals[h].astype(np.float64)
-                ref = li.o[t, h * g_n:(h + 1) * g_n].astype(np.float64)
-                qg = qg.astype(np.float64)
-                diff = ref - o_cache
-                den = np.sqrt((ref ** 2).sum(axis=1))
+                o_cache = np.ascontiguousarray(p @ vals[h].astype(np.float64))
                 mass = np.exp(log_pfull).sum(axis=1)
                 with np.errstate(divide="ignore", invalid="ignore"):
                     kl = np.where(p > 0, p * (np.log(p) - log_pfull), 0.0).sum(axis=1)
-                r = t - n_prompt
-                sl = slice(h * g_n, (h + 1) * g_n)
-                metrics[r, sl, 0] = mass
-                metrics[r, sl, 1] = np.where(den > 0, np.sqrt((diff ** 2).sum(axis=1)) / np.where(den > 0, den, 1),
-                                             np.sqrt((diff ** 2).sum(axis=1)))
-                metrics[r, sl, 2] = np.maximum(kl, 0.0)
-                metrics[r, sl, 3] = np.abs(diff).sum(axis=1)
-                metrics[r, sl, 4] = 2.0 * np.maximum(0.0, 1.0 - mass) * li.vmax1[t, h]
+                for g in range(g_n):
+                    hq = h * g_n + g
+                    measure(float(mass[g]), float(kl[g]), li.o[t, hq], o_cache[g], 1.0, float(li.vmax1[t, h]),
+                            metrics[t - n_prompt, hq])
             ck[h, :n], cv[h, :n], cpos[h, :n], cst[h, :n] = keys[h], vals[h], pos[h], state[h]
         keep = np.ones((hkv, cap), np.uint8)
         merge_to = np.full((hkv, cap), -1, np.int64)

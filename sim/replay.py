@@ -25,7 +25,8 @@ import pandas as pd
 
 from policies.base import Policy, PolicyError
 from sim.contract import PolicyContractError, check_allocation, raise_on, slot_capacity  # noqa: F401 (re-export)
-from sim.engine import METRICS, N_METRICS, EngineConfig, EngineOutputs, LayerData, replay_layer
+from sim.engine import EngineConfig, EngineOutputs, LayerData, replay_layer
+from sim.metrics import N_METRICS, NAMES, summarise
 from sim.oracle import oracle_layer
 from sim.threads import KVSIM_THREADS, available_cores, blas_per_layer_thread
 from traces.format import LayerArrays, LayerAttention, Trace
@@ -72,7 +73,7 @@ class ReplayResult:
     """Metrics of one (trace, policy, budget) replay.
 
     ``metrics[l, s, hq, m]`` for replayed layer l (the trace's stored layer ``layer_index[l]``), measured step s
-    (absolute position ``steps[s]``), query head hq and metric m in ``METRICS``; ``slots[l, s, h]`` slots held
+    (absolute position ``steps[s]``), query head hq and metric m in ``sim.metrics.NAMES``; ``slots[l, s, h]`` slots held
     per KV head after the step's eviction; ``kept[l, r, h, :]`` cached positions (-1 padded) for the recorded
     steps, when asked for. ``held_elsewhere[s]`` counts the slots the layers *not* replayed hold after step s
     (a hybrid model's sliding windows, summed over layers and KV heads), so memory covers every layer.
@@ -102,17 +103,14 @@ class ReplayResult:
 
     def metric(self, name: str) -> np.ndarray:
         """One metric as [L, S, Hq]."""
-        return self.metrics[..., METRICS.index(name)]
+        return self.metrics[..., NAMES.index(name)]
 
     def summary(self) -> dict[str, Any]:
         """Scalar aggregates users read: means over layers, heads and measured steps."""
         out: dict[str, Any] = {"trace": self.trace, "policy": self.policy, "label": self.label,
                                "budget": self.budget}
         n = self.metrics.shape[1]
-        for i, name in enumerate(METRICS):
-            vals = self.metrics[..., i]
-            out[f"{name}_mean"] = float(vals.mean()) if n else float("nan")
-        out["err_p95"] = float(np.percentile(self.metric("err"), 95)) if n else float("nan")
+        out.update(summarise(self.metrics))
         out["slots_mean"] = float(self.slots.mean()) if n else float("nan")
         out["slots_peak"] = int(self.slots.sum(axis=2).max()) if n else 0
         held = self.slots.sum(axis=(0, 2)) + (0 if self.held_elsewhere is None else self.held_elsewhere)
@@ -129,13 +127,13 @@ class ReplayResult:
         L, _, hq, _ = self.metrics.shape
         means = self.metrics.mean(axis=1)
         rows = {"layer": np.repeat(self.layer_index, hq), "head": np.tile(np.arange(hq), L)}
-        rows.update({name: means[:, :, i].reshape(-1) for i, name in enumerate(METRICS)})
+        rows.update({name: means[:, :, i].reshape(-1) for i, name in enumerate(NAMES)})
         return pd.DataFrame(rows)
 
     def per_step(self) -> pd.DataFrame:
         """Metric means over layers and heads per measured step."""
         means = self.metrics.mean(axis=(0, 2))
-        df = pd.DataFrame({name: means[:, i] for i, name in enumerate(METRICS)})
+        df = pd.DataFrame({name: means[:, i] for i, name in enumerate(NAMES)})
         df.insert(0, "position", self.steps)
         df["slots"] = self.slots.mean(axis=(0, 2))
         return df

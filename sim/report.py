@@ -6,14 +6,18 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sim.metrics import column
 from sim.plotting import save_figure as _save
 
-#: columns a ranked table shows, with the header users see
-_SHOWN = {"label": "policy", "rank": "rank", "err_mean": "err", "mass_mean": "mass", "kl_mean": "KL",
-          "err_gap": "err-oracle", "slots_mean": "slots"}
-_LEGEND = ("rank: mean rank over budgets by err · err: relative L2 error of the attention output vs the full "
-           "cache · mass: share of full attention on kept tokens · KL: KL(cache ‖ full) · err-oracle: gap to "
-           "the oracle · slots: mean slots held per KV head")
+#: result columns a ranked table shows after the policy and its rank (headers and legend from sim.metrics)
+_TABLE_COLUMNS = ("err_mean", "mass_mean", "kl_mean", "err_gap", "slots_mean")
+_SHOWN = {"label": "policy", "rank": "rank", **{c: column(c).short for c in _TABLE_COLUMNS}}
+
+
+def _legend(metric: str) -> str:
+    """What each header of the ranked table means."""
+    return " · ".join([f"rank: mean rank over budgets by {column(metric).short}"]
+                      + [f"{column(c).short}: {column(c).label} {column(c).arrow}" for c in _TABLE_COLUMNS])
 
 
 def ranked_table(df: pd.DataFrame, metric: str = "err_mean") -> pd.DataFrame:
@@ -21,10 +25,11 @@ def ranked_table(df: pd.DataFrame, metric: str = "err_mean") -> pd.DataFrame:
     if df.empty:
         return df
     df = df.copy()
-    df["rank"] = df.groupby(["trace", "budget"])[metric].rank(method="min")
-    cols = [c for c in ("rank", "err_mean", "mass_mean", "kl_mean", "err_gap", "slots_mean") if c in df]
+    lower = column(metric).direction == "lower"
+    df["rank"] = df.groupby(["trace", "budget"])[metric].rank(method="min", ascending=lower)
+    cols = [c for c in ("rank",) + _TABLE_COLUMNS if c in df]
     out = df.groupby(["trace", "label"], as_index=False)[cols].mean()
-    return out.sort_values(["trace", "rank", metric]).reset_index(drop=True)
+    return out.sort_values(["trace", "rank", metric], ascending=[True, True, lower]).reset_index(drop=True)
 
 
 def print_ranked(df: pd.DataFrame, metric: str = "err_mean", title: str = "kvsim results") -> None:
@@ -36,14 +41,16 @@ def print_ranked(df: pd.DataFrame, metric: str = "err_mean", title: str = "kvsim
     table_df = ranked_table(df, metric)
     for trace, part in table_df.groupby("trace", sort=False):
         budgets = sorted(df[df.trace == trace].budget.unique())
-        table = Table(title=f"{title} — {trace} — budgets {', '.join(map(str, budgets))} (lower err is better)")
+        col = column(metric)
+        table = Table(title=f"{title} — {trace} — budgets {', '.join(map(str, budgets))} ({col.direction} "
+                            f"{col.short} is better)")
         cols = [c for c in _SHOWN if c in part]
         for c in cols:
             table.add_column(_SHOWN[c], justify="left" if c == "label" else "right")
         for _, row in part.iterrows():
             table.add_row(*[str(row[c]) if c == "label" else f"{row[c]:.3g}" for c in cols])
         console.print(table)
-    console.print(_LEGEND, style="dim")
+    console.print(_legend(metric), style="dim")
 
 
 PAPER_POLICIES = ("buzz", "buzz_logn", "bumblebee", "cascading", "ada_snapkv", "ada_pyramidkv", "ada_h2o", "d2o")
@@ -74,8 +81,6 @@ def plot_budget_curves(df: pd.DataFrame, path: str | Path, metrics: tuple[str, .
     import matplotlib.pyplot as plt
 
     traces = list(dict.fromkeys(df.trace))
-    titles = {"err_mean": "attention-output error (rel. L2) ↓", "mass_mean": "retained attention mass ↑",
-              "kl_mean": "KL(cache ‖ full) ↓"}
     fig, axes = plt.subplots(len(traces), len(metrics), figsize=(6.2 * len(metrics), 4.2 * len(traces)),
                              squeeze=False)
     coloured, grey = _highlighted(df, metrics[0], best)
@@ -97,7 +102,7 @@ def plot_budget_curves(df: pd.DataFrame, path: str | Path, metrics: tuple[str, .
             ax.set_xscale("log", base=2)
             ax.set_xlabel("budget (slots per KV head)")
             head = "" if len(traces) == 1 and title else f"{trace}:\n"
-            ax.set_title(head + titles.get(metric, metric), fontsize=10)
+            ax.set_title(head + column(metric).title, fontsize=10)
             ax.grid(True, alpha=0.3)
             budgets = sorted(part.budget.unique())
             ax.set_xticks(budgets, [str(b) for b in budgets])
@@ -171,7 +176,7 @@ def plot_pareto(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") ->
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
         ax.set_xlabel("KV memory held per step (KiB)")
-        ax.set_ylabel(f"{metric} ↓")
+        ax.set_ylabel(column(metric).title)
         ax.set_title(trace, fontsize=10)
         ax.grid(True, alpha=0.3)
     handles, names = axes[0][0].get_legend_handles_labels()
@@ -181,15 +186,17 @@ def plot_pareto(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") ->
 
 
 def pareto_front(df: pd.DataFrame, metric: str = "err_mean") -> pd.DataFrame:
-    """Rows not dominated in (kv_bytes_mean, metric), sorted by memory (the oracle excluded: not realisable)."""
-    cand = df[df.policy != "oracle"].sort_values(["kv_bytes_mean", metric])
+    """Rows not dominated in (kv_bytes_mean, metric), sorted by memory (the oracle excluded: not realisable);
+    the metric's direction (``sim.metrics``) says which way is better."""
+    sign = 1.0 if column(metric).direction == "lower" else -1.0
+    cand = df[df.policy != "oracle"].assign(_loss=sign * df[metric]).sort_values(["kv_bytes_mean", "_loss"])
     best = np.inf
     keep = []
     for idx, row in cand.iterrows():
-        if row[metric] < best:
+        if row["_loss"] < best:
             keep.append(idx)
-            best = row[metric]
-    return cand.loc[keep]
+            best = row["_loss"]
+    return cand.loc[keep].drop(columns="_loss")
 
 
 def plot_occupancy(kept: np.ndarray, steps: np.ndarray, n_tokens: int, title: str, path: str | Path) -> Path:

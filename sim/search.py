@@ -12,16 +12,25 @@ import pandas as pd
 
 from policies import Param, get_policy, policy_class
 from sim.executors import Executor, Job, TraceRef
+from sim.metrics import NAMES, metric
 from sim.specs import trace_id
 from sim.store import ResultStore, config_key
 
-#: objective name -> how a result row maps to a loss (lower is better)
-OBJECTIVES = ("err", "mass", "kl", "l1", "gap")
+#: objectives: every metric of ``sim.metrics`` (its mean, as a loss: lower is better) and the gap to the oracle's error
+OBJECTIVES = NAMES + ("gap",)
+
+
+def objectives_help() -> str:
+    """One line per objective for ``--help``: the metric's label, as a loss."""
+    parts = [f"{m}: {metric(m).label}" + (f" (as {metric(m).ideal:g} - {m})" if metric(m).direction == "higher" else "")
+             for m in NAMES]
+    return "; ".join(parts + ["gap: error minus the oracle's at the same budget"])
 
 
 def row_loss(row: dict[str, Any], objective: str, layer_weights: Sequence[float] | None = None,
              oracle_err: float | None = None) -> float:
-    """The loss of one result row: mean error, 1 - retained mass, KL, L1, or gap to the oracle's error."""
+    """The loss of one result row: a metric's mean oriented so lower is better (``Metric.loss``: err, 1 - retained
+    mass, KL...), or the gap of the mean error to the oracle's."""
     if layer_weights is not None and objective in ("err", "mass"):
         key = "mass_by_layer" if objective == "mass" else "err_by_layer"
         per_layer = np.asarray(row[key], float)
@@ -30,15 +39,12 @@ def row_loss(row: dict[str, Any], objective: str, layer_weights: Sequence[float]
             raise ValueError(f"--layer-weights has {w.size} weights for a trace with {per_layer.size} layers")
         value = float((w * per_layer).sum() / w.sum())
     else:
-        value = float(row[{"err": "err_mean", "mass": "mass_mean", "kl": "kl_mean", "l1": "l1_mean",
-                           "gap": "err_mean"}[objective]])
-    if objective == "mass":
-        return 1.0 - value
+        value = float(row["err_mean" if objective == "gap" else f"{objective}_mean"])
     if objective == "gap":
         if oracle_err is None:
             raise ValueError("objective 'gap' needs the oracle's error at the same budget")
         return value - oracle_err
-    return value
+    return metric(objective).loss(value)
 
 
 def _suggest(trial: Any, p: Param) -> Any:

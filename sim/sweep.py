@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from policies import Policy, PolicyError, get_policy, list_policies
 from sim.executors import Job, TraceRef, consume, execute
+from sim.metrics import METRICS
 from sim.specs import parse_policy, split_policy_list, trace_id
 from sim.store import ResultStore, config_key
 
@@ -90,12 +91,15 @@ def run_sweep(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: S
 
 
 def with_oracle_gap(df: pd.DataFrame) -> pd.DataFrame:
-    """Add ``err_gap`` and ``mass_gap``: distance to the (per-head) oracle on the same trace and budget."""
+    """Add ``<metric>_gap`` for every metric with ``gap`` in sim.metrics (``err_gap``, ``mass_gap``): how much
+    worse than the (per-head) oracle on the same trace and budget, oriented so that lower is better."""
     if df.empty or "policy" not in df:
         return df
-    orc = df[(df.policy == "oracle") & (df.label == "oracle")][["trace_id", "budget", "err_mean", "mass_mean"]]
-    orc = orc.rename(columns={"err_mean": "oracle_err", "mass_mean": "oracle_mass"})
+    gapped = [m for m in METRICS if m.gap and f"{m.name}_mean" in df]
+    means = [f"{m.name}_mean" for m in gapped]
+    orc = df[(df.policy == "oracle") & (df.label == "oracle")][["trace_id", "budget", *means]]
+    orc = orc.rename(columns={c: f"oracle_{c}" for c in means})
     out = df.merge(orc, on=["trace_id", "budget"], how="left")
-    out["err_gap"] = out["err_mean"] - out["oracle_err"]
-    out["mass_gap"] = out["oracle_mass"] - out["mass_mean"]
-    return out.drop(columns=["oracle_err", "oracle_mass"])
+    for m in gapped:
+        out[f"{m.name}_gap"] = m.loss(out[f"{m.name}_mean"]) - m.loss(out[f"oracle_{m.name}_mean"])
+    return out.drop(columns=[f"oracle_{c}" for c in means])

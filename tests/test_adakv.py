@@ -8,9 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import get_policy
-from policies._adakv_core import ada_allocate, evict_flat, select_prompt
-from policies.adakv import allocation_bound
-from policies.snapkv import pyramid_layer_budgets, window_decode_step
+from policies.snapkv import pyramid_layer_budgets
+from policies.stages import ada_allocate, ada_prompt, allocation_bound, evict_flat
 from sim.replay import replay
 from traces.synthetic import make_synthetic_trace
 
@@ -31,7 +30,8 @@ def _prefill_kept(name: str, probs: np.ndarray, budget: int, **params) -> tuple[
     type(policy).prefill_fn(policy.param_vector(), 0, np.full(hkv, budget, np.int64), q, k, k.copy(), 1.0, keep,
                             slot_state, head_state)
     kept = [set(np.flatnonzero(keep[h]).tolist()) for h in range(hkv)]
-    return kept, head_state[:, 1].astype(int).tolist()
+    off = type(policy).head_offsets.get("ada")         # Ada-KV's slice: [set, size]
+    return kept, head_state[:, off + 1].astype(int).tolist() if off is not None else [budget] * hkv
 
 
 # head 0 is concentrated on its own (newest) token, head 1 spreads over the candidates
@@ -76,7 +76,7 @@ def test_ada_allocate_hand_example_and_safeguard_rounding():
 
 def test_window_decode_step_uses_sliding_observation_window():
     # window 2, budget 3: step t=10 holds positions 2, 5, 9, 10; the ring has the rows of queries 8 and 9
-    params = get_policy("snapkv", window_size=2, kernel_size=1).param_vector()
+    policy = get_policy("snapkv", window_size=2, kernel_size=1)
     positions = np.array([[2, 5, 9, 10]], np.int64)
     slot_state = np.zeros((1, 4, 3))
     slot_state[0, :, 1] = [0.5, 0.0, 0.0, 0.0]      # query 8 (t % 2 == 0 -> overwritten now)
@@ -84,9 +84,9 @@ def test_window_decode_step_uses_sliding_observation_window():
     slot_state[0, :, 0] = slot_state[0, :, 1] + slot_state[0, :, 2]
     probs = np.array([[[0.1, 0.3, 0.2, 0.4]]])
     keep = np.ones((1, 4), np.uint8)
-    window_decode_step(params, 0, 10, np.array([3]), np.array([4]), probs, np.zeros((1, 4, 1), np.float32),
-                       np.zeros((1, 4, 1), np.float32), positions, slot_state, np.zeros((1, 2)), keep,
-                       np.full((1, 4), -1, np.int64), np.ones((1, 4)))
+    type(policy).step_fn(policy.param_vector(), 0, 10, np.array([3]), np.array([4]), probs,
+                         np.zeros((1, 4, 1), np.float32), np.zeros((1, 4, 1), np.float32), positions, slot_state,
+                         np.zeros((1, 0)), keep, np.full((1, 4), -1, np.int64), np.ones((1, 4)))
     # window scores now (0.2, 0.4, 1.0, 0.4); positions 9 and 10 are protected -> position 2 goes, although
     # query 8 (now out of the window) liked it
     assert keep[0].tolist() == [0, 1, 1, 1]
@@ -200,11 +200,12 @@ def test_heads_hold_variable_lengths_and_memory_is_what_they_hold():
     assert s["kv_bytes_mean"] == res.slots.sum(axis=(0, 2)).mean() * 2 * 16 * 2
 
 
-def test_select_prompt_keeps_everything_when_the_prompt_fits():
-    keep = np.ones((2, 5), np.uint8)
-    head_state = np.zeros((2, 2))
-    select_prompt(np.random.default_rng(0).random((2, 5)), np.array([5, 6]), 2, 0.5, keep, head_state)
-    assert keep.all() and head_state[:, 1].tolist() == [5, 6]
+def test_ada_prompt_keeps_everything_when_the_prompt_fits():
+    head_state = np.zeros((2, 3))
+    sizes = np.zeros(2, np.int64)
+    lo, hi = np.zeros(2, np.int64), np.full(2, 3, np.int64)
+    ada_prompt(np.random.default_rng(0).random((2, 5)), np.array([5, 6]), 2, 0.5, False, lo, hi, head_state, 1, sizes)
+    assert sizes.tolist() == [5, 5] and head_state[:, 2].tolist() == [5, 6] and head_state[:, 0].tolist() == [0, 0]
 
 
 def test_bad_kernel_size_is_named():
@@ -219,7 +220,8 @@ def test_evict_flat_hand_example():
     keep = np.ones((2, 4), np.uint8)
     head_state = np.array([[1.0, 3.0], [1.0, 3.0]])
     # position 9 is protected in both heads; head 1 may shrink to 2 slots, head 0 to 3
-    evict_flat(scores, positions, np.array([4, 4]), np.array([9, 9]), np.array([3, 2]), head_state, keep)
+    evict_flat(scores, positions, np.array([4, 4]), np.zeros(2, np.int64), np.array([9, 9]), np.array([3, 2]),
+               head_state, 0, keep)
     assert keep.tolist() == [[1, 1, 1, 1], [0, 1, 0, 1]] and head_state[:, 1].tolist() == [4, 2]
 
 

@@ -380,3 +380,26 @@ def test_reference_worked_example_clock_phase_and_ties():
     ref = dict(preset="reference", n_sinks=1, n_cascades=2, ema_gamma=0.5)
     assert drive_heads(get_policy("cascading", **ref), 3, tie)[4][0] == [0, 3, 4]
     assert drive_heads(get_policy("cascading", **ref, ties="resident"), 3, tie)[4][0] == [0, 2, 4]
+
+
+@given(st.floats(min_value=-7e4, max_value=7e4, allow_nan=False) | st.floats(min_value=-1e-3, max_value=1e-3))
+def test_round_to_float16_is_numpys_float16(x):
+    from policies.cascading import round_to_float16
+
+    with np.errstate(over="ignore"):          # beyond 65504 float16 is inf, as round_to_float16 says
+        expect = float(np.float16(x))
+    assert round_to_float16(x) == expect
+
+
+def test_float16_score_store_freezes_small_increments_as_the_released_jobs():
+    """At gamma = 0.9999 an update of a score of 0.5 by (1 - gamma) * 1.0 is below half a float16 step (2^-12):
+    the stored score does not move; in float64 it does."""
+    from policies.cascading import round_to_float16
+
+    mu = 0.5
+    step = 0.9999 * mu + 0.0001 * 1.0
+    assert step != mu and round_to_float16(step) == mu
+    trace = make_synthetic_trace("zipf", n_tokens=160, n_prompt=40, n_layers=1, head_dim=16, seed=1)
+    a = replay(trace, get_policy("cascading", preset="reference"), 24, record_kept=(40, 120))
+    b = replay(trace, get_policy("cascading", preset="reference", score_dtype="float16"), 24, record_kept=(40, 120))
+    assert (b.slots <= 24).all() and not np.array_equal(a.kept, b.kept)

@@ -94,7 +94,7 @@ def test_converted_kernels_read_no_bare_positions(name):
 
 
 def test_one_recent_window_for_h2o_and_bumblebee():
-    from policies.h2o import recent_slots
+    from policies.scorer import recent_slots
 
     for budget in (1, 2, 3, 7, 64):
         for ratio in (0.0, 0.1, 0.25, 0.5, 0.99, 1.0):

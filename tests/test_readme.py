@@ -43,3 +43,49 @@ def test_scorer_example_gets_both_combinators():
         res = replay(trace, get_policy(spec), budget)
         assert 0 < res.summary()["mass_mean"] <= 1
         assert fuzz_policy(spec, max_examples=20, seed=0).failure is None
+
+
+def _section(title: str) -> str:
+    start = README.index(title)
+    return README[start:README.index("\n## ", start)]
+
+
+def test_what_is_measured_names_every_metric_of_the_table():
+    from sim.metrics import METRICS
+
+    text = " ".join(_section("### What is measured").split())
+    for m in METRICS:
+        after = text.split(f"**{m.name}**")
+        assert len(after) > 1 and m.label in text, m.name
+        assert f"({m.direction} is better)" in after[1][:80], m.name
+
+
+def test_adding_a_metric_is_one_row_and_one_formula():
+    """The README's worked example, applied to sim/metrics.py, gives a measured, summarised, ranked metric."""
+    import importlib.util
+    import sys
+    import types
+
+    import numpy as np
+
+    text = _section("### What is measured")
+    row, formula = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    spec = importlib.util.find_spec("sim.metrics")
+    src = Path(spec.origin).read_text(encoding="utf-8").replace("cache=True", "cache=False")
+    table_end = "\n)\nNAMES: tuple"
+    assert src.count(table_end) == 1 and src.count("    out[M.l1_bound] = ") == 1
+    src = src.replace(table_end, "\n" + row.rstrip("\n") + table_end)
+    last = src.index("\n", src.index("    out[M.l1_bound] = "))
+    src = src[:last + 1] + formula + src[last + 1:]
+    mod = types.ModuleType("readme_metrics")
+    sys.modules[mod.__name__] = mod       # dataclasses look their module up
+    try:
+        exec(compile(src, "sim/metrics.py (README example)", "exec"), mod.__dict__)
+    finally:
+        del sys.modules[mod.__name__]
+    assert mod.NAMES[-1] == "err_abs" and mod.N_METRICS == len(mod.METRICS)
+    out = np.zeros(mod.N_METRICS)
+    mod.measure(0.5, 0.7, np.array([3.0, 4.0], np.float32), np.zeros(2), 1.0, 2.0, out)
+    assert out[mod.M.err_abs] == 5.0 and out[mod.M.err] == 1.0 and out[mod.M.mass] == 0.5
+    assert mod.summarise(np.ones((1, 2, mod.N_METRICS)))["err_abs_mean"] == 1.0
+    assert mod.column("err_abs_mean").direction == "lower"

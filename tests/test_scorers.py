@@ -123,11 +123,17 @@ def test_ada_with_uniform_safeguard_is_the_scorer(trace, spec):
     assert _kept_per_step(a) == _kept_per_step(b)
 
 
-def test_ada_over_the_hand_written_observation_window_policies_is_their_ada_variant(trace):
-    a = replay(trace, parse_policy("ada(snapkv:window_size=8, floor_alpha=0.3)"), 20, record_kept=(48, 48))
-    b = replay(trace, get_policy("ada_snapkv", window_size=8, floor_alpha=0.3), 20, record_kept=(48, 48))
+@pytest.mark.parametrize("spec, name", [("ada(snapkv:window_size=8, floor_alpha=0.3)", "ada_snapkv"),
+                                        ("ada(pyramidkv:window_size=8, decode_alloc=flat)", "ada_pyramidkv"),
+                                        ("ada(h2o:recent_ratio=0.25, floor_alpha=0.2)", "ada_h2o")])
+def test_the_ada_names_are_ada_over_the_scorer(trace, spec, name):
+    pol = parse_policy(spec)
+    alias = get_policy(name, **pol.params)
+    assert isinstance(alias, type(pol)) and alias.label() != pol.label()
+    a = replay(trace, pol, 20, record_kept=(0, 96))
+    b = replay(trace, alias, 20, record_kept=(0, 96))
     assert _kept_per_step(a) == _kept_per_step(b)
-    assert get_policy("ada(h2o)").name == "ada_h2o" and get_policy("ada(pyramidkv)").name == "ada_pyramidkv"
+    assert parse_policy(policy_spec(alias)).label() == alias.label()
 
 
 def test_ada_reallocates_across_heads_within_the_layer_budget(trace):
@@ -155,13 +161,14 @@ def test_specs_round_trip_and_python_api():
         again = get_policy(pol.name, **pol.params)                  # how sweep workers rebuild it
         assert again.params == pol.params and type(again) is type(pol)
     api = ada(get_policy("knorm", n_sink=2), floor_alpha=0.3)
-    assert api.name == "ada(knorm)" and api.params == {"n_sink": 2, "n_recent": 1, "floor_alpha": 0.3}
+    assert api.name == "ada(knorm)" and api.params == {"n_sink": 2, "n_recent": 1, "floor_alpha": 0.3,
+                                                       "decode_alloc": "fixed", "rounding": "largest_remainder"}
     assert decoding("knorm", every=2).label() == "decoding(knorm, every=2)"
     assert get_policy("ada(knorm)").head_adaptive and isinstance(get_policy("decoding(knorm)"), ScorerPolicy)
 
 
-@pytest.mark.parametrize("bad, msg", [("ada(tova)", "does not expose per-slot scores"),
-                                      ("ada(ada(knorm))", "does not expose per-slot scores"),
+@pytest.mark.parametrize("bad, msg", [("ada(cascading)", "not a scorer"),
+                                      ("ada(ada(knorm))", "appears twice"),
                                       ("ada(knorm", "unbalanced"), ("wrap(knorm)", "unknown combinator"),
                                       ("ada(knorm, floor_alpha=2)", "above the maximum"),
                                       ("ada(knorm:floor_alpha=0.1, floor_alpha=0.2)", "given twice"),
@@ -229,20 +236,22 @@ def test_expected_attention_prompt_matches_numpy_reference(seed):
 # ----- critical(): CriticalKV's W_O rescaling -----
 
 def test_critical_projected_norm_and_two_stages_worked_example():
-    from policies.scorer import critical_stages, wo_l1
+    from policies.stages import critical_stages, wo_l1
 
     pol = parse_policy("critical(knorm)")
     # one KV head, two query heads, d = 2, hidden = 2: W_O^(0) = I, W_O^(1) = [[2, 0], [0, 0]]
     wo = np.array([[1.0, 0.0, 2.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
     hs = pol.head_state_init(1, 2, wo)
-    assert hs.shape == (1, pol.head_fields + 2 * 4 // 2 + 2)     # W_O as float32 pairs in float64 slots
+    off = pol.head_offsets["critical"]
+    assert hs.shape == (1, pol.head_fields + 2 * 4 // 2)          # W_O as float32 pairs in float64 slots
+    assert hs[0, off:off + 3].tolist() == [pol.slot_fields - 1, 4, 2]   # its slot field, G*d, hidden
     # mean over the group of ||W_O^(j) v||_1: [1, 1] -> (2 + 2) / 2, [0, 1] -> (1 + 0) / 2
-    assert wo_l1(hs, 0, np.array([[1.0, 1.0], [0.0, 1.0]], np.float32)) == pytest.approx([2.0, 0.5])
+    assert wo_l1(hs, off, 0, np.array([[1.0, 1.0], [0.0, 1.0]], np.float32)) == pytest.approx([2.0, 0.5])
     odd = pol.head_state_init(1, 1, np.array([[1.0, -3.0, 0.5]]))  # 3 query heads of d = 1: one float32 of padding
-    assert wo_l1(odd, 0, np.array([[2.0]], np.float32)) == pytest.approx([(2.0 + 6.0 + 1.0) / 3])
+    assert wo_l1(odd, off, 0, np.array([[2.0]], np.float32)) == pytest.approx([(2.0 + 6.0 + 1.0) / 3])
     # stage 1 keeps the top 0.5 x budget by plain score; the rest compete on (score + eps) * norm
     scores = np.array([[0.9, 0.5, 0.4, 0.3]])
-    critical_stages(pol.param_vector(), np.array([2]), 0, 4, scores, np.array([1.0, 0.1, 1.0, 2.0]))
+    critical_stages(1e-4, 0.5, 2, 0, 4, np.arange(4), 0, 4, scores, np.array([1.0, 0.1, 1.0, 2.0]))
     assert scores[0, 0] == np.inf
     assert scores[0, 1:] == pytest.approx([(0.5 + 1e-4) * 0.1, (0.4 + 1e-4) * 1.0, (0.3 + 1e-4) * 2.0])
 
@@ -285,3 +294,70 @@ def test_critical_runs_on_a_trace_with_wo_and_is_refused_without(tmp_path):
     (path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(PolicyError, match="needs the layer's output projection W_O"):
         replay(load_trace(path), parse_policy("critical(knorm)"), 24, threads=1)
+
+
+# ----- every score-based policy on the scorer base; combinators that nest -----
+
+PORTED = ["h2o:recent_ratio=0.25", "tova", "tova:scope=head", "streaming_llm:n_sinks=2", "snapkv:window_size=8",
+          "pyramidkv:window_size=8"]
+
+
+@pytest.mark.parametrize("spec", SCORERS + PORTED)
+def test_every_baseline_is_a_scorer_and_decoding_every_one_is_itself(trace, spec):
+    assert isinstance(parse_policy(spec), ScorerPolicy)
+    a = replay(trace, parse_policy(spec), 20, record_kept=(0, 96))
+    b = replay(trace, parse_policy(f"decoding({spec}, every=1)"), 20, record_kept=(0, 96))
+    assert _kept_per_step(a) == _kept_per_step(b)
+
+
+@pytest.mark.parametrize("spec", SCORERS + [s for s in PORTED if not s.startswith("streaming")]
+                         + ["ada(knorm, floor_alpha=0.2)", "ada_snapkv:window_size=8"])
+def test_critical_with_first_stage_ratio_one_is_the_policy_inside(trace, spec):
+    a = replay(trace, parse_policy(spec), 20, record_kept=(0, 96))
+    b = replay(trace, parse_policy(f"critical({spec}, first_stage_ratio=1)"), 20, record_kept=(0, 96))
+    assert _kept_per_step(a) == _kept_per_step(b)
+
+
+NESTED = ["critical(ada(knorm))", "decoding(ada(snapkv:window_size=16), every=8)",
+          "ada(critical(expected_attention:use_vnorm=False))", "decoding(critical(ada(knorm, floor_alpha=0.2)), every=4)",
+          "ada(tova)", "decoding(snapkv, every=12)", "decoding(ada_snapkv:window_size=8, every=4)",
+          "critical(ada_h2o:recent_ratio=0.25, first_stage_ratio=0.3)", "decoding(streaming_llm:n_sinks=2, every=5)"]
+
+
+@pytest.mark.parametrize("spec", NESTED)
+def test_nested_chains_run_within_budget_and_round_trip(trace, spec):
+    pol = parse_policy(spec)
+    assert policy_spec(pol) == spec and pol.label() == spec
+    again = parse_policy(policy_spec(pol))
+    assert type(again) is type(pol) and again.params == pol.params
+    assert get_policy(pol.name, **pol.params).params == pol.params          # how sweep workers rebuild it
+    budget = max(24, pol.min_budget())
+    res = replay(trace, pol, budget)
+    total = res.slots.sum(axis=2) if pol.head_adaptive else res.slots
+    assert (total <= budget * (res.slots.shape[2] if pol.head_adaptive else 1)).all()
+    assert 0 < res.summary()["mass_mean"] <= 1
+
+
+def test_critical_over_ada_rescales_within_the_allocation_ada_over_critical_allocates_the_rescaled(trace):
+    """critical(ada(x)) (kvpress's CriticalAdaKVPress) allocates on x's own scores: its heads hold exactly ada(x)'s
+    sizes; ada(critical(x)) allocates on the rescaled scores, so its sizes differ."""
+    plain = replay(trace, parse_policy("ada(knorm, floor_alpha=0)"), 20)
+    outer = replay(trace, parse_policy("critical(ada(knorm, floor_alpha=0))"), 20)
+    inner = replay(trace, parse_policy("ada(critical(knorm), floor_alpha=0)"), 20)
+    np.testing.assert_array_equal(outer.slots, plain.slots)
+    assert not np.array_equal(inner.slots, plain.slots)
+    assert (outer.slots.sum(axis=2) <= 40).all() and (inner.slots.sum(axis=2) <= 40).all()
+
+
+@pytest.mark.parametrize("bad, msg", [("decoding(decoding(knorm))", "appears twice"),
+                                      ("critical(critical(knorm))", "appears twice"),
+                                      ("ada(ada_snapkv)", "appears twice"),
+                                      ("ada(decoding(knorm))", "must be the outermost"),
+                                      ("critical(decoding(snapkv))", "must be the outermost"),
+                                      ("ada(streaming_llm)", "position only"),
+                                      ("critical(streaming_llm)", "position only"),
+                                      ("decoding(cascading)", "not a scorer"),
+                                      ("ada(bumblebee)", "not a scorer")])
+def test_chains_that_make_no_sense_are_refused_with_the_reason(bad, msg):
+    with pytest.raises(PolicyError, match=msg):
+        parse_policy(bad)

@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-failures", type=Path, default=Path("kvsim-out/fuzz-failures"),
                    help="directory where shrunk failing traces are written")
     p.add_argument("--plugin", action="append", default=[],
-                   help="import this module first (registers your own policies), e.g. mypkg.policies")
+                   help="import this module first (registers policies of code that is not an installed plug-in), "
+                        "e.g. mypkg.policies")
     p.set_defaults(func=run)
 
 

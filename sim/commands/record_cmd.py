@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sim.commands._common import add_model_option, add_text_option
+from sim.commands._common import add_model_option, add_text_option, positive_int
 
 
 def _index_list(text: str) -> tuple[int, ...]:
@@ -17,16 +17,6 @@ def _index_list(text: str) -> tuple[int, ...]:
     return vals
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {n}")
-    return n
-
-
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "record", help="record post-RoPE q/k/v traces from a HF decoder model",
@@ -35,8 +25,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "check faithfulness, write a trace.")
     add_model_option(p)
     add_text_option(p, what="text to record")
-    p.add_argument("--prompt-tokens", type=_positive, default=512, help="prompt (prefill) length N")
-    p.add_argument("--decode-tokens", type=_positive, default=256, help="decoded tokens M")
+    p.add_argument("--prompt-tokens", type=positive_int, default=512, help="prompt (prefill) length N")
+    p.add_argument("--decode-tokens", type=positive_int, default=256, help="decoded tokens M")
     p.add_argument("--out", type=Path, required=True, help="trace directory to create")
     p.add_argument("--keep-layers", dest="layers", type=_index_list, default=None,
                    help="indices of the model layers to keep, e.g. 0,2 (default all)")
@@ -64,8 +54,6 @@ def run(args: argparse.Namespace) -> int:
 
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         raise RecordError(f"--device must be cpu or cuda[:i], got {args.device!r}")
-    if args.prompt_tokens < 1:
-        raise RecordError("--prompt-tokens must be >= 1")
     from traces.model import read_text
 
     text, text_id = read_text(args.text)

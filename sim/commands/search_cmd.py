@@ -9,7 +9,7 @@ from sim.commands._common import (add_budgets_option, add_executor_options, add_
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from sim.search import OBJECTIVES
+    from sim.search import OBJECTIVES, objectives_help
 
     p = sub.add_parser("search", help="search a policy's hyperparameters with optuna (TPE, Pareto front)",
                        description="Search the hyperparameters a policy's schema declares searchable. With "
@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_policy_option(p, extra="; parameters given in the spec are held fixed, the others are searched")
     add_budgets_option(p, required=True, extra=": averaged over, or searched with --pareto")
     p.add_argument("--objective", choices=OBJECTIVES, default="err",
-                   help="err: attention-output error; mass: 1 - retained mass; kl; l1; gap: error minus oracle's")
+                   help=objectives_help())
     p.add_argument("--layer-weights", type=lambda s: [float(x) for x in s.split(",")], default=None,
                    help="comma-separated weights per layer for err/mass (default: equal)")
     p.add_argument("--trials", type=int, default=40, help="trials of the study")

@@ -12,6 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from sim.metrics import column  # noqa: E402
+
 
 def _save(fig, path: Path) -> Path:
     """Atomic PNG write."""
@@ -90,8 +92,8 @@ def throughput_vs_budget(df: pd.DataFrame, path: str | Path, quality_col: str | 
         ax.set_xlabel("KV budget (slots per head)")
     if quality_col:
         axes[2].set_xlabel("output tokens / s")
-        axes[2].set_ylabel(quality_col)
-        axes[2].set_title(f"quality loss ({quality_col}) vs throughput")
+        axes[2].set_ylabel(column(quality_col).title)
+        axes[2].set_title(f"quality ({quality_col}) vs throughput")
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylim(bottom=0)

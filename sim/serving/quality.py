@@ -5,10 +5,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from sim.metrics import COLUMNS, METRICS
 from sim.serving.hardware import ServingConfigError
 
-#: loss/quality columns looked for in a sweep results store, in display order
-QUALITY_COLUMNS = ("err_mean", "mass_mean", "kl_mean", "err_gap", "mass_gap", "err_p95")
+#: loss/quality columns looked for in a sweep results store, in display order (the first present is plotted): every
+#: metric's mean, losses (lower is better) first, then the gaps to the oracle and the percentiles (sim.metrics)
+QUALITY_COLUMNS = tuple([f"{m.name}_mean" for m in sorted(METRICS, key=lambda m: m.direction == "higher")]
+                        + [k for k in COLUMNS if k.endswith("_gap")]
+                        + [f"{m.name}_p{p}" for m in METRICS for p in m.percentiles])
 
 
 def _read(path: Path) -> pd.DataFrame:

@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from sim.commands._common import add_budgets_option, add_policies_option
-from sim.commands.validate_cmd import add_model_args, load_model_and_ids
+from gpu_validate.commands.validate_cmd import add_model_args, load_model_and_ids
 
 
 def register(sub: argparse._SubParsersAction) -> None:
