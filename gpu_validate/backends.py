@@ -21,8 +21,10 @@ class TorchVarlenKVCache(VarlenKVCache):
 
     def attend(self, q: torch.Tensor, *, logit_scale: float | torch.Tensor = 1.0, want_probs: bool = True,
                update_acc: bool | None = None, update_ema: bool | None = None,
-               num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As `VarlenKVCache.attend`; ``logit_scale`` may also be one factor per batch element ([B] tensor).
+               num_splits: int | None = None,
+               visible_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As `VarlenKVCache.attend`; ``logit_scale`` may also be one factor per batch element ([B] tensor);
+        ``visible_from`` hides the slots at earlier positions (a sliding window inside a prompt chunk).
 
         fp32 logits over every head's padded slots at once; acc/ema are not updated here (the runner keeps
         its statistics in the policy's slot state), so asking for them is an error."""
@@ -38,10 +40,11 @@ class TorchVarlenKVCache(VarlenKVCache):
         qf = q.float().reshape(n_heads, g, d)
         logits = torch.bmm(qf, kp.transpose(1, 2)) * (self.softmax_scale * scale)   # [BH, G, C]
         valid = torch.arange(self.max_capacity, device=self.device)[None, :] < self.length.long()[:, None]
-        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        seen = valid if visible_from is None else valid & (self.positions[idx] >= visible_from)
+        logits = logits.masked_fill(~seen[:, None, :], float("-inf"))
         p = torch.softmax(logits, -1).nan_to_num(0.0)                     # an empty head gives p = o = 0
         o = torch.bmm(p, vp).reshape(bsz, n_q, d)
-        self.probs[idx[valid]] = p.transpose(1, 2)[valid]
+        self.probs[idx[valid]] = p.transpose(1, 2)[valid]          # hidden slots get probability 0
         return o.to(q.dtype), (self.probs if want_probs else None)
 
     def compact(self, keep: torch.Tensor | None, merge_to: torch.Tensor | None = None,

@@ -13,7 +13,8 @@ from policies.base import Policy
 
 
 def text_metrics(model, ids: Sequence[int], n_prompt: int, policy: Policy, budget: int, *,
-                 backend: str = "torch", full_logits: np.ndarray | None = None, sliding: str = "keep") -> dict[str, Any]:
+                 backend: str = "torch", full_logits: np.ndarray | None = None, sliding: str = "keep",
+                 chunk: int = 1) -> dict[str, Any]:
     """Teacher-forced run over ``ids`` (prompt = first n_prompt): ΔPPL and top-1 agreement vs the full cache.
 
     Scored predictions are those made by decode positions n_prompt .. len(ids)-2 (the steps where the
@@ -23,7 +24,7 @@ def text_metrics(model, ids: Sequence[int], n_prompt: int, policy: Policy, budge
     ids = [int(x) for x in ids]
     if not 1 <= n_prompt <= len(ids) - 2:
         raise ValidateError(f"need 1 <= n_prompt <= {len(ids) - 2} for {len(ids)} tokens, got {n_prompt}")
-    res = CompressedRunner(model, policy, budget, backend=backend, sliding=sliding).run(ids[:n_prompt],
+    res = CompressedRunner(model, policy, budget, backend=backend, sliding=sliding, chunk=chunk).run(ids[:n_prompt],
                                                                                        continuation=ids[n_prompt:])
     full = full_model_logits(model, ids) if full_logits is None else full_logits
     return metrics_of_run(res, model, ids, n_prompt, full)
@@ -75,7 +76,8 @@ def passkey_prompt(tokenizer, filler_ids: Sequence[int], depth: float, n_context
 
 def passkey_accuracy(model, tokenizer, filler_ids: Sequence[int], policy: Policy, budget: int, *,
                      depths: Sequence[float] = (0.1, 0.5, 0.9), n_context: int = 256, n_keys: int = 2,
-                     backend: str = "torch", seed: int = 0, on_result=None, sliding: str = "keep") -> dict[str, float]:
+                     backend: str = "torch", seed: int = 0, on_result=None, sliding: str = "keep",
+                     chunk: int = 1) -> dict[str, float]:
     """Exact-match retrieval of a random 5-digit key by greedy decoding, per depth (mean over n_keys keys).
     All depth × key prompts run as one batch; ``on_result(label, hit)`` is called per finished prompt."""
     from gpu_validate.runner import BatchJob, run_batch
@@ -84,7 +86,7 @@ def passkey_accuracy(model, tokenizer, filler_ids: Sequence[int], policy: Policy
     keys = [str(int(x)) for x in rng.integers(10000, 99999, size=n_keys)]
     cells = [(depth, passkey_prompt(tokenizer, filler_ids, depth, n_context, key)) for depth in depths
              for key in keys]
-    jobs = [BatchJob(policy, budget, prompt, n_generate=len(answer)) for _, (prompt, answer) in cells]
+    jobs = [BatchJob(policy, budget, prompt, n_generate=len(answer), chunk=chunk) for _, (prompt, answer) in cells]
     hits = {f"{depth:g}": 0 for depth in depths}
 
     def done(i: int, res: RunResult) -> None:
@@ -99,7 +101,7 @@ def passkey_accuracy(model, tokenizer, filler_ids: Sequence[int], policy: Policy
 
 
 def kept_set_agreement(model, trace, policy: Policy, budget: int, n_steps: int, *,
-                       backend: str = "torch", sliding: str = "keep") -> dict[str, Any]:
+                       backend: str = "torch", sliding: str = "keep", chunk: int = 1) -> dict[str, Any]:
     """Open loop on the trace's own tokens: share of (layer, KV head, step) whose kept position sets are equal
     in the runner (kernel probabilities) and in the simulator (``sim.replay.replay``), over the first n_steps
     decode steps, on the layers the policy compresses; also the mean Jaccard overlap. The trace must come from
@@ -118,9 +120,9 @@ def kept_set_agreement(model, trace, policy: Policy, budget: int, n_steps: int, 
             meta.source.get("kv_heads", list(range(meta.model.n_kv_heads))) != list(range(meta.model.n_kv_heads)):
         raise ValidateError("kept-set agreement needs a trace of every layer and KV head of the model")
     runner = CompressedRunner(model, policy, budget, backend=backend, open_loop=True, record_kept=(P, n_steps),
-                              sliding=sliding)
+                              sliding=sliding, chunk=chunk)
     gpu = runner.run(ids[:P], continuation=ids[P:P + n_steps + 1]).kept
-    sim = replay(trace, policy, budget, record_kept=(P, n_steps), threads=1, sliding=sliding)
+    sim = replay(trace, policy, budget, record_kept=(P, n_steps), threads=1, sliding=sliding, chunk=chunk)
     return compare_kept(gpu[sim.layer_index], sim.kept, n_steps)
 
 

@@ -61,11 +61,11 @@ def within_budget_correlations(rows: list[dict[str, Any]]) -> dict[str, dict[str
 
 def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets: Sequence[int], *,
                  n_prompt: int, n_open_steps: int = 16, backend: str = "torch", model_id: str = "model",
-                 log=print, progress: bool = True, sliding: str = "keep") -> dict[str, Any]:
+                 log=print, progress: bool = True, sliding: str = "keep", chunk: int = 1) -> dict[str, Any]:
     """All policies × budgets through the simulator and the model; returns the JSON-ready report."""
     from tqdm.auto import tqdm
 
-    from sim.replay import load_layers, replay
+    from sim.replay import effective_chunk, load_layers, replay
     from traces.format import load_trace
     from traces.recorder import record_trace
 
@@ -87,14 +87,15 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
         trace = load_trace(Path(tmp) / "trace")
         inputs = load_layers(trace)
         full = full_model_logits(model, ids)
-        sims = [replay(trace, p, b, inputs=inputs, record_kept=(n_prompt, n_open_steps), threads=1, sliding=sliding)
-                for p, b in configs]
+        sims = [replay(trace, p, b, inputs=inputs, record_kept=(n_prompt, n_open_steps), threads=1, sliding=sliding,
+                       chunk=effective_chunk(p, chunk)) for p, b in configs]
         n_open = int(min(n_open_steps, n_decode))
         with tqdm(total=2 * len(configs), desc="fidelity", unit="run", disable=not progress) as bar:
             def kept_done(i: int, res) -> None:
                 bar.update(1)
 
-            opened = run_batch(model, [BatchJob(p, b, ids[:n_prompt], continuation=ids[n_prompt:n_prompt + n_open + 1])
+            opened = run_batch(model, [BatchJob(p, b, ids[:n_prompt], continuation=ids[n_prompt:n_prompt + n_open + 1],
+                                                chunk=chunk)
                                        for p, b in configs], backend=backend, open_loop=True,
                                record_kept=(n_prompt, n_open), on_result=kept_done, sliding=sliding)
             rows: list[dict[str, Any] | None] = [None] * len(configs)
@@ -115,7 +116,8 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
                           f"{row['kept_agreement']:.3f}")
                 sys.stdout.flush()
 
-            run_batch(model, [BatchJob(p, b, ids[:n_prompt], continuation=ids[n_prompt:]) for p, b in configs],
+            run_batch(model, [BatchJob(p, b, ids[:n_prompt], continuation=ids[n_prompt:], chunk=chunk)
+                              for p, b in configs],
                       backend=backend, on_result=closed_done, sliding=sliding)
     rho = correlations(rows)
     best = {m: max(SIM_LOSSES, key=lambda s: -np.inf if np.isnan(rho[s][m]) else rho[s][m]) for m in MODEL_LOSSES}

@@ -143,7 +143,8 @@ def model_geometry(model) -> tuple[int, int, int, int]:
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")
     head_dim = getattr(cfg, "head_dim", None) or hidden // n_q
     if getattr(cfg, "scale_attn_by_inverse_layer_idx", False) or getattr(cfg, "reorder_and_upcast_attn", False):
-        raise ValidateError("GPT-2 variants with scale_attn_by_inverse_layer_idx/reorder_and_upcast_attn are not supported")
+        raise ValidateError("GPT-2 variants with scale_attn_by_inverse_layer_idx/reorder_and_upcast_attn are not "
+                            "supported")
     return int(n_layers), int(n_q), int(n_kv), int(head_dim)
 
 
@@ -172,6 +173,7 @@ class BatchJob:
     prompt: Sequence[int]
     continuation: Sequence[int] | None = None
     n_generate: int = 0
+    chunk: int = 1      # chunked prefill of a streamed prompt (``sim.replay.replay_step``)
 
     @property
     def n_pred(self) -> int:
@@ -183,6 +185,19 @@ class BatchJob:
         and not an unscaled full cache, which keeps the prompt exactly as the model computed it)."""
         p = self.policy
         return not (p.has_prefill or (p.unbounded and p.logit_scale_fn is None))
+
+    @property
+    def prompt_chunk(self) -> int:
+        """Prompt tokens per policy step: ``chunk`` for a streamed prompt of a policy that can take several new
+        tokens per step, else 1 (as the simulator's ``sim.replay.effective_chunk``)."""
+        from sim.replay import effective_chunk
+
+        return effective_chunk(self.policy, self.chunk) if self.streams else 1
+
+    @property
+    def batch_key(self) -> tuple:
+        """Jobs with equal keys go through the model together."""
+        return self.streams, len(self.prompt), self.n_pred, self.prompt_chunk
 
 
 class _Row:
@@ -224,8 +239,13 @@ class BatchRunner:
     step runs per row on that row's slice of the layer, exactly as a one-row run does, so a batch gives the
     results of running each configuration alone (tested). Work every row does identically is shared: each
     distinct prompt goes through the model once, and streamed prompts skip the model until the first eviction
-    in any row (`_fast_forward`). Rows must agree on whether the prompt is streamed,
-    on the prompt length and on the number of predictions (`run_batch` groups jobs that way).
+    in any row (`_fast_forward`). Rows must agree on whether the prompt is streamed, on the prompt length, on
+    the number of predictions and on the prompt chunk (`BatchJob.batch_key`; `run_batch` groups jobs that way).
+
+    Chunked prefill (``BatchJob.chunk``): a streamed prompt goes C tokens per model forward; in every layer each
+    of the C tokens is appended and attends over the cache (a sliding layer's window masking its older
+    chunk-mates' slots), their probabilities are summed per slot, and the policy steps once, as in the
+    simulator.
     """
 
     def __init__(self, model, jobs: Sequence[BatchJob], *, backend: str = "torch", open_loop: bool = False,
@@ -235,9 +255,11 @@ class BatchRunner:
             raise ValidateError("a batch needs at least one job")
         for j in jobs:
             check_run_args(j.policy, j.budget, backend)
-        keys = {(j.streams, len(j.prompt), j.n_pred) for j in jobs}
+        keys = {j.batch_key for j in jobs}
         if len(keys) != 1:
-            raise ValidateError(f"a batch needs one (streams prompt, prompt length, predictions) key, got {keys}")
+            raise ValidateError(f"a batch needs one (streams prompt, prompt length, predictions, prompt chunk) key, "
+                                f"got {keys}")
+        self.chunk = jobs[0].prompt_chunk
         if sliding not in ("keep", "compress"):
             raise ValidateError(f"sliding must be 'keep' or 'compress', got {sliding!r}")
         self.model, self.jobs, self.backend, self.sliding = model, list(jobs), backend, sliding
@@ -269,57 +291,95 @@ class BatchRunner:
             if self.open_loop:
                 self.dense[layer] = [key[self.prompt_of], value[self.prompt_of]]
             return out, w
-        if query.shape[0] != len(self.rows) or query.shape[2] != 1 or key.shape[2] != 1:
-            raise ValidateError("decode steps feed one token per batch row at a time (no HF KV cache)")
+        C = query.shape[2]
+        if query.shape[0] != len(self.rows) or key.shape[2] != C or not 1 <= C <= self.chunk:
+            raise ValidateError(f"decode steps feed one token (or a prompt chunk of {self.chunk}) per batch row at a "
+                                "time (no HF KV cache)")
         return self._decode_attention(layer, query, key, value), None
 
-    def _decode_attention(self, layer: int, query, key, value) -> torch.Tensor:
-        t, B = self.t, len(self.rows)
+    def _decode_attention(self, layer: int, query, key, value, *, extend_dense: bool = True) -> torch.Tensor:
+        """Append the C new tokens one by one, each attending over the cache; one policy step after the last.
+        Open loop, the output is the full cache's (a dense copy, extended by the new tokens)."""
+        t0, B, C = self.t, len(self.rows), query.shape[2]
         cache = self.caches[layer]
-        cache.append(key.to(self.cache_dtype), value.to(self.cache_dtype),
-                     positions=torch.full((B, 1), t, device=self.device, dtype=torch.int64))
-        mults = self.mults if self.compressed[layer] else np.ones(B)   # a kept window is the model's attention
-        q = query[:, :, 0, :].to(self.cache_dtype)
-        if (mults == 1.0).all():
-            o, _ = cache.attend(q, update_acc=False, update_ema=False)
-        elif isinstance(cache, TorchVarlenKVCache):
-            o, _ = cache.attend(q, logit_scale=torch.as_tensor(mults, dtype=torch.float32), update_acc=False,
-                                update_ema=False)
-        elif (mults == mults[0]).all():
-            o, _ = cache.attend(q, logit_scale=float(mults[0]), update_acc=False, update_ema=False)
-        else:
-            raise ValidateError("rows with different logit scales need the torch backend (or one batch each)")
-        self._policy_step(layer, t, cache)
-        if self.open_loop:
+        window = self.attn[layer].window
+        summed = None
+        outs = []
+        for j in range(C):
+            t = t0 + j
+            cache.append(key[:, :, j:j + 1].to(self.cache_dtype), value[:, :, j:j + 1].to(self.cache_dtype),
+                         positions=torch.full((B, 1), t, device=self.device, dtype=torch.int64))
+            mults = self._mults(t) if self.compressed[layer] else np.ones(B)   # a kept window is the model's own
+            visible_from = t - window + 1 if window and C > 1 else None       # older chunk-mates' windows moved
+            outs.append(self._attend(cache, query[:, :, j, :].to(self.cache_dtype), mults, visible_from))
+            if C > 1:
+                p = self._host_padded(layer, cache, cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
+                summed = p if summed is None else summed + p
+        self._last_deviated = self._policy_step(layer, t0 + C - 1, cache, probs=summed)
+        o = torch.stack(outs, 1)                                                 # [B, C, Hq, d]
+        if self.open_loop and extend_dense:
             dk, dv = self.dense[layer]
             dk, dv = torch.cat([dk, key], 2), torch.cat([dv, value], 2)
             self.dense[layer] = [dk, dv]
-            window = self.attn[layer].window
+            S = dk.shape[2]
+            kpos = torch.arange(S, device=dk.device)[None, :]
+            qpos = torch.arange(S - C, S, device=dk.device)[:, None]
+            seen = kpos <= qpos                                                  # causal within the chunk
             if window:                                   # the model's own attention on a sliding layer
-                dk, dv = dk[:, :, -window:], dv[:, :, -window:]
+                seen &= kpos > qpos - window
             rep = self.group
             kk = dk.repeat_interleave(rep, dim=1) if rep > 1 else dk
             vv = dv.repeat_interleave(rep, dim=1) if rep > 1 else dv
-            o = torch.nn.functional.scaled_dot_product_attention(query, kk, vv, scale=self.layer_scale[layer])[:, :, 0]
-        return o.to(query.dtype).reshape(B, 1, self.n_q, self.head_dim)
+            o = torch.nn.functional.scaled_dot_product_attention(query, kk, vv, attn_mask=seen,
+                                                                 scale=self.layer_scale[layer]).transpose(1, 2)
+        return o.to(query.dtype).reshape(B, C, self.n_q, self.head_dim)
+
+    def _mults(self, t: int) -> np.ndarray:
+        """Every row's logit multiplier at step t, checked."""
+        mults = np.array([row.logit_scale(t) for row in self.rows])
+        info = np.zeros(3, np.int64)
+        for row, mult in zip(self.rows, mults):
+            raise_on(row.policy, check_scale(float(mult), t, info), info, -1)
+        return mults
+
+    def _attend(self, cache, q: torch.Tensor, mults: np.ndarray, visible_from: int | None) -> torch.Tensor:
+        """The cache's attention for one query per row (``visible_from``: slots at earlier positions hidden)."""
+        kw = {"update_acc": False, "update_ema": False}
+        if visible_from is not None:
+            if not isinstance(cache, TorchVarlenKVCache):
+                raise ValidateError("chunked prefill on a sliding-window layer needs the torch backend")
+            kw["visible_from"] = visible_from
+        if (mults == 1.0).all():
+            o, _ = cache.attend(q, **kw)
+        elif isinstance(cache, TorchVarlenKVCache):
+            o, _ = cache.attend(q, logit_scale=torch.as_tensor(mults, dtype=torch.float32), **kw)
+        elif (mults == mults[0]).all():
+            o, _ = cache.attend(q, logit_scale=float(mults[0]), **kw)
+        else:
+            raise ValidateError("rows with different logit scales need the torch backend (or one batch each)")
+        return o
+
+    def _host_padded(self, layer: int, cache, x: torch.Tensor, fill: float) -> np.ndarray:
+        """``cache.padded(x)`` as one numpy gather: [B*Hkv, width, ...] with ``fill`` past each head's length."""
+        lengths = cache.length.cpu().numpy()
+        out = x.detach().cpu().numpy()[self.slot_index[layer]]
+        out[~(np.arange(cache.max_capacity)[None, :] < lengths[:, None])] = fill
+        return out
 
     # ----- the policy step of every row on host arrays, as sim/engine.py calls it -----
-    def _policy_step(self, layer: int, t: int, cache) -> bool:
+    def _policy_step(self, layer: int, t: int, cache, probs: np.ndarray | None = None) -> bool:
         """Every row's policy step on this layer, then the layer's window; True when some row's policy evicted or
-        merged a slot of a layer it compresses (so the cache no longer holds what the model's attention sees)."""
+        merged a slot of a layer it compresses (so the cache no longer holds what the model's attention sees).
+        ``probs`` [B*Hkv, G, width]: a prompt chunk's summed attention (default: the cache's last attention)."""
         H = self.n_kv
         lengths_all = cache.length.cpu().numpy().astype(np.int64)
         idx, valid_all = self.slot_index[layer], np.arange(cache.max_capacity)[None, :] < lengths_all[:, None]
-
-        def padded(x: torch.Tensor, fill: float) -> np.ndarray:   # cache.padded, as one numpy gather
-            out = x.detach().cpu().numpy()[idx]
-            out[~valid_all] = fill
-            return out
-
-        probs_all = padded(cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
-        keys_all = padded(cache.k, 0.0).astype(np.float32, copy=False)
-        values_all = padded(cache.v, 0.0).astype(np.float32, copy=False)
-        pos_all = padded(cache.positions, -1)
+        if probs is None:
+            probs = self._host_padded(layer, cache, cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
+        probs_all = probs
+        keys_all = self._host_padded(layer, cache, cache.k, 0.0).astype(np.float32, copy=False)
+        values_all = self._host_padded(layer, cache, cache.v, 0.0).astype(np.float32, copy=False)
+        pos_all = self._host_padded(layer, cache, cache.positions, -1)
         width = cache.max_capacity
         window = int(self.attn[layer].window or 0)
         deviated = False
@@ -335,7 +395,8 @@ class BatchRunner:
             keys = np.ascontiguousarray(keys_all[sl, :cap])
             values = np.ascontiguousarray(values_all[sl, :cap])
             pos = np.ascontiguousarray(pos_all[sl, :cap])
-            sst[np.arange(H), lengths - 1] = 0.0   # the new slot starts with zero state
+            for i in range(t - self.t + 1):           # the step's new slots (a prompt chunk's) start at zero state
+                sst[np.arange(H), lengths - 1 - i] = 0.0
             keep = np.ones((H, cap), np.uint8)
             merge_to = np.full((H, cap), -1, np.int64)
             merge_w = np.ones((H, cap), np.float64)
@@ -376,17 +437,17 @@ class BatchRunner:
         return deviated
 
     # ----- setup -----
-    def _forward(self, tokens: Sequence[int], t: int, *, logits: bool = True):
-        """Feed one token per row at position t; the next-token logits, or None with ``logits=False`` (streamed
-        prompt tokens: their predictions are never read, so the LM head -- a fifth of SmolLM2's decode
-        FLOPs -- is skipped by running only the decoder stack)."""
+    def _forward(self, tokens: Sequence[Sequence[int]], t: int, *, logits: bool = True):
+        """Feed each row's tokens (one, or a prompt chunk) at positions t, t+1, ...; the logits after the last,
+        or None with ``logits=False`` (streamed prompt tokens: their predictions are never read, so the LM head
+        -- a fifth of SmolLM2's decode FLOPs -- is skipped by running only the decoder stack)."""
         self.t = t
-        ids = torch.tensor([[int(x)] for x in tokens], device=self.device)
-        pos = torch.full((len(tokens), 1), t, device=self.device, dtype=torch.int64)
+        ids = torch.tensor([[int(x) for x in row] for row in tokens], device=self.device)
+        pos = (t + torch.arange(ids.shape[1], device=self.device, dtype=torch.int64))[None, :].expand(len(tokens), -1)
         if not logits:
             self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False)
             return None
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
         return out.logits[:, -1].float()
 
     def _record(self, rows: list[_Row], logits: torch.Tensor, r: int) -> None:
@@ -437,7 +498,8 @@ class BatchRunner:
             caps = []
             for b, row in enumerate(rows):
                 self._setup_row(row, int(self.prompt_of[b]), n_total)
-                cap = np.stack([slot_capacity(p, b, n_total) for p, b in zip(row.layer_policy, row.budgets)])
+                cap = np.stack([slot_capacity(p, b, n_total, self.chunk)
+                                for p, b in zip(row.layer_policy, row.budgets)])
                 caps.append(cap)
                 row.slot_state = [np.zeros((self.n_kv, int(cap[l].max()), row.layer_policy[l].slot_fields))
                                   for l in range(self.n_layers)]
@@ -461,10 +523,9 @@ class BatchRunner:
                 t_model = self._fast_forward(P)
                 for l, (dk, dv) in self.dense.items():   # the dense copy holds the tokens the cache has seen
                     self.dense[l] = [dk[:, :, :t_model], dv[:, :, :t_model]]
-                for t in range(t_model, P):
-                    self.mults = np.array([row.logit_scale(t) for row in rows])
-                    self._check_mults(t)
-                    last = self._forward([row.prompt[t] for row in rows], t, logits=t == P - 1)
+                for t in range(t_model, P, self.chunk):
+                    stop = min(P, t + self.chunk)
+                    last = self._forward([row.prompt[t:stop] for row in rows], t, logits=stop == P)
             elem = torch.empty((), dtype=self.cache_dtype).element_size()
             self._record(rows, last, 0)
             if self.device.type == "cuda":
@@ -472,12 +533,10 @@ class BatchRunner:
             t0 = time.perf_counter()
             for r in range(n_pred - 1):
                 t = P + r
-                self.mults = np.array([row.logit_scale(t) for row in rows])
-                self._check_mults(t)
                 tokens = [row.next_token(r) for row in rows]
                 for row, tok in zip(rows, tokens):
                     row.generated.append(tok)
-                logits = self._forward(tokens, t)
+                logits = self._forward([[tok] for tok in tokens], t)
                 self._record(rows, logits, r + 1)
                 for row in rows:
                     row.kv_bytes.append(sum(row.held) * 2 * self.head_dim * elem)
@@ -500,30 +559,30 @@ class BatchRunner:
         return results
 
     def _fast_forward(self, P: int) -> int:
-        """Stream the prompt's first tokens without the model, as long as no row has evicted anything.
+        """Stream the prompt's first chunks without the model, as long as no row has evicted anything.
 
-        Until a row's cache first drops or merges a slot, its step-t attention reads every token 0..t with unit
-        logit scale: the causal prompt forward already computed that token's q/k/v (and everything the model
-        does with them). So steps run on the captured q/k/v -- append, attention probabilities, policy step --
-        and the model streams only from the token after the first eviction in any row. Returns that token."""
-        rows, dev = self.rows, self.device
+        Until a row's cache first drops or merges a slot of a layer it compresses, its attention at step t reads
+        every token the model's own attention reads, with unit logit scale: the causal prompt forward already
+        computed that token's q/k/v (and everything the model does with them). So steps run on the captured
+        q/k/v -- append, attention probabilities, policy step, a chunk at a time -- and the model streams only
+        from the chunk after the first eviction in any row. Returns that chunk's first token."""
+        rows, dev, C = self.rows, self.device, self.chunk
         idx = self.prompt_of.cpu().numpy()
-        for t in range(P):
-            if any(row.logit_scale(t) != 1.0 for row in rows):
-                return t
-            self.t = t
+        for t0 in range(0, P, C):
+            stop = min(P, t0 + C)
+            if any(row.logit_scale(t) != 1.0 for t in range(t0, stop) for row in rows):
+                return t0
+            self.t = t0
+            q = {layer: torch.from_numpy(self.prompt_q[layer][idx, t0:stop]).to(dev).transpose(1, 2)
+                 for layer in range(self.n_layers)}                                          # [B, Hq, C, d]
+            kv = {layer: [torch.from_numpy(a[idx, t0:stop]).to(dev).transpose(1, 2)          # [B, Hkv, C, d]
+                          for a in (self.prompt_k[layer], self.prompt_v[layer])] for layer in range(self.n_layers)}
             evicted = False
-            for layer in range(self.n_layers):
-                cache = self.caches[layer]
-                k = torch.from_numpy(self.prompt_k[layer][idx, t]).to(dev)[:, :, None, :]   # [B, Hkv, 1, d]
-                v = torch.from_numpy(self.prompt_v[layer][idx, t]).to(dev)[:, :, None, :]
-                q = torch.from_numpy(self.prompt_q[layer][idx, t]).to(dev)                   # [B, Hq, d]
-                cache.append(k.to(self.cache_dtype), v.to(self.cache_dtype),
-                             positions=torch.full((len(rows), 1), t, device=dev, dtype=torch.int64))
-                cache.attend(q.to(self.cache_dtype), update_acc=False, update_ema=False)
-                evicted |= self._policy_step(layer, t, cache)
+            for layer in range(self.n_layers):   # (an open loop's dense copy already holds the prompt)
+                self._decode_attention(layer, q[layer], *kv[layer], extend_dense=False)
+                evicted |= self._last_deviated
             if evicted:
-                return t + 1
+                return stop
         return P
 
     def _layer_attention(self) -> None:
@@ -574,10 +633,6 @@ class BatchRunner:
             self._wo_cache[layer] = wo
         return self._wo_cache[layer]
 
-    def _check_mults(self, t: int) -> None:
-        info = np.zeros(3, np.int64)
-        for row, mult in zip(self.rows, self.mults):
-            raise_on(row.policy, check_scale(float(mult), t, info), info, -1)
 
     def _prefill(self, P: int) -> None:
         """Each row's prefill selector on its prompt's q/k/v (none: keep all), then the kept tokens loaded."""
@@ -619,13 +674,13 @@ class BatchRunner:
 
 def run_batch(model, jobs: Sequence[BatchJob], *, backend: str = "torch", max_rows: int = 64,
               on_result=None, **kwargs) -> list[RunResult]:
-    """Run ``jobs`` closed-loop, batched: jobs that agree on streaming, prompt length and predictions go
-    through the model together (at most ``max_rows`` rows at a time). Results in job order; ``on_result(i,
+    """Run ``jobs`` closed-loop, batched: jobs that agree on streaming, prompt length, predictions and prompt
+    chunk go through the model together (at most ``max_rows`` rows at a time). Results in job order; ``on_result(i,
     result)`` is called as each batch finishes (progress output). kwargs go to `BatchRunner`."""
     jobs = list(jobs)
     groups: dict[tuple, list[int]] = {}
     for i, j in enumerate(jobs):
-        groups.setdefault((j.streams, len(j.prompt), j.n_pred), []).append(i)
+        groups.setdefault(j.batch_key, []).append(i)
     out: list[RunResult | None] = [None] * len(jobs)
     for idx in groups.values():
         idx.sort(key=lambda i: jobs[i].budget)   # similar budgets together: longer shared fast-forward
@@ -644,9 +699,10 @@ class CompressedRunner:
 
     def __init__(self, model, policy: Policy, budget: int, *, backend: str = "torch", open_loop: bool = False,
                  record_kept: tuple[int, int] | None = None, cache_dtype: torch.dtype | None = None,
-                 keep_logits: bool = False, sliding: str = "keep") -> None:
+                 keep_logits: bool = False, sliding: str = "keep", chunk: int = 1) -> None:
         check_run_args(policy, budget, backend)
         self.model, self.policy, self.budget, self.backend = model, policy, int(budget), backend
+        self.chunk = chunk
         self.kwargs = dict(open_loop=open_loop, record_kept=record_kept, cache_dtype=cache_dtype,
                            keep_logits=keep_logits, sliding=sliding)
 
@@ -654,7 +710,7 @@ class CompressedRunner:
             n_generate: int = 0) -> RunResult:
         """Prompt, then teacher-forced decoding of ``continuation`` (NLL of each token) or ``n_generate`` greedy
         tokens. Prediction 0 comes from the prompt's last position, prediction r from decode position P+r-1."""
-        job = BatchJob(self.policy, self.budget, list(prompt_ids), continuation, n_generate)
+        job = BatchJob(self.policy, self.budget, list(prompt_ids), continuation, n_generate, chunk=self.chunk)
         return BatchRunner(self.model, [job], backend=self.backend, **self.kwargs).run()[0]
 
 

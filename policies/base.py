@@ -164,6 +164,9 @@ class Policy:
     #: the step reads the step's attention ``probs``; False lets the engine skip the attention of unmeasured
     #: (prompt) steps, the bulk of a streamed prompt's cost
     reads_attention: ClassVar[bool] = True
+    #: the step handles several new slots at once (a chunked prefill appends a prompt chunk before one step);
+    #: False for policies whose state follows each new token in order (BUZZ's counters, Cascading's offers...)
+    multi_token_steps: ClassVar[bool] = True
     step_fn: ClassVar[Any] = None
     prefill_fn: ClassVar[Any] = None
     logit_scale_fn: ClassVar[Any] = None

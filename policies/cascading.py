@@ -359,6 +359,7 @@ class Cascading(Policy):
     schema = SCHEMA
     P = P
     presets = {"reference": REFERENCE}
+    multi_token_steps = False   # one token is offered to the cascade per step (Algorithm 1)
     slot_fields = 2
     head_fields = MAX_CASCADES
     step_fn = _step

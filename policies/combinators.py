@@ -142,7 +142,8 @@ class DecodingStage(Stage):
     summary = "DecodingPress: compress every N decode steps"
     params = (EVERY, TARGET)
     head_fields = 1
-    policy_attrs = {"compresses_below_budget": True}
+    # its schedule counts one token per step, so a prompt chunk would overrun the target
+    policy_attrs = {"compresses_below_budget": True, "multi_token_steps": False}
 
     @classmethod
     def code(cls, pol: type[ScorerPolicy]) -> StageCode:

@@ -27,20 +27,21 @@ class PolicyContractError(PolicyError):
     merge target, or a bad attention-logit scale."""
 
 
-def slot_capacity(policy: Policy, budgets: np.ndarray, n_tokens: int) -> np.ndarray:
+def slot_capacity(policy: Policy, budgets: np.ndarray, n_tokens: int, chunk: int = 1) -> np.ndarray:
     """Slots each KV head's buffer needs for one layer: int64 [Hkv] for that layer's budgets [Hkv].
 
-    A step appends the new token before the policy evicts, so a bounded head holds at most its budget plus
-    one (a head-adaptive layer: the layer's total plus one, in any head); nothing holds more than the
-    ``n_tokens`` the run has.
+    A step appends its new tokens (one, or a prompt chunk of ``chunk``) before the policy evicts, so a bounded
+    head holds at most its budget plus that many (a head-adaptive layer: the layer's total plus that many, in
+    any head); nothing holds more than the ``n_tokens`` the run has.
     """
     budgets = np.asarray(budgets, np.int64)
+    new = max(1, int(chunk))
     if policy.unbounded:
         need = np.full(budgets.shape, n_tokens, np.int64)
     elif policy.head_adaptive:
-        need = np.full(budgets.shape, int(budgets.sum()) + 1, np.int64)
+        need = np.full(budgets.shape, int(budgets.sum()) + new, np.int64)
     else:
-        need = budgets + 1
+        need = budgets + new
     return np.minimum(need, max(int(n_tokens), 1))
 
 

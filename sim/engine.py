@@ -238,9 +238,10 @@ def _move_left(ck, cv, cpos, dirty, cst, i, j, dst):
 #:   a fresh array per replay, which the replay writes into);
 #:   rec_start first step whose kept positions are recorded; reads_attention: the step reads ``probs`` (when
 #:   not, unmeasured steps skip the attention); window > 0 makes the layer a sliding one
-#:   (``sim.contract.apply_window`` after every step and after the prompt's selection), 0 a global one
+#:   (``sim.contract.apply_window`` after every step and after the prompt's selection), 0 a global one;
+#:   chunk: prompt tokens per policy step when the prompt is streamed (1: token by token; see sim.replay)
 EngineConfig = namedtuple("EngineConfig", "params layer scale has_prefill metric_start budget head_adaptive bounded "
-                                          "cap n_slot_fields head_init rec_start reads_attention window")
+                                          "cap n_slot_fields head_init rec_start reads_attention window chunk")
 #: one layer of the trace: q [T,Hq,d], k/v [T,Hkv,d] float32; lse [T,Hq], o [T,Hq,d] the full-attention
 #: reference; vmax1 [T,Hkv] running max of ||v||_1 (for the Ada-KV bound)
 LayerData = namedtuple("LayerData", "q k v lse o vmax1")
@@ -327,6 +328,22 @@ def _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst):
 
 
 @njit(cache=True, nogil=True)
+def _mask_before(probs, h, g_n, n, cpos, oldest):
+    """Zero the attention on slots at positions <= ``oldest`` (outside a sliding window) and renormalise: the
+    softmax over the visible slots, for a query of a prompt chunk whose window starts after a cached token."""
+    for g in range(g_n):
+        tot = 0.0
+        for i in range(n):
+            if cpos[h, i] <= oldest:
+                probs[h, g, i] = 0.0
+            else:
+                tot += probs[h, g, i]
+        inv = 1.0 / tot if tot > 0.0 else 0.0
+        for i in range(n):
+            probs[h, g, i] *= inv
+
+
+@njit(cache=True, nogil=True)
 def replay_layer(kernels, cfg, data, out):
     """Replay one layer of a trace. Returns a status code of ``sim.contract`` (OK, or the failed check, with
     its (step, head, value) in ``out.info``).
@@ -382,36 +399,53 @@ def replay_layer(kernels, cfg, data, out):
         t0 = P
 
     n_rec = out.kept.shape[0]
-    for t in range(t0, T):
-        mult = logit_scale(params, t + 1)
-        status = check_scale(mult, t, info)
-        if status != OK:
-            return status
-        want = t >= P
-        for h in range(hkv):
-            s = clen[h]
-            if s >= cap:
-                info[0] = t
-                info[1] = h
-                info[2] = s + 1
-                return OVER_CAPACITY
-            ck[h, s] = k[t, h]
-            cv[h, s] = v[t, h]
-            cpos[h, s] = t
-            dirty[h, s] = 0
-            for f in range(cfg.n_slot_fields):
-                cst[h, s, f] = 0.0
-            clen[h] = s + 1
-            if want or cfg.reads_attention:
-                _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, vmax1, cfg.scale, mult, ck, cv, cpos, dirty,
-                                    probs, metric_row, want, dots, oacc, xs, ibuf, ebuf)
-            if want:
-                for g in range(g_n):
-                    hq = h * g_n + g
-                    for m in range(N_METRICS):
-                        out.metrics[t - P, hq, m] = metric_row[hq, m]
-
-        step(params, cfg.layer, t, budget, clen, probs, ck, cv, cpos, cst, hst, keep, merge_to, merge_w)
+    acc = np.zeros((hkv, g_n, cap), np.float64) if cfg.chunk > 1 else probs   # a chunk's summed attention
+    t_next = t0
+    while t_next < T:
+        t_first = t_next
+        # a streamed prompt goes in chunks of cfg.chunk tokens (the last one ends at the prompt's end); every
+        # decode step is one token
+        t_next = min(P, t_first + cfg.chunk) if t_first < P else t_first + 1
+        chunked = t_next - t_first > 1
+        for t in range(t_first, t_next):
+            mult = logit_scale(params, t + 1)
+            status = check_scale(mult, t, info)
+            if status != OK:
+                return status
+            want = t >= P
+            for h in range(hkv):
+                s = clen[h]
+                if s >= cap:
+                    info[0] = t
+                    info[1] = h
+                    info[2] = s + 1
+                    return OVER_CAPACITY
+                ck[h, s] = k[t, h]
+                cv[h, s] = v[t, h]
+                cpos[h, s] = t
+                dirty[h, s] = 0
+                for f in range(cfg.n_slot_fields):
+                    cst[h, s, f] = 0.0
+                clen[h] = s + 1
+                if want or cfg.reads_attention:
+                    _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, vmax1, cfg.scale, mult, ck, cv, cpos, dirty,
+                                        probs, metric_row, want, dots, oacc, xs, ibuf, ebuf)
+                    if chunked:                  # query t over the slots it sees, summed over the chunk
+                        if cfg.window > 0:           # a sliding layer: older chunk-mates' window has moved on
+                            _mask_before(probs, h, g_n, s + 1, cpos, t - cfg.window)
+                        for g in range(g_n):
+                            for i in range(s + 1):
+                                acc[h, g, i] += probs[h, g, i]
+                if want:
+                    for g in range(g_n):
+                        hq = h * g_n + g
+                        for m in range(N_METRICS):
+                            out.metrics[t - P, hq, m] = metric_row[hq, m]
+        t = t_next - 1
+        step(params, cfg.layer, t, budget, clen, acc if chunked else probs, ck, cv, cpos, cst, hst, keep, merge_to,
+             merge_w)
+        if chunked:
+            acc[:] = 0.0
         status = check_step(clen, keep, merge_to, budget, cfg.head_adaptive, cfg.bounded, t, info)
         if status != OK:
             return status

@@ -20,7 +20,8 @@ _TRACE_CACHE: dict[tuple, Any] = {}
 class TraceRef:
     """How to (re)open a trace in any process: a directory or ``synthetic:KIND`` plus generator sizes, whether
     to verify the files' checksums and finiteness (``--no-verify`` travels with the work), and what a policy
-    does on a hybrid model's sliding-window layers (``sim.replay.SLIDING_MODES``)."""
+    does on a hybrid model's sliding-window layers (``sim.replay.SLIDING_MODES``) and the prompt chunk of
+    chunked prefill (``sim.replay.effective_chunk``)."""
 
     spec: str
     n_tokens: int = 1024
@@ -29,9 +30,10 @@ class TraceRef:
     seed: int = 0
     verify: bool = True
     sliding: str = "keep"
+    chunk: int = 1
 
     def open(self):
-        from sim.replay import load_layers
+        from sim.replay import layer_inputs
         from sim.specs import open_trace
 
         key = (self.spec, self.n_tokens, self.n_prompt, self.n_layers, self.seed, self.verify)
@@ -39,7 +41,7 @@ class TraceRef:
             _TRACE_CACHE.clear()             # one trace per worker at a time bounds memory
             trace = open_trace(self.spec, n_tokens=self.n_tokens, n_prompt=self.n_prompt, n_layers=self.n_layers,
                                seed=self.seed, verify=self.verify)
-            _TRACE_CACHE[key] = (trace, load_layers(trace))
+            _TRACE_CACHE[key] = (trace, layer_inputs(trace))
         return _TRACE_CACHE[key]
 
 
@@ -59,20 +61,21 @@ def run_job(job: Job) -> list[dict[str, Any]]:
     """Evaluate a job and return one result row per budget (pure function of the job)."""
     import time
 
-    from sim.replay import replay_budgets
+    from sim.replay import effective_chunk, replay_budgets
     from sim.specs import trace_id, trace_name
 
     trace, inputs = job.trace.open()
     policy = get_policy(job.policy, **dict(job.params))
     t0 = time.perf_counter()
-    results = replay_budgets(trace, policy, job.budgets, inputs=inputs, sliding=job.trace.sliding)
+    chunk = effective_chunk(policy, job.trace.chunk)
+    results = replay_budgets(trace, policy, job.budgets, inputs=inputs, sliding=job.trace.sliding, chunk=chunk)
     per = (time.perf_counter() - t0) / len(results)
     rows = []
     for key, budget, res in zip(job.keys, job.budgets, results):
         row = res.summary()
         row.update(key=key, trace=trace_name(trace), trace_id=trace_id(trace), policy=policy.name,
                    label=policy.label(), params=dict(policy.params), budget=budget, n_tokens=trace.meta.n_tokens,
-                   sliding=job.trace.sliding, elapsed_s=per, **job.meta)
+                   sliding=job.trace.sliding, prefill_chunk=chunk, elapsed_s=per, **job.meta)
         rows.append(row)
     return rows
 

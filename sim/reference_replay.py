@@ -15,8 +15,9 @@ from sim.replay import LayerInputs
 
 
 def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: np.ndarray, n_prompt: int,
-                           scale: float) -> tuple[np.ndarray, np.ndarray, list[list[np.ndarray]]]:
-    """Replay one layer; returns metrics [S, Hq, N_METRICS], slots [S, Hkv] and the kept positions per step and head."""
+                           scale: float, chunk: int = 1) -> tuple[np.ndarray, np.ndarray, list[list[np.ndarray]]]:
+    """Replay one layer; returns metrics [S, Hq, N_METRICS], slots [S, Hkv] and the kept positions per policy
+    step and head. A streamed prompt goes ``chunk`` tokens per step (``sim.replay.replay_step``)."""
     step, prefill, logit_scale = policy.kernels()
     params = policy.param_vector(li.attention)
     window = int(li.attention.window or 0)
@@ -24,7 +25,8 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
     hkv = li.k.shape[1]
     g_n = hq_n // hkv
     S = policy.slot_fields
-    cap = int(slot_capacity(policy, budget, T).max())
+    chunk = 1 if policy.has_prefill else int(chunk)
+    cap = int(slot_capacity(policy, budget, T, chunk).max())
     info = np.zeros(3, np.int64)
     keys = [np.zeros((0, d), np.float32) for _ in range(hkv)]
     vals = [np.zeros((0, d), np.float32) for _ in range(hkv)]
@@ -51,42 +53,51 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
     metrics = np.zeros((T - n_prompt, hq_n, N_METRICS))
     slots = np.zeros((T - n_prompt, hkv), np.int32)
     kept_log: list[list[np.ndarray]] = []
-    for t in range(t0, T):
-        mult = logit_scale(params, t + 1)
-        raise_on(policy, check_scale(mult, t, info), info, layer)
+    t_next = t0
+    while t_next < T:
+        t_first = t_next
+        t_next = min(n_prompt, t_first + chunk) if t_first < n_prompt else t_first + 1
         probs = np.zeros((hkv, g_n, cap))
         lengths = np.zeros(hkv, np.int64)
+        for t in range(t_first, t_next):
+            mult = logit_scale(params, t + 1)
+            raise_on(policy, check_scale(mult, t, info), info, layer)
+            for h in range(hkv):
+                keys[h] = np.vstack([keys[h], li.k[t, h][None]])
+                vals[h] = np.vstack([vals[h], li.v[t, h][None]])
+                pos[h] = np.append(pos[h], t)
+                state[h] = np.vstack([state[h], np.zeros((1, S))])
+                dirty[h] = np.append(dirty[h], False)
+                n = len(pos[h])
+                lengths[h] = n
+                qg = li.q[t, h * g_n:(h + 1) * g_n]                              # [G, d]
+                dots = (qg @ keys[h].T).astype(np.float64)     # [G, n], float32 like the engine
+                logits = dots * scale * mult
+                if window:
+                    logits[:, pos[h] <= t - window] = -np.inf   # a chunk-mate's window may have moved on
+                p = np.exp(logits - logits.max(axis=1, keepdims=True))
+                p /= p.sum(axis=1, keepdims=True)
+                probs[h, :, :n] += p                         # summed over a prompt chunk
+                if t >= n_prompt:
+                    orig = np.where(dirty[h][None], (qg @ li.k[pos[h], h].T).astype(np.float64), dots)
+                    lse = li.lse[t, h * g_n:(h + 1) * g_n].astype(np.float64)[:, None]
+                    log_pfull = orig * scale - lse
+                    o_cache = np.ascontiguousarray(p @ vals[h].astype(np.float64))
+                    mass = np.exp(log_pfull).sum(axis=1)
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        kl = np.where(p > 0, p * (np.log(p) - log_pfull), 0.0).sum(axis=1)
+                    for g in range(g_n):
+                        hq = h * g_n + g
+                        measure(float(mass[g]), float(kl[g]), li.o[t, hq], o_cache[g], 1.0, float(li.vmax1[t, h]),
+                                metrics[t - n_prompt, hq])
         ck = np.zeros((hkv, cap, d), np.float32)
         cv = np.zeros((hkv, cap, d), np.float32)
         cpos = np.full((hkv, cap), -1, np.int64)
         cst = np.zeros((hkv, cap, S))
         for h in range(hkv):
-            keys[h] = np.vstack([keys[h], li.k[t, h][None]])
-            vals[h] = np.vstack([vals[h], li.v[t, h][None]])
-            pos[h] = np.append(pos[h], t)
-            state[h] = np.vstack([state[h], np.zeros((1, S))])
-            dirty[h] = np.append(dirty[h], False)
-            n = len(pos[h])
-            lengths[h] = n
-            qg = li.q[t, h * g_n:(h + 1) * g_n]                                  # [G, d]
-            dots = (qg @ keys[h].T).astype(np.float64)                         # [G, n], float32 like the engine
-            logits = dots * scale * mult
-            p = np.exp(logits - logits.max(axis=1, keepdims=True))
-            p /= p.sum(axis=1, keepdims=True)
-            probs[h, :, :n] = p
-            if t >= n_prompt:
-                orig = np.where(dirty[h][None], (qg @ li.k[pos[h], h].T).astype(np.float64), dots)
-                lse = li.lse[t, h * g_n:(h + 1) * g_n].astype(np.float64)[:, None]
-                log_pfull = orig * scale - lse
-                o_cache = np.ascontiguousarray(p @ vals[h].astype(np.float64))
-                mass = np.exp(log_pfull).sum(axis=1)
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    kl = np.where(p > 0, p * (np.log(p) - log_pfull), 0.0).sum(axis=1)
-                for g in range(g_n):
-                    hq = h * g_n + g
-                    measure(float(mass[g]), float(kl[g]), li.o[t, hq], o_cache[g], 1.0, float(li.vmax1[t, h]),
-                            metrics[t - n_prompt, hq])
+            n = lengths[h]
             ck[h, :n], cv[h, :n], cpos[h, :n], cst[h, :n] = keys[h], vals[h], pos[h], state[h]
+        t = t_next - 1
         keep = np.ones((hkv, cap), np.uint8)
         merge_to = np.full((hkv, cap), -1, np.int64)
         merge_w = np.ones((hkv, cap))

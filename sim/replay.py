@@ -160,6 +160,78 @@ def load_layers(trace: Trace, layers: Sequence[int] | None = None) -> list[Layer
     return [LayerInputs.from_arrays(trace.layer(i), trace.meta.attention(i)) for i in idx]
 
 
+class LayerLoader(Sequence):
+    """The engine inputs of every layer of a trace, each prepared from the memory-mapped files when asked for
+    and not kept: a long trace's replay holds one layer per replay thread, not the whole trace (Gemma-3 at 32 k
+    tokens: 0.34 GB per layer instead of 6 GB). ``load_layers`` is the eager list for many replays of a short
+    trace."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+
+    def __len__(self) -> int:
+        return self.trace.n_layers
+
+    def __getitem__(self, i: int) -> LayerInputs:   # type: ignore[override]
+        return LayerInputs.from_arrays(self.trace.layer(i), self.trace.meta.attention(i))
+
+
+#: a trace whose engine inputs (float32 q, k, v, lse, o of every layer) exceed this many bytes is replayed from a
+#: ``LayerLoader`` (a layer at a time) rather than prepared whole
+EAGER_INPUT_BYTES = 1 << 30
+
+
+def input_bytes(trace: Trace) -> int:
+    """Bytes of float32 engine inputs the whole trace would take."""
+    m = trace.meta.model
+    per_token = 4 * (2 * m.n_q_heads * m.head_dim + 2 * m.n_kv_heads * m.head_dim + m.n_q_heads)
+    return per_token * trace.meta.n_tokens * trace.n_layers
+
+
+def layer_inputs(trace: Trace) -> Sequence[LayerInputs]:
+    """The engine inputs for several replays of ``trace``: prepared once when they fit in ``EAGER_INPUT_BYTES``,
+    else loaded a layer at a time (``LayerLoader``)."""
+    return load_layers(trace) if input_bytes(trace) <= EAGER_INPUT_BYTES else LayerLoader(trace)
+
+
+class PromptLayers(Sequence):
+    """``allocate()``'s view of the compressed layers' prompt: (q[:P], k[:P]) float32 per layer, read from the
+    prepared inputs or, for a ``LayerLoader``, from the trace's files, only when an allocator asks."""
+
+    def __init__(self, trace: Trace, inputs: Sequence[LayerInputs], layers: Sequence[int], n_prompt: int) -> None:
+        self.trace, self.inputs, self.layers, self.P = trace, inputs, list(layers), n_prompt
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, j: int) -> tuple[np.ndarray, np.ndarray]:   # type: ignore[override]
+        i, P = self.layers[j], self.P
+        if isinstance(self.inputs, LayerLoader):
+            la = self.trace.layer(i)
+            return np.array(la.q[:P], np.float32), np.array(la.k[:P], np.float32)
+        return self.inputs[i].q[:P], self.inputs[i].k[:P]
+
+
+def check_chunk(policy: Policy, chunk: int) -> int:
+    """The prompt chunk a replay of ``policy`` uses: ``chunk`` (an integer >= 1) for a policy that streams its
+    prompt, 1 for one with a prefill selector (it sees the whole prompt at once anyway). A policy whose step
+    assumes one new token per step (``Policy.multi_token_steps`` False) refuses chunk > 1, saying so."""
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
+    if policy.has_prefill or chunk == 1:
+        return 1
+    if not policy.multi_token_steps:
+        raise PolicyError(f"{policy.label()} steps one token at a time (its state follows each new token), so it "
+                          f"cannot take its prompt in chunks of {chunk}; use chunk 1")
+    return int(chunk)
+
+
+def effective_chunk(policy: Policy, chunk: int) -> int:
+    """The prompt chunk ``policy`` runs with when a sweep asks for ``chunk``: 1 for a policy with a prefill
+    selector or one that steps token by token, ``chunk`` otherwise (sweep rows record it as ``prefill_chunk``)."""
+    return 1 if policy.has_prefill or not policy.multi_token_steps else int(chunk)
+
+
 def check_sliding(sliding: str) -> str:
     """``sliding`` itself, or a ValueError naming the modes."""
     if sliding not in SLIDING_MODES:
@@ -218,47 +290,54 @@ def strategy_of(policy: Policy) -> ReplayStrategy:
 
 def replay_budgets(trace: Trace, policy: Policy, budgets: Sequence[int], *,
                    inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
-                   threads: int | None = None, sliding: str = "keep") -> list[ReplayResult]:
+                   threads: int | None = None, sliding: str = "keep", chunk: int = 1) -> list[ReplayResult]:
     """Replay ``policy`` at each of ``budgets`` by its strategy; one result per budget, in order."""
     return strategy_of(policy).run(trace, policy, list(budgets), inputs=inputs, record_kept=record_kept,
-                                   threads=threads, sliding=sliding)
+                                   threads=threads, sliding=sliding, chunk=chunk)
 
 
 def replay(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInputs] | None = None,
            record_kept: tuple[int, int] | None = None, threads: int | None = None,
-           sliding: str = "keep") -> ReplayResult:
+           sliding: str = "keep", chunk: int = 1) -> ReplayResult:
     """Replay ``policy`` over the layers of ``trace`` it compresses (all, unless the model has sliding-window
     layers and ``sliding`` is ``keep``) with ``budget`` slots per KV head.
 
     Steps from the trace's prompt length on are measured. ``record_kept=(start, n)`` records the cached
     positions of steps start..start+n-1 (for occupancy maps and fidelity checks), for every strategy.
+    ``chunk`` (chunked prefill): a policy without a prefill selector takes its prompt ``chunk`` tokens per step
+    instead of one (see ``replay_step``).
     """
     return replay_budgets(trace, policy, [budget], inputs=inputs, record_kept=record_kept, threads=threads,
-                          sliding=sliding)[0]
+                          sliding=sliding, chunk=chunk)[0]
 
 
 def _replay_steps(trace: Trace, policy: Policy, budgets: Sequence[int], *,
                   inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
-                  threads: int | None = None, sliding: str = "keep") -> list[ReplayResult]:
+                  threads: int | None = None, sliding: str = "keep", chunk: int = 1) -> list[ReplayResult]:
     """The step strategy: one engine replay per budget over the same prepared inputs."""
-    inputs = inputs if inputs is not None else load_layers(trace)
-    return [replay_step(trace, policy, b, inputs=inputs, record_kept=record_kept, threads=threads, sliding=sliding)
-            for b in budgets]
+    inputs = inputs if inputs is not None else layer_inputs(trace)
+    return [replay_step(trace, policy, b, inputs=inputs, record_kept=record_kept, threads=threads, sliding=sliding,
+                        chunk=chunk) for b in budgets]
 
 
 def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInputs] | None = None,
                 record_kept: tuple[int, int] | None = None, threads: int | None = None,
-                sliding: str = "keep") -> ReplayResult:
+                sliding: str = "keep", chunk: int = 1) -> ReplayResult:
     """Stream ``trace`` through ``policy``'s kernels at ``budget``: policies with a prefill selector compress
-    the prompt first, the others stream it through ``step``."""
+    the prompt first, the others stream it through ``step``, ``chunk`` prompt tokens per step (chunked
+    prefill: every token of a chunk attends causally over the cache plus its chunk-mates, the step sees their
+    attention summed per slot, as a token-by-token run without evictions would accumulate it, then evicts to
+    the budget; 1 is token by token, the prompt length is "compress once after the prompt"). A chunk never
+    crosses into the decode steps, which stay one token each."""
     _check_budget(trace, policy, budget)
+    chunk = check_chunk(policy, chunk)
     meta = trace.meta
-    inputs = inputs if inputs is not None else load_layers(trace)
+    inputs = inputs if inputs is not None else layer_inputs(trace)
     layers = compressed_layers(trace, sliding)
     T, P = meta.n_tokens, meta.n_prompt
     hkv = meta.model.n_kv_heads
     budgets = check_allocation(policy, policy.allocate(int(budget), hkv,
-                                                       [(inputs[i].q[:P], inputs[i].k[:P]) for i in layers],
+                                                       PromptLayers(trace, inputs, layers, P),
                                                        meta.softmax_scale), len(layers), hkv)
     kernels = tuple((fn,) for fn in policy.kernels())
     n_steps = T - P
@@ -269,7 +348,7 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
         layer = layers[j]
         li = inputs[layer]
         b = budgets[j]
-        cap = int(slot_capacity(policy, b, T).max())
+        cap = int(slot_capacity(policy, b, T, chunk).max())
         out = EngineOutputs(metrics=np.zeros((n_steps, meta.model.n_q_heads, N_METRICS), np.float64),
                             slots=np.zeros((n_steps, hkv), np.int32), kept=np.full((n_rec, hkv, cap), -1, np.int32),
                             info=np.zeros(3, np.int64))
@@ -279,7 +358,7 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
                            head_adaptive=policy.head_adaptive, bounded=not policy.unbounded, cap=cap,
                            n_slot_fields=policy.slot_fields, head_init=np.ascontiguousarray(head_init, np.float64),
                            rec_start=rec_start, reads_attention=policy.reads_attention,
-                           window=int(li.attention.window or 0))
+                           window=int(li.attention.window or 0), chunk=chunk)
         status = replay_layer(kernels, cfg, LayerData(li.q, li.k, li.v, li.lse, li.o, li.vmax1), out)
         raise_on(policy, status, out.info, layer)
         return out.metrics, out.slots, out.kept
@@ -304,8 +383,9 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
 
 def _replay_oracle_policy(trace: Trace, policy: Policy, budgets: Sequence[int], *,
                           inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
-                          threads: int | None = None, sliding: str = "keep") -> list[ReplayResult]:
-    """The oracle strategy: its ``scope`` parameter is read here, and only here."""
+                          threads: int | None = None, sliding: str = "keep", chunk: int = 1) -> list[ReplayResult]:
+    """The oracle strategy: its ``scope`` parameter is read here, and only here (the oracle reads no prompt
+    steps, so ``chunk`` changes nothing)."""
     return replay_oracle(trace, budgets, scope=policy.params["scope"], inputs=inputs, threads=threads,
                          label=policy.label(), record_kept=record_kept, sliding=sliding)
 
@@ -326,7 +406,7 @@ def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
     for b in budgets:
         _check_budget(trace, oracle, b)
     meta = trace.meta
-    inputs = inputs if inputs is not None else load_layers(trace)
+    inputs = inputs if inputs is not None else layer_inputs(trace)
     layers = compressed_layers(trace, sliding)
     T, P = meta.n_tokens, meta.n_prompt
     order = np.argsort(np.asarray(budgets, np.int64), kind="stable")

@@ -13,6 +13,7 @@ import pandas as pd
 from policies import Param, get_policy, policy_class
 from sim.executors import Executor, Job, TraceRef
 from sim.metrics import NAMES, metric
+from sim.replay import effective_chunk
 from sim.specs import trace_id
 from sim.store import ResultStore, config_key
 
@@ -130,7 +131,8 @@ def run_search(trace: TraceRef, policy: str, budgets: Sequence[int], store: Resu
                                     "kv_bytes_mean": np.nan, "trial": trial.number})
                     bar.update(1)
                     continue
-                keys = [config_key(tid, pol.name, pol.params, b, trace.sliding) for b in bset]
+                chunk = effective_chunk(pol, trace.chunk)
+                keys = [config_key(tid, pol.name, pol.params, b, trace.sliding, chunk) for b in bset]
                 plans.append((trial, pol, bset, keys))
             missing = [Job(trace, pol.name, tuple(sorted(pol.params.items())), (b,), (k,))
                        for _, pol, bset, keys in plans for b, k in zip(bset, keys) if k not in cached]

@@ -16,10 +16,12 @@ from typing import Any, Iterable
 import pandas as pd
 
 
-def config_key(trace_id: str, policy: str, params: dict[str, Any], budget: int, sliding: str = "keep") -> str:
-    """Stable key of a (trace, policy, params, budget) configuration; ``sliding`` joins the key only when it is
-    not the default, so stores written before it existed keep their keys."""
+def config_key(trace_id: str, policy: str, params: dict[str, Any], budget: int, sliding: str = "keep",
+               chunk: int = 1) -> str:
+    """Stable key of a (trace, policy, params, budget) configuration; ``sliding`` and the prompt ``chunk`` join
+    the key only when they are not the defaults, so stores written before they existed keep their keys."""
     fields: list[Any] = [trace_id, policy, params, int(budget)] + ([sliding] if sliding != "keep" else [])
+    fields += [f"chunk={int(chunk)}"] if int(chunk) != 1 else []
     payload = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 

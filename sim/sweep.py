@@ -55,7 +55,7 @@ def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequen
          done: set[str] = frozenset()) -> list[Job]:
     """Jobs for every valid configuration not in ``done``; a one-pass strategy (the oracle's) gets one job per
     trace for all its budgets, the others one job per budget."""
-    from sim.replay import strategy_of
+    from sim.replay import effective_chunk, strategy_of
 
     jobs: list[Job] = []
     for ref in traces:
@@ -63,7 +63,8 @@ def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequen
         tid = trace_id(trace)
         for pol in policies:
             valid = [int(b) for b in budgets if pol.min_budget() <= b <= trace.meta.n_tokens]
-            todo = [(b, config_key(tid, pol.name, pol.params, b, ref.sliding)) for b in valid]
+            chunk = effective_chunk(pol, ref.chunk)
+            todo = [(b, config_key(tid, pol.name, pol.params, b, ref.sliding, chunk)) for b in valid]
             todo = [(b, k) for b, k in todo if k not in done]
             if not todo:
                 continue

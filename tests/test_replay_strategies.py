@@ -93,3 +93,17 @@ def test_callers_no_longer_special_case_the_oracle():
         assert "is_oracle" not in text and '"scope"' not in text, rel
     replay_src = (ROOT / "sim/replay.py").read_text()
     assert replay_src.count('params["scope"]') == 1          # read once, by the oracle strategy
+
+
+def test_long_traces_replay_a_layer_at_a_time(monkeypatch):
+    """Above EAGER_INPUT_BYTES the engine inputs are read layer by layer from the trace (LayerLoader), with the
+    same results as the inputs prepared whole."""
+    import sim.replay as sr
+
+    trace = make_synthetic_trace("mixed", n_layers=3, n_tokens=96, n_prompt=64, seed=4)
+    eager = sr.replay(trace, get_policy("d2o"), 16, inputs=sr.load_layers(trace))
+    monkeypatch.setattr(sr, "EAGER_INPUT_BYTES", 0)
+    assert isinstance(sr.layer_inputs(trace), sr.LayerLoader)
+    lazy = sr.replay(trace, get_policy("d2o"), 16)
+    np.testing.assert_array_equal(eager.metrics, lazy.metrics)
+    np.testing.assert_array_equal(eager.budgets, lazy.budgets)

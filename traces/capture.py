@@ -40,7 +40,8 @@ class ModelShape:
 
 
 def model_shape(config: Any) -> ModelShape:
-    """Read layers/heads/head_dim/positional scheme from a HF decoder config (Llama, Qwen2/3, Mistral, Gemma-3, GPT-2...)."""
+    """Read layers/heads/head_dim/positional scheme from a HF decoder config (Llama, Qwen2/3, Mistral, Gemma-3,
+    GPT-2...)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
     n_q = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)

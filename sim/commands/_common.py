@@ -74,6 +74,16 @@ def add_trace_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
     add_synthetic_size_args(p)
     add_verify_option(p)
     add_sliding_option(p)
+    add_chunk_option(p)
+
+
+def add_chunk_option(p: argparse.ArgumentParser) -> None:
+    """``--prefill-chunk C``: chunked prefill of streamed prompts."""
+    p.add_argument("--prefill-chunk", dest="chunk", type=positive_int, default=1, metavar="C",
+                   help="a policy that streams its prompt takes it C tokens per step (chunked prefill: each chunk "
+                        "attends over the cache plus itself, the policy steps once on the summed attention); 1 = "
+                        "token by token (default), the prompt length = compress once after the prompt. Policies "
+                        "with a prefill selector are unaffected")
 
 
 def add_sliding_option(p: argparse.ArgumentParser) -> None:
@@ -142,7 +152,7 @@ def trace_ref(args: argparse.Namespace, spec: str):
     from sim.executors import TraceRef
 
     return TraceRef(spec, args.tokens, args.prompt, args.layers, args.seed, verify=not args.no_verify,
-                    sliding=args.sliding)
+                    sliding=args.sliding, chunk=args.chunk)
 
 
 def trace_refs(args: argparse.Namespace) -> list:

@@ -38,7 +38,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--teacher-forced", action="store_true", help="feed the text's tokens instead of greedy decode")
     p.add_argument("--single-pass", action="store_true",
                    help="with --teacher-forced: one causal forward over all tokens instead of token-by-token decode")
-    p.add_argument("--prefill-chunk", type=_positive, default=None, metavar="N",
+    p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
                    help="tokens per model forward while prefilling (default 512): each chunk attends over the "
                         "model's cache plus itself, so memory stays bounded at long context")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     trace = load(args, args.trace)
     policy = parse_policy(args.policy)
-    res = replay(trace, policy, args.budget, sliding=args.sliding)
+    res = replay(trace, policy, args.budget, sliding=args.sliding, chunk=args.chunk)
     summary = res.summary()
     if args.json:
         print(json.dumps(summary, indent=1))
