@@ -41,6 +41,8 @@ from sim.contract import (apply_window, check_allocation, check_kept, check_scal
                           slot_capacity)
 
 IMPL_NAME = "kvsim_validate"
+#: prompt tokens per model forward when a batch's prompts go through the model with its own attention
+PROMPT_CHUNK = 512
 _ACTIVE: list["CompressedRunner"] = []
 
 
@@ -285,11 +287,10 @@ class BatchRunner:
 
             kwargs.setdefault("dropout", 0.0)
             out, w = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-            self.prompt_q[layer] = query.transpose(1, 2).float().cpu().numpy()   # [U, P, Hq, d]
-            self.prompt_k[layer] = key.transpose(1, 2).float().cpu().numpy()     # [U, P, Hkv, d]
-            self.prompt_v[layer] = value.transpose(1, 2).float().cpu().numpy()
-            if self.open_loop:
-                self.dense[layer] = [key[self.prompt_of], value[self.prompt_of]]
+            t = query.shape[2]               # this prompt chunk's tokens: the last t of the keys the layer sees
+            for store, x in ((self.prompt_q, query), (self.prompt_k, key[:, :, -t:]),
+                             (self.prompt_v, value[:, :, -t:])):
+                store.setdefault(layer, []).append(x.transpose(1, 2).float().cpu().numpy())   # [U, t, H, d]
             return out, w
         C = query.shape[2]
         if query.shape[0] != len(self.rows) or key.shape[2] != C or not 1 <= C <= self.chunk:
@@ -437,6 +438,29 @@ class BatchRunner:
         return deviated
 
     # ----- setup -----
+    def _prompt_forward(self, prompts: list[tuple[int, ...]]) -> torch.Tensor:
+        """The distinct prompts through the model with its own attention, ``PROMPT_CHUNK`` tokens per forward and
+        the model's KV cache between chunks (no layer builds a P x P mask; a long prompt's memory stays bounded),
+        capturing every layer's q/k/v; returns the logits after the last prompt token. Only that position's
+        prediction is read, so the LM head runs on it alone (Gemma-3: 262 k x 640 weights)."""
+        from traces.recorder import cache_keyword, returned_cache
+
+        ids = torch.tensor(prompts, device=self.device)
+        kw_name, past = cache_keyword(self.model), None
+        for c0 in range(0, ids.shape[1], PROMPT_CHUNK):
+            kw = {kw_name: past} if past is not None else {}
+            out = self.model(input_ids=ids[:, c0:c0 + PROMPT_CHUNK], use_cache=True, logits_to_keep=1, **kw)
+            past = returned_cache(out)
+        del past
+        for store in (self.prompt_q, self.prompt_k, self.prompt_v):
+            for layer, parts in store.items():
+                store[layer] = np.concatenate(parts, axis=1)                      # [U, P, H, d]
+        if self.open_loop:
+            dev, dtype = self.device, next(self.model.parameters()).dtype
+            self.dense = {layer: [torch.from_numpy(a[layer]).to(dev, dtype).transpose(1, 2)[self.prompt_of]
+                                  for a in (self.prompt_k, self.prompt_v)] for layer in self.prompt_k}
+        return out.logits[:, -1].float()
+
     def _forward(self, tokens: Sequence[Sequence[int]], t: int, *, logits: bool = True):
         """Feed each row's tokens (one, or a prompt chunk) at positions t, t+1, ...; the logits after the last,
         or None with ``logits=False`` (streamed prompt tokens: their predictions are never read, so the LM head
@@ -486,11 +510,7 @@ class BatchRunner:
         self.mode = "prompt"
         self.model.eval()
         with torch.no_grad(), routed(self.model, self):
-            # only the last position's prediction is read: the LM head runs on it alone (logits_to_keep=1), not on
-            # every prompt position (Gemma-3: 262 k x 640 weights, 2 GB of float32 logits for 2 x 1024 tokens)
-            out = self.model(input_ids=torch.tensor(list(prompts), device=self.device), use_cache=False,
-                             logits_to_keep=1)
-            last = out.logits[:, -1].float()[self.prompt_of]
+            last = self._prompt_forward(list(prompts))[self.prompt_of]
             if len(self.prompt_q) != self.n_layers:
                 raise ValidateError(f"only {len(self.prompt_q)} of {self.n_layers} layers called the attention "
                                     "interface; this model is not supported")

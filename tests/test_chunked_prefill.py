@@ -91,3 +91,16 @@ def test_closed_loop_chunks_keep_the_simulators_sets(model_and_trace, policy, ch
     model, trace = model_and_trace
     out = kept_set_agreement(model, trace, get_policy(policy), 10, 16, sliding="compress", chunk=chunk)
     assert out["kept_agreement"] == 1.0
+
+
+def test_runner_prompt_forward_in_chunks_is_the_model(model_and_trace, monkeypatch):
+    """The closed loop's own prompt forward goes PROMPT_CHUNK tokens at a time through the model's cache: with
+    chunks of 7 the full cache still gives the unmodified model's logits, sliding layers included."""
+    import gpu_validate.runner as runner
+    from gpu_validate.runner import CompressedRunner, full_model_logits
+
+    model, trace = model_and_trace
+    ids = trace.tokens.token_id.tolist()
+    monkeypatch.setattr(runner, "PROMPT_CHUNK", 7)
+    res = CompressedRunner(model, get_policy("full"), 8, keep_logits=True).run(ids[:40], continuation=ids[40:])
+    np.testing.assert_allclose(res.logits, full_model_logits(model, ids)[39:59], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,190 @@
+"""Long context on this machine: recording 8 k / 32 k-token traces in bounded memory, and replaying them.
+
+Every run is a separate ``kvsim`` process started as a user starts it (plain environment, its own thread budget),
+timed and measured for peak resident memory (``/usr/bin/time``):
+
+- ``recordings``: SmolLM2-135M at 8 192 tokens (all 30 layers) and Gemma-3-270M at 32 768 tokens (all 18), teacher
+  forced on the shipped text (repeated when shorter than the context), float16 storage, prefill in chunks of 512;
+- ``replay``: one configuration per policy x budget (512, 2 048) x prompt chunk (1, 512) on each trace, with
+  ``kvsim replay --json``; the oracle's whole curve once per trace;
+- ``closed_loop``: the same configuration run inside the model (``kvsim validate``, teacher forced, torch backend
+  on CPU) for a few configurations, and for the rest an estimate from the measured per-token cost of the model
+  (labelled ``closed_loop_estimated``), so that ``speedup`` = closed loop / replay is stated for every row.
+
+Writes benchmarks/results/long_context.json after every run (resumable: finished rows are kept).
+
+    python benchmarks/long_context.py [--only recordings|replay|closed_loop] [--policies ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._util import RESULTS, kvsim_command, machine, user_env, write_result  # noqa: E402
+
+TRACES = {
+    "smollm2-135m": {"dir": "kvsim-out/long/smollm2-8k", "prompt": 7936, "decode": 256, "text": "long-default"},
+    "gemma3-270m": {"dir": "kvsim-out/long/gemma3-32k", "prompt": 32512, "decode": 256, "text": "long-default"},
+}
+POLICIES = ("full;window;streaming_llm;h2o;tova;snapkv;pyramidkv;ada_snapkv;expected_attention;knorm;bumblebee;"
+            "d2o;buzz;cascading")
+BUDGETS = (512, 2048)
+CHUNKS = (1, 512)
+#: configurations run closed loop for real (the others are estimated from their measured per-token cost)
+CLOSED_LOOP = (("gemma3-270m", "snapkv", 2048, 1), ("gemma3-270m", "h2o", 2048, 512),
+               ("smollm2-135m", "snapkv", 2048, 1), ("smollm2-135m", "h2o", 2048, 512))
+
+
+def timed(args: list[str], env: dict[str, str] | None = None, timeout: float = 7200) -> dict:
+    """Run ``kvsim ARGS`` under /usr/bin/time: wall seconds, peak RSS in GB and stdout."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
+        cmd = ["/usr/bin/time", "-f", "%e %M", "-o", tf.name, *kvsim_command(), *args]
+        proc = subprocess.run(cmd, env=env or user_env(), capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"kvsim {' '.join(args)} failed: {proc.stderr[-3000:]}")
+        secs, kb = tf.read().split()[-2:]
+    return {"seconds": float(secs), "peak_rss_gb": int(kb) / 1e6, "stdout": proc.stdout}
+
+
+def long_text(n_tokens: int, model: str) -> Path:
+    """The shipped held-out texts, concatenated and repeated until the model's tokenizer gives ``n_tokens``
+    (a long context of real prose; repetition is marked by the text id)."""
+    from traces.model import read_text
+    from traces.models import resolve_model
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(model), local_files_only=True)
+    parts = [read_text(name)[0] for name in ("default", "idle")]
+    text, n = "", 0
+    while n < n_tokens + 64:
+        text += "\n\n".join(parts) + "\n\n"
+        n = len(tok(text, verbose=False)["input_ids"])
+    path = Path(tempfile.gettempdir()) / f"kvsim-long-{model}.txt"
+    path.write_text(text)
+    return path
+
+
+def recordings(out: dict) -> None:
+    for model, t in TRACES.items():
+        if any(r["model"] == model for r in out["recordings"]) and Path(t["dir"], "manifest.json").exists():
+            continue
+        text = long_text(t["prompt"] + t["decode"], model)
+        args = ["record", "--model", model, "--text", str(text), "--prompt-tokens", str(t["prompt"]),
+                "--decode-tokens", str(t["decode"]), "--teacher-forced", "--single-pass", "--dtype", "float16",
+                "--out", t["dir"], "--overwrite", "--no-progress"]
+        r = timed(args)
+        out["recordings"].append({"model": model, "n_tokens": t["prompt"] + t["decode"], "n_prompt": t["prompt"],
+                                  "seconds": r["seconds"], "peak_rss_gb": r["peak_rss_gb"],
+                                  "command": "kvsim " + " ".join(args), "result": r["stdout"].strip()})
+        print(f"recorded {model} {t['prompt'] + t['decode']} tokens: {r['seconds']:.0f} s, "
+              f"{r['peak_rss_gb']:.2f} GB peak", flush=True)
+        save(out)
+
+
+def replays(out: dict, policies: list[str]) -> None:
+    done = {(r["model"], r["policy"], r["budget"], r["chunk"]) for r in out["replay"]}
+    for model, t in TRACES.items():
+        if not Path(t["dir"], "manifest.json").exists():
+            continue
+        for name in policies:
+            for budget in BUDGETS:
+                for chunk in (CHUNKS if name not in ("oracle",) else (1,)):
+                    if (model, name, budget, chunk) in done:
+                        continue
+                    args = ["replay", t["dir"], "--policy", name, "--budget", str(budget), "--prefill-chunk",
+                            str(chunk), "--no-verify", "--json"]
+                    try:
+                        r = timed(args)
+                    except RuntimeError as exc:
+                        out["replay"].append({"model": model, "policy": name, "budget": budget, "chunk": chunk,
+                                              "error": str(exc)[-400:]})
+                        save(out)
+                        continue
+                    summary = json.loads(r["stdout"])
+                    out["replay"].append({"model": model, "n_tokens": t["prompt"] + t["decode"], "policy": name,
+                                          "budget": budget, "chunk": chunk, "seconds": r["seconds"],
+                                          "peak_rss_gb": r["peak_rss_gb"], "err_mean": summary["err_mean"],
+                                          "n_layers_compressed": summary.get("n_layers_compressed")})
+                    print(f"{model} {name} b={budget} C={chunk}: {r['seconds']:.1f} s, {r['peak_rss_gb']:.2f} GB, "
+                          f"err {summary['err_mean']:.3f}", flush=True)
+                    save(out)
+
+
+def closed_loop(out: dict) -> None:
+    """Measured closed-loop runs, then per-token estimates for every replay row."""
+    done = {(r["model"], r["policy"], r["budget"], r["chunk"]) for r in out["closed_loop"]}
+    for model, name, budget, chunk in CLOSED_LOOP:
+        if (model, name, budget, chunk) in done:
+            continue
+        t = TRACES[model]
+        text = long_text(t["prompt"] + t["decode"], model)
+        args = ["validate", "--model", model, "--text", str(text), "--policy", name, "--budget", str(budget),
+                "--prompt", str(t["prompt"]), "--decode", str(t["decode"]), "--prefill-chunk", str(chunk),
+                "--passkey-depths", "", "--json"]
+        r = timed(args, timeout=6 * 3600)
+        res = json.loads(r["stdout"])
+        out["closed_loop"].append({"model": model, "policy": name, "budget": budget, "chunk": chunk,
+                                   "seconds": r["seconds"], "peak_rss_gb": r["peak_rss_gb"],
+                                   "delta_nll": res.get("delta_nll"), "tokens_per_s": res.get("tokens_per_s")})
+        print(f"closed loop {model} {name} b={budget} C={chunk}: {r['seconds']:.0f} s", flush=True)
+        save(out)
+
+
+def speedups(out: dict) -> None:
+    """closed_loop_seconds for every replay row: measured where that configuration ran, else estimated as the
+    measured closed-loop seconds of the same model, scaled by nothing (the model's forward passes, not the
+    policy, dominate a CPU closed loop: the estimate is the mean of that model's measured runs with the same
+    prompt chunk, or any chunk when none)."""
+    measured = {(r["model"], r["policy"], r["budget"], r["chunk"]): r["seconds"] for r in out["closed_loop"]}
+    for row in out["replay"]:
+        if "seconds" not in row:
+            continue
+        key = (row["model"], row["policy"], row["budget"], row["chunk"])
+        if key in measured:
+            row["closed_loop_seconds"], row["closed_loop_estimated"] = measured[key], False
+        else:
+            same = [s for (m, _, _, c), s in measured.items() if m == row["model"] and c == row["chunk"]]
+            same = same or [s for (m, _, _, _), s in measured.items() if m == row["model"]]
+            if not same:
+                continue
+            row["closed_loop_seconds"], row["closed_loop_estimated"] = sum(same) / len(same), True
+        row["speedup"] = row["closed_loop_seconds"] / row["seconds"]
+
+
+def save(out: dict) -> None:
+    speedups(out)
+    out["machine"] = machine()
+    write_result("long_context", out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=("recordings", "replay", "closed_loop"), default=None)
+    ap.add_argument("--policies", default=POLICIES + ";oracle")
+    args = ap.parse_args(argv)
+    path = RESULTS / "long_context.json"
+    out = json.loads(path.read_text()) if path.exists() else {}
+    for key in ("recordings", "replay", "closed_loop"):
+        out.setdefault(key, [])
+    out["goals"] = {"recording_peak_rss_gb": 6.0, "replay_peak_rss_gb": 2.0, "speedup": 20.0}
+    os.chdir(ROOT)
+    if args.only in (None, "recordings"):
+        recordings(out)
+    if args.only in (None, "replay"):
+        replays(out, [p for p in args.policies.split(";") if p])
+    if args.only in (None, "closed_loop"):
+        closed_loop(out)
+    save(out)
+
+
+if __name__ == "__main__":
+    main()
