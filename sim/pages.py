@@ -99,7 +99,7 @@ def sweep_page(df: pd.DataFrame, path: str | os.PathLike, *, title: str, metric:
     ids = list(dict.fromkeys(df["trace_id"])) if "trace_id" in df else []
     known = [facts[i] for i in ids if i in facts]
     labels = list(dict.fromkeys(df.label))
-    refs = [lab for lab in labels if lab in REFERENCES]
+    refs = sorted((lab for lab in labels if lab in REFERENCES), key=lambda lab: lab != "full")   # as in the table
     budgets = sorted(int(b) for b in df.budget.unique())
     page = Page(title, lede or "Every policy replayed on the trace at each budget, measured against the full "
                               "cache's attention at every decode step.")

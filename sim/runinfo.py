@@ -1,8 +1,9 @@
 """What was run, where and when: the facts a result's page header states (kvsim version, date, machine, and for
 each trace its model, tokens, layers kept, attention and text).
 
-A results store records the facts of every trace swept into it (``<store>/traces/<trace_id>.json``), so that
-``kvsim report`` can say which model and text a table comes from long after the sweep, without the trace itself.
+A results store records the facts of every trace swept into it (``<store>/_traces/<trace_id>.json``; Parquet
+readers skip names starting with ``_``, so the store still reads as one dataset), so that ``kvsim report`` can say
+which model and text a table comes from long after the sweep, without the trace itself.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from typing import Any
 from sim.plotting import current_umask
 from traces.format import Trace, load_trace
 
-FACTS_DIR = "traces"
-"""Sub-folder of a results store holding one JSON of facts per trace id."""
+FACTS_DIR = "_traces"
+"""Sub-folder of a results store holding one JSON of facts per trace id (``_``: ignored by Parquet readers)."""
 
 
 def kvsim_version() -> str:

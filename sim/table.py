@@ -184,7 +184,7 @@ def _best(values: dict[str, list[float]], lossy: list[str], cols: list[TableColu
         if not c.highlight:
             continue
         vals = np.array([values[lab][j] for lab in lossy], float)
-        if not np.isfinite(vals).any():
+        if len(np.unique(vals[np.isfinite(vals)])) < 2:       # nothing to choose between
             continue
         target = np.nanmin(vals) if c.metric.direction == "lower" else np.nanmax(vals)
         for lab, v in zip(lossy, vals):

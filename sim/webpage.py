@@ -31,7 +31,8 @@ p.lede{color:var(--muted);margin:.2em 0 1em;max-width:72em}
 dl.facts{display:grid;grid-template-columns:repeat(auto-fill,minmax(300px,1fr));gap:.3em 1.5em;margin:0;
  padding:.8em 1em;background:#f7f8fa;border:1px solid var(--line);border-radius:6px}
 dl.facts div{display:flex;gap:.6em}dl.facts dt{color:var(--muted);min-width:6.5em;font-weight:600}
-dl.facts dd{margin:0}
+dl.facts dd{margin:0;overflow-wrap:anywhere}
+.scroll{overflow-x:auto}
 nav{margin:1em 0;font-size:.93em}nav a{margin-right:1.2em;color:var(--accent)}
 figure{margin:1em 0}figure img{max-width:100%;height:auto;border:1px solid var(--line);border-radius:4px}
 figcaption{color:var(--muted);font-size:.92em;max-width:72em;margin-top:.3em}
@@ -131,8 +132,8 @@ def _value_cell(value: float, best: bool = False, title: str = "") -> str:
 
 def label_cell(label: str, role: str) -> str:
     """The policy's name, with a badge for a reference or a paper policy."""
-    badge = {"reference": '<span class="badge">reference</span>',
-             "paper": '<span class="badge paper">paper</span>'}.get(role, "")
+    badge = {"reference": ' <span class="badge">reference</span>',       # the space: readable without CSS
+             "paper": ' <span class="badge paper">paper</span>'}.get(role, "")
     return f'<td class="label" data-v="{esc(label)}">{esc(label)}{badge}</td>'
 
 
@@ -158,8 +159,8 @@ def ranked_table_html(table: RankedTable, caption: str = "") -> str:
                   for c, v, b in zip(table.columns, r.values, r.best)]
         body.append(('<tr class="ref">' if ref else "<tr>") + "".join(cells) + "</tr>")
     cap = f"<caption>{esc(caption)}</caption>" if caption else ""
-    return (f'<table class="sortable ranked">{cap}<thead><tr>{"".join(head1)}</tr><tr>{"".join(head2)}</tr></thead>'
-            f'<tbody>{"".join(body)}</tbody></table>')
+    return (f'<div class="scroll"><table class="sortable ranked">{cap}<thead><tr>{"".join(head1)}</tr>'
+            f'<tr>{"".join(head2)}</tr></thead><tbody>{"".join(body)}</tbody></table></div>')
 
 
 def ranked_legend_items(table: RankedTable) -> list[tuple[str, str]]:
@@ -170,23 +171,27 @@ def ranked_legend_items(table: RankedTable) -> list[tuple[str, str]]:
 
 
 def simple_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, caption: str = "",
-                 sortable: bool = True, label_columns: int = 1) -> str:
-    """A plain table; numbers are written with `fmt3` (and sort by value), other cells as text."""
+                 sortable: bool = True, label_columns: int = 1, best: Iterable[tuple[int, int]] = ()) -> str:
+    """A plain table; floats are written with `fmt3` (and sort by value), ints in full, other cells as text;
+    ``best`` holds the (row, column) cells to mark as the best of their column."""
+    best = set(best)
     head = "".join("<th" + (' class="label"' if j < label_columns else "") + (f' data-col="{j}"' if sortable else "")
                    + f">{esc(h)}</th>" for j, h in enumerate(headers))
     body = []
-    for row in rows:
+    for i, row in enumerate(rows):
         cells = []
         for j, v in enumerate(row):
             if isinstance(v, (int, float)) and not isinstance(v, bool):
-                cells.append(_value_cell(float(v)) if isinstance(v, float) else f'<td data-v="{v}">{v:,}</td>')
+                cells.append(_value_cell(float(v), (i, j) in best) if isinstance(v, float)
+                             else f'<td data-v="{v}">{v:,}</td>')
             else:
                 cls = ' class="label"' if j < label_columns else ""
                 cells.append(f'<td{cls} data-v="{esc(v)}">{esc(v)}</td>')
         body.append("<tr>" + "".join(cells) + "</tr>")
     cap = f"<caption>{esc(caption)}</caption>" if caption else ""
     cls = "sortable" if sortable else "plain"
-    return f'<table class="{cls}">{cap}<thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+    return (f'<div class="scroll"><table class="{cls}">{cap}<thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table></div>')
 
 
 @dataclass
