@@ -140,7 +140,8 @@ def fidelity_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: s
     page.section("Headline", numbers_html([
         (fmt3(report["rho_primary"]), "Spearman ρ, simulated err vs the model's ΔNLL, over all configurations",
          f"target ≥ {target.get('rho', 0.9)}; {rel_text('pooled')}"),
-        (fmt3(within["err_mean"]["delta_nll"]), "ρ within a budget (err vs ΔNLL, lossy policies)", rel_text("within_budget")),
+        (fmt3(within["err_mean"]["delta_nll"]), "ρ within a budget (err vs ΔNLL, lossy policies)",
+         rel_text("within_budget")),
         (fmt3(pairs["agreement"]), "pairs of policies ordered as the model orders them",
          f"base rate {fmt3(pairs['base_rate'])} (always the model's commoner call); {pairs['n_pairs']} pairs"),
         (fmt3(report["kept_agreement"]), "open-loop kept-set agreement (model cache = simulator's)",
@@ -235,7 +236,8 @@ def segments_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: s
             rows, best=best,
             caption=f"First row: the model's split-half reliability per budget (Spearman-Brown over {r['n_segments']} "
                     "segments), the ceiling; below, each simulated loss's Spearman ρ with the mean ΔNLL per budget, "
-                    "its mean over budgets and over all configurations (bold: the best simulated loss not fitted on this text)."))
+                    "its mean over budgets and over all configurations (bold: the best simulated loss not fitted on "
+                    "this text)."))
     page.section("The model's reliability next to the simulator's ρ", "".join(body))
 
     pair_body, rank_body = [], []

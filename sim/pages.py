@@ -21,8 +21,9 @@ from sim.webpage import Page, esc, figure_html, legend_html, ranked_legend_items
 CAPTIONS = {
     "budget_curves": "Each line is a policy: the loss (left) and the retained attention mass (right) against the "
                      "budget, slots per KV head on a log scale. Lower is better on the left, higher on the right. The "
-                     "dashed black line is the oracle, the best any policy could do; coloured lines are the best few "
-                     "policies and the paper policies, grey lines the rest (all of them are in the table).",
+                     "dashed black line is the oracle, the most attention mass a cache of that size can hold; "
+                     "coloured lines are the best few policies and the paper policies, grey lines the rest (all of "
+                     "them are in the table).",
     "pareto": "Each point is a policy at one budget: its loss against the KV memory it actually held (all layers, "
               "mean over the decode steps, log scale). The black line joins the configurations that no other beats "
               "on both; a point to the right of it pays memory for nothing.",
@@ -55,8 +56,12 @@ def findings(table: RankedTable) -> list[str]:
         orc = by_label.get("oracle")
         if orc is not None and np.isfinite(orc.values[j]):
             text += f"; the oracle reaches {fmt3(orc.values[j])}"
-            if m.direction == "lower" and orc.values[j] > 0:
-                text += f", so the best policy loses {fmt3(best[0].values[j] / orc.values[j])}× as much"
+            ratio = best[0].values[j] / orc.values[j] if m.direction == "lower" and orc.values[j] > 0 else np.nan
+            if ratio >= 1:
+                text += f", so the best policy loses {fmt3(ratio)}× as much"
+            elif ratio < 1:
+                text += (f", above the best policy's: the oracle keeps the most attention mass, not always the "
+                         f"lowest {m.short}")
         lines.append(text + ".")
     ranked = [r for r in table.rows if r.role != "reference"]
     paper = [r for r in ranked if r.role == "paper"]

@@ -139,7 +139,7 @@ def plot_pareto(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") ->
             pts = part[part.policy == pol]
             if not pts.empty:
                 ax.scatter(pts.kv_bytes_mean / 1024, pts[metric], s=22, color=cmap(i % 20), label=pol,
-                           marker="os^vD<>ph*"[i % 10])
+                           marker="os^vD<>"[i % 7])      # 7 markers x 20 colours: no two policies alike below 140
         front = pareto_front(part, metric)
         ax.plot(front.kv_bytes_mean / 1024, front[metric], "-", color="black", linewidth=1, label="Pareto front")
         ax.set_xscale("log", base=2)

@@ -1,10 +1,11 @@
 """The ranked table of a result, built once and drawn twice: in the terminal (rich) and in the HTML page.
 
 A `RankedTable` holds, per policy, one column per budget of the ranking metric and their mean, then the mean of a
-few other metrics; each row knows whether it is a reference (the oracle: an upper bound no online policy reaches;
-the full cache: loss-free) or a paper policy, and each cell whether it is the best of its budget among the evicting
-policies. Headers, directions and the legend come from `sim.metrics` (one definition per metric), and every number
-is written by `fmt3` (3 significant digits), so the terminal, the page and the README cannot disagree.
+few other metrics; each row knows whether it is a reference (the oracle: the most attention mass a cache of that
+size can hold; the full cache: loss-free) or a paper policy, and each cell whether it is the best of its budget
+among the evicting policies. Headers, directions and the legend come from `sim.metrics` (one definition per
+metric), and every number is written by `fmt3` (3 significant digits), so the terminal and the page cannot
+disagree.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ PAPER_POLICIES = ("buzz", "buzz_logn", "bumblebee", "cascading", "ada_snapkv", "
 REFERENCES = {
     "full": "the full cache: every token kept, the loss-free reference (and the most memory)",
     "oracle": "the future-attention oracle: at every step the tokens the true attention row weighs most; an upper "
-              "bound no online policy reaches",
+              "bound on retained attention mass that no online policy reaches (for the other metrics a strong "
+              "reference, not a bound)",
 }
 
 #: summary columns shown after the ranking metric, as their mean over the budgets
@@ -220,8 +222,9 @@ def print_tables(tables: Sequence[RankedTable], title: str = "kvsim results", *,
         m = t.metric
         head = title if t.trace in title else f"{title} — {t.trace}"
         head += f" — sliding layers: {t.sliding}" if t.sliding != "keep" else ""
-        table = Table(title=escape(head), box=box.SIMPLE_HEAD, caption=escape(f"{m.short} per budget (slots per KV head), then means "
-                                                         "over the budgets; * paper policy"))
+        table = Table(title=escape(head), box=box.SIMPLE_HEAD,
+                      caption=escape(f"{m.short} per budget (slots per KV head), then means over the budgets; "
+                                     "* paper policy"))
         table.add_column("rank", justify="right")
         table.add_column("policy", justify="left", no_wrap=True)
         for c in t.columns:
@@ -239,6 +242,6 @@ def print_tables(tables: Sequence[RankedTable], title: str = "kvsim results", *,
     if tables:
         lines = [f"{head}: {m.label} {m.arrow}" for head, m in tables[0].legend()]
         lines += [f"rank: {legend_items(tables[0])[-1][1]}",
-                  "bold green: best at that budget · ref: reference rows (full cache: loss-free; oracle: an upper "
-                  "bound no online policy reaches) · *: a seed paper's policy"]
+                  "bold green: best at that budget · ref: reference rows (full cache: loss-free; oracle: the most "
+                  "attention mass any cache of that size holds) · *: a seed paper's policy"]
         (console or Console(width=max(100, Console().width))).print(escape("\n".join(lines)), style="dim")

@@ -39,7 +39,8 @@ figcaption{color:var(--muted);font-size:.92em;max-width:72em;margin-top:.3em}
 table{border-collapse:collapse;margin:.6em 0;font-size:.93em}
 th,td{padding:3px 9px;border-bottom:1px solid var(--line);text-align:right;white-space:nowrap}
 th{background:#f7f8fa;font-weight:600;vertical-align:bottom}
-th[data-col]{cursor:pointer}th[aria-sort=ascending]::after{content:" ▲"}th[aria-sort=descending]::after{content:" ▼"}
+th[data-col]{cursor:pointer}th[aria-sort=ascending]::after{content:" ▲"}
+th[aria-sort=descending]::after{content:" ▼"}
 td.label,th.label{text-align:left}
 tr.ref td{background:var(--ref);color:var(--muted);font-style:italic}
 td.best{background:var(--best);font-weight:700}

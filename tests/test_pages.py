@@ -221,9 +221,11 @@ def _fidelity_report(n_tokens: int = 64) -> dict:
         for i, pol in enumerate(("full", "h2o", "window", "tova", "buzz")):
             harm = 0.0 if pol == "full" else (i + 1) / b
             tok = harm + (rng.normal(0, 0.02, n_tokens) if pol != "full" else np.zeros(n_tokens))
-            rows.append({"policy": pol, "label": pol, "budget": b, "err_mean": harm + rng.normal(0, 0.01) * (pol != "full"),
+            err = harm + rng.normal(0, 0.01) * (pol != "full")
+            rows.append({"policy": pol, "label": pol, "budget": b, "err_mean": err,
                          "err_p95": 2 * harm, "kl_mean": harm / 2, "l1_mean": 3 * harm, "mass_mean": 1 - harm / 4,
-                         "miss_mass": harm / 4, "delta_nll": float(tok.mean()), "delta_ppl": float(np.expm1(tok.mean())),
+                         "miss_mass": harm / 4, "delta_nll": float(tok.mean()),
+                         "delta_ppl": float(np.expm1(tok.mean())),
                          "top1_disagreement": harm / 3, "kept_agreement": 1.0, "nll_per_token": tok.tolist()})
     from gpu_validate.fidelity import correlations, within_budget_correlations
 

@@ -25,11 +25,12 @@ def _layers(text: str) -> str | list[int]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="replay all policies on a real model's trace; print a ranked table and a plot",
+    p = sub.add_parser("demo", help="replay all policies on a real model's trace; print a ranked table, write a page",
                        description="Record a trace of a real model (SmolLM2-135M by default, fetched and converted "
                                    "on first use) on kvsim's shipped held-out text, or generate a synthetic one; "
                                    "replay every registered policy at several budgets, print the ranked table and "
-                                   "write a loss-vs-budget plot.")
+                                   "write OUT/demo.html, a self-contained page: what ran, the table per budget, the "
+                                   "legend, loss-vs-budget, loss-vs-memory and occupancy plots (also as PNGs).")
     add_model_option(p)
     p.add_argument("--synthetic", metavar="KIND", default=None,
                    help="use a synthetic trace of this kind instead of a model (e.g. mixed)")

@@ -9,13 +9,15 @@ from sim.commands._common import (add_budget_option, add_policies_option, add_sy
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="tables and plots from a results store (+ cache occupancy maps)",
-                       description="Print the ranked table per trace and write report.html, budget_curves.png "
-                                   "and pareto.png (loss vs memory held). With --occupancy TRACE, also replay the "
-                                   "given policies and draw which positions each one holds over time.")
+    p = sub.add_parser("report", help="ranked table, plots and a page from a results store (+ occupancy maps)",
+                       description="Print the ranked table per trace and write budget_curves.png, pareto.png "
+                                   "(loss vs memory held) and report.html, a self-contained page of the table per "
+                                   "budget, the plots and the legend. With --occupancy TRACE, also replay the given "
+                                   "policies and draw which positions each one holds over time.")
     p.add_argument("results", type=Path, help="results store directory (from kvsim sweep / search / demo)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: RESULTS/../report)")
-    p.add_argument("--metric", default="err_mean", help="ranking metric column")
+    p.add_argument("--metric", default="err_mean",
+                   help="summary column to rank by (sim.metrics: err_mean, err_p95, mass_mean, kl_mean, err_gap, ...)")
     p.add_argument("--occupancy", metavar="TRACE", default=None,
                    help="trace directory or synthetic:KIND for occupancy maps")
     g = p.add_argument_group("occupancy maps (--occupancy)")
