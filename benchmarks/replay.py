@@ -4,7 +4,8 @@ ratios are side by side.
 
 Writes benchmarks/results/replay.json with
   - per-policy replay seconds at one budget (best of ``--repeat``, policies interleaved round by round) and
-    the ratio to H2O; the oracle's whole budget curve (one pass) against one H2O replay;
+    the ratio to H2O; the oracle's whole budget curve (one pass) against one H2O replay; every policy's warm
+    4-budget replay (64/128/256/512, kernels compiled, prompt statistics cached) against H2O's;
   - the attention inner loop's achieved GMAC/s (the engine's ``_attend_and_measure`` alone on the trace's
     keys, and H2O's whole replay) next to a single-core FMA peak measured here (a numba register-blocked FMA
     kernel and a float32 BLAS GEMM; the larger counts);
@@ -41,7 +42,7 @@ from benchmarks._util import cli_seconds, machine, write_result  # noqa: E402
 from policies import get_policy, list_policies  # noqa: E402
 from sim.engine import profile_attention, profile_parts  # noqa: E402
 from sim.metrics import N_METRICS  # noqa: E402
-from sim.replay import load_layers, replay, replay_oracle  # noqa: E402
+from sim.replay import load_layers, replay, replay_budgets, replay_oracle  # noqa: E402
 from sim.threads import limit_threads  # noqa: E402
 from traces.format import load_trace  # noqa: E402
 from traces.recorder import cache_keyword, returned_cache  # noqa: E402
@@ -51,6 +52,7 @@ DEFAULT_TRACE = "kvsim-out/smollm2-135m-1024-256"
 DEFAULT_MODEL = "smollm2-135m"
 BUDGET = 128
 ORACLE_BUDGETS = (64, 128, 256)
+FOUR_BUDGETS = (64, 128, 256, 512)
 SWEEP_BUDGETS = (32, 64, 96, 128, 192, 256, 384, 512)
 print = partial(builtins.print, flush=True)   # progress lines appear as they happen, also when redirected
 GOALS = {"policy_over_h2o": 2.0, "oracle_curve_over_h2o": 2.0, "fraction_of_peak": 0.40, "speedup_over_hf": 50.0,
@@ -247,6 +249,20 @@ def main(argv: list[str] | None = None) -> None:
     for n in sorted(best, key=best.get):
         print(f"{n:16s} {best[n]:7.3f} s  {best[n] / h2o:5.2f}x h2o   (first call {first[n]:.2f} s)")
 
+    # warm budget curves: kernels compiled, prompt statistics cached on the shared inputs (long-context issue)
+    curves = {n: (lambda p=get_policy(n): replay_budgets(trace, p, FOUR_BUDGETS, inputs=inputs, threads=1))
+              for n in [*names, "oracle"]}
+    for f in curves.values():
+        f()
+    curve_times: dict[str, list[float]] = {n: [] for n in curves}
+    for _ in range(args.repeat):
+        for n, f in curves.items():
+            curve_times[n].append(_timed(f))
+    curve_best = {n: min(v) for n, v in curve_times.items()}
+    curve_ratio = {n: v / curve_best["h2o"] for n, v in curve_best.items()}
+    print(f"warm {len(FOUR_BUDGETS)}-budget replays over H2O's: " + ", ".join(
+        f"{n} {r:.2f}x" for n, r in sorted(curve_ratio.items(), key=lambda x: -x[1])[:10]))
+
     mid = len(inputs) // 2
     peaks, inners = [], []
     for _ in range(args.repeat):      # alternate, best of each: a busy neighbour core hits both alike
@@ -287,7 +303,8 @@ def main(argv: list[str] | None = None) -> None:
         met = {"every_policy_within_2x_h2o": all(r <= GOALS["policy_over_h2o"] for n, r in ratios.items()
                                                  if n != "oracle_curve"),
                "oracle_curve_within_2x_h2o": ratios["oracle_curve"] <= GOALS["oracle_curve_over_h2o"],
-               "inner_loop_40pct_of_peak": engine["inner_fraction_of_peak"] >= GOALS["fraction_of_peak"]}
+               "inner_loop_40pct_of_peak": engine["inner_fraction_of_peak"] >= GOALS["fraction_of_peak"],
+               "every_warm_budget_curve_within_2x_h2o": max(curve_ratio.values()) <= GOALS["policy_over_h2o"]}
         if model_runs:
             met["replay_50x_over_hf_every_policy"] = min(
                 v for n, v in model_runs["speedup_over_hf"].items() if n != "oracle_curve") >= GOALS["speedup_over_hf"]
@@ -302,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
                        n_kv_heads=meta.model.n_kv_heads, head_dim=d),
             budget=BUDGET, repeat=args.repeat, load_layers_s=load_s, seconds=best, first_call_s=first,
             ratio_to_h2o=ratios, oracle_budgets=list(ORACLE_BUDGETS), engine=engine, profile=profile,
+            warm_budget_curves={"budgets": list(FOUR_BUDGETS), "seconds": curve_best, "ratio_to_h2o": curve_ratio,
+                                "over_2x": sorted(n for n, r in curve_ratio.items() if r > 2)},
             model_runs=model_runs,
             sweep=sweep, goals=GOALS, goals_met=met)
         print(f"goals met: {met}")

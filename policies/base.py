@@ -57,6 +57,19 @@ def stream_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head
     return
 
 
+def prompt_memo(prompt_layers: Any, key: tuple, compute: Callable[[], Any]) -> Any:
+    """Work in ``allocate()`` that depends only on the trace's prompt (D2O's attention variances), done once per
+    set of prepared inputs: the replays of several budgets, and a sweep worker's jobs on the same trace, share
+    it through the ``cache`` the replay's prompt view carries (``sim.replay.PromptLayers``). ``key`` names the
+    work and every parameter it depends on; a plain list of layers (no cache) just computes."""
+    cache = getattr(prompt_layers, "cache", None)
+    if cache is None:
+        return compute()
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
 class PolicyError(ValueError):
     """Unknown policy or parameter, a value out of range, or a broken policy contract."""
 

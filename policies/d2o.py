@@ -68,7 +68,8 @@ import numpy as np
 from numba import njit
 
 from policies.kernels import group_rows_scores
-from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, param_indices, stream_prefill
+from policies.base import (PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, param_indices, prompt_memo,
+                           stream_prefill)
 from policies.kernels import GROUP_REDUCE, evict_lowest, evict_lowest_sorted, group_score
 from policies.registry import register
 
@@ -459,7 +460,8 @@ class D2O(Policy):
             per_layer = np.full(n_layers, budget, np.int64)
         else:
             mode = self.params["alloc"]
-            var = layer_variances(prompt_layers, scale, mode)
+            var = prompt_memo(prompt_layers, ("d2o.layer_variances", float(scale), mode),
+                              lambda: layer_variances(prompt_layers, scale, mode))
             cap = n_prompt if self.params["cap_at_prompt"] else None
             lo = self.min_budget() if mode == "literal" else max(self.min_budget(), math.ceil(0.01 * n_prompt))
             per_layer = allocate_layers(budget, var, lo, self.params["var_scale"], cap)

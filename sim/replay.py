@@ -154,10 +154,19 @@ def _threads(threads: int | None, n_layers: int) -> int:
     return max(1, min(n_layers, threads or int(os.environ.get(KVSIM_THREADS, available_cores()))))
 
 
-def load_layers(trace: Trace, layers: Sequence[int] | None = None) -> list[LayerInputs]:
+class PreparedLayers(list):
+    """Engine inputs prepared once for several replays, plus ``stats``: prompt statistics allocators computed on
+    them (``policies.base.prompt_memo``), shared by every replay that uses these inputs."""
+
+    def __init__(self, items=()) -> None:
+        super().__init__(items)
+        self.stats: dict = {}
+
+
+def load_layers(trace: Trace, layers: Sequence[int] | None = None) -> PreparedLayers:
     """Prepare the engine inputs of the chosen layers (all by default) once, for several replays."""
     idx = range(trace.n_layers) if layers is None else layers
-    return [LayerInputs.from_arrays(trace.layer(i), trace.meta.attention(i)) for i in idx]
+    return PreparedLayers(LayerInputs.from_arrays(trace.layer(i), trace.meta.attention(i)) for i in idx)
 
 
 class LayerLoader(Sequence):
@@ -168,6 +177,7 @@ class LayerLoader(Sequence):
 
     def __init__(self, trace: Trace) -> None:
         self.trace = trace
+        self.stats: dict = {}
 
     def __len__(self) -> int:
         return self.trace.n_layers
@@ -200,6 +210,8 @@ class PromptLayers(Sequence):
 
     def __init__(self, trace: Trace, inputs: Sequence[LayerInputs], layers: Sequence[int], n_prompt: int) -> None:
         self.trace, self.inputs, self.layers, self.P = trace, inputs, list(layers), n_prompt
+        stats = getattr(inputs, "stats", None)     # shared by the replays of these inputs, per set of layers
+        self.cache = None if stats is None else stats.setdefault((tuple(self.layers), n_prompt), {})
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -327,3 +327,24 @@ def test_reference_preset_replays_within_budget():
     assert np.isfinite(res.metrics).all()
     assert res.slots[2].max() <= res.budgets[2, 0]                  # the one compressed layer keeps its budget
     assert (res.slots[[0, 1, 3], -1] == 80).all()                   # layers 0, 1 and L-1 keep every token
+
+
+def test_layer_variances_are_computed_once_per_prepared_inputs(monkeypatch):
+    """D2O's prompt statistics do not depend on the budget: the replays of several budgets (and a sweep worker's
+    jobs) on the same prepared inputs compute them once, with the same results as computing them each time."""
+    import policies.d2o as d2o_module
+    from sim.replay import load_layers, replay_budgets
+    from traces.synthetic import make_synthetic_trace
+
+    trace = make_synthetic_trace("mixed", n_layers=3, n_tokens=96, n_prompt=64, seed=2)
+    calls = []
+    real = d2o_module.layer_variances
+    monkeypatch.setattr(d2o_module, "layer_variances", lambda *a: calls.append(1) or real(*a))
+    inputs = load_layers(trace)
+    shared = replay_budgets(trace, get_policy("d2o"), [16, 24, 32], inputs=inputs)
+    assert len(calls) == 1
+    fresh = [replay_budgets(trace, get_policy("d2o"), [b])[0] for b in (16, 24, 32)]
+    assert len(calls) == 4
+    for a, b in zip(shared, fresh):
+        np.testing.assert_array_equal(a.budgets, b.budgets)
+        np.testing.assert_array_equal(a.metrics, b.metrics)

@@ -104,16 +104,17 @@ class Capture:
     """Per-layer buffers of every position's q [T, Hq', d], k/v [T, Hkv', d] (``store_dtype``) and the model's
     attention output o [T, Hq', d] (float32), filled as the model's attention calls arrive.
 
-    The buffers are memory-mapped files in ``spill`` (one per layer and array, created at the layer's first
-    call), so recording a long context holds no layer in memory: the OS pages them out as needed, and the
-    recorder then finishes one layer at a time."""
+    The buffers are raw files in ``spill`` (one per layer and array), appended to as positions arrive and read
+    back memory-mapped one layer at a time (``arrays``): recording a long context holds no layer in the process's
+    memory (written pages stay in the OS page cache, not in the recorder's resident set)."""
     layer_ids: tuple[int, ...]
     kv_heads: tuple[int, ...]
     group: int
     store_dtype: np.dtype
     n_tokens: int
     spill: Path
-    buffers: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    files: dict[int, dict[str, Any]] = field(default_factory=dict)
+    dims: dict[int, int] = field(default_factory=dict)
     scaling: dict[int, float] = field(default_factory=dict)
     window: dict[int, int | None] = field(default_factory=dict)
     seen: dict[int, int] = field(default_factory=dict)
@@ -122,16 +123,11 @@ class Capture:
     def q_heads(self) -> list[int]:
         return [h * self.group + j for h in self.kv_heads for j in range(self.group)]
 
-    def _buffers(self, layer: int, d: int) -> dict[str, np.ndarray]:
-        if layer not in self.buffers:
-            T, hq, hkv = self.n_tokens, len(self.q_heads), len(self.kv_heads)
-            shapes = {"q": ((T, hq, d), self.store_dtype), "k": ((T, hkv, d), self.store_dtype),
-                      "v": ((T, hkv, d), self.store_dtype), "o": ((T, hq, d), np.dtype(np.float32))}
-            self.buffers[layer] = {
-                name: np.lib.format.open_memmap(self.spill / f"{layer:03d}-{name}.npy", mode="w+", dtype=dt,
-                                                shape=shape)
-                for name, (shape, dt) in shapes.items()}
-        return self.buffers[layer]
+    def _dtype(self, name: str) -> np.dtype:
+        return np.dtype(np.float32) if name == "o" else self.store_dtype
+
+    def _path(self, layer: int, name: str) -> Path:
+        return self.spill / f"{layer:03d}-{name}.bin"
 
     def add(self, layer: int, query, key, value, out, scaling: float, window: int | None = None) -> None:
         """Store one attention call: query [1,Hq,t,d], key/value [1,Hkv,S,d] (the cache as the layer attends
@@ -152,23 +148,33 @@ class Capture:
         self.seen[layer] = seen + t
         self.window[layer] = int(window) if window else None
         qh, kh = self.q_heads, list(self.kv_heads)
-        to_np = lambda x: x.detach().float().cpu().numpy()  # noqa: E731
-        buf = self._buffers(layer, query.shape[-1])
-        rows = slice(seen, seen + t)
-        buf["q"][rows] = to_np(query[0, qh].transpose(0, 1))
-        buf["k"][rows] = to_np(key[0, kh, s - t:].transpose(0, 1))
-        buf["v"][rows] = to_np(value[0, kh, s - t:].transpose(0, 1))
-        buf["o"][rows] = to_np(out[0][:, qh])
+        if layer not in self.files:
+            self.dims[layer] = int(query.shape[-1])
+            self.files[layer] = {name: open(self._path(layer, name), "wb") for name in ("q", "k", "v", "o")}
+        new = {"q": query[0, qh].transpose(0, 1), "k": key[0, kh, s - t:].transpose(0, 1),
+               "v": value[0, kh, s - t:].transpose(0, 1), "o": out[0][:, qh]}
+        for name, x in new.items():
+            self.files[layer][name].write(x.detach().float().cpu().numpy().astype(self._dtype(name)).tobytes())
         self.scaling[layer] = float(scaling)
 
     def arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(q, k, v, model_o) of one layer over all recorded positions (memory-mapped)."""
-        if layer not in self.buffers:
+        """(q, k, v, model_o) of one layer over all recorded positions (memory-mapped, read-only)."""
+        if layer not in self.files:
             raise CaptureError(f"layer {layer} was never called; is it an attention layer of this model?")
         if self.seen[layer] != self.n_tokens:
             raise CaptureError(f"layer {layer}: {self.seen[layer]} of {self.n_tokens} positions were recorded")
-        buf = self.buffers[layer]
-        return buf["q"], buf["k"], buf["v"], buf["o"]
+        for f in self.files[layer].values():
+            f.flush()
+        T, d = self.n_tokens, self.dims[layer]
+        heads = {"q": len(self.q_heads), "k": len(self.kv_heads), "v": len(self.kv_heads), "o": len(self.q_heads)}
+        return tuple(np.memmap(self._path(layer, name), dtype=self._dtype(name), mode="r", shape=(T, heads[name], d))
+                     for name in ("q", "k", "v", "o"))
+
+    def close(self) -> None:
+        """Close every buffer file (the recorder's spill directory is removed after)."""
+        for files in self.files.values():
+            for f in files.values():
+                f.close()
 
 
 def _recording_attention(module, query, key, value, attention_mask, **kwargs):

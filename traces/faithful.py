@@ -74,16 +74,19 @@ def verify_trace_against_model(trace, model, *, tol: float | None = None) -> lis
     out = []
     with tempfile.TemporaryDirectory(prefix="kvsim-verify-") as spill:
         cap = Capture(tuple(trace.meta.model.layer_ids), kv_heads, group, np.dtype(np.float32), len(ids), Path(spill))
-        feeder = ChunkedFeeder(model)
-        with torch.no_grad(), capturing(model, cap):
-            for c0 in range(0, len(ids), feeder.chunk):
-                feeder.feed(ids[c0:c0 + feeder.chunk], [])
-        for i, layer in enumerate(trace.meta.model.layer_ids):
-            la = trace.layer(i)
-            attn = trace.meta.attention(i)
-            res, _, _ = layer_faithfulness(layer, la.q, la.k, la.v, cap.arrays(layer)[3], attn.scale,
-                                           window=attn.window)
-            out.append(res)
+        try:
+            feeder = ChunkedFeeder(model)
+            with torch.no_grad(), capturing(model, cap):
+                for c0 in range(0, len(ids), feeder.chunk):
+                    feeder.feed(ids[c0:c0 + feeder.chunk], [])
+            for i, layer in enumerate(trace.meta.model.layer_ids):
+                la = trace.layer(i)
+                attn = trace.meta.attention(i)
+                res, _, _ = layer_faithfulness(layer, la.q, la.k, la.v, cap.arrays(layer)[3], attn.scale,
+                                               window=attn.window)
+                out.append(res)
+        finally:
+            cap.close()
     compute = str(next(model.parameters()).dtype)
     assert_faithful(out, default_tolerance(trace.meta.dtype, compute) if tol is None else tol)
     return out

@@ -70,9 +70,7 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
     cache, and every captured array lives in memory-mapped buffers until its layer is checked and written, so
     memory stays bounded at any length the model supports.
     """
-    import pandas as pd
     import torch
-    from tqdm.auto import tqdm
 
     shape = model_shape(model.config)
     if dtype not in ("float16", "float32"):
@@ -100,90 +98,125 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (use overwrite to replace it)")
 
-    device = next(model.parameters()).device
     model.eval()
-    name = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
-    cols = np.concatenate([np.arange(h * shape.head_dim, (h + 1) * shape.head_dim) for h in
-                           [h * group + j for h in kv for j in range(group)]])
-    first_wo = output_projection(model, layer_ids[0])
-    faith: list[LayerFaithfulness] = []
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.capture-") as spill:
         cap = Capture(layer_ids, kv, group, np.dtype(dtype), total, Path(spill))
-        feeder = ChunkedFeeder(model, chunk)
-        fed: list[int] = []
-        nll, top1 = [math.nan], [-1]          # position 0 has no context; position p >= 1 is predicted by p - 1
-        with torch.no_grad(), capturing(model, cap), tqdm(total=total, desc="record", unit="tok",
-                                                          disable=not progress) as bar:
-            first = total if single_pass else n_prompt
-            for c0 in range(0, first, feeder.chunk):        # prefill (or the whole teacher-forced text) in chunks
-                c1 = min(first, c0 + feeder.chunk)
-                got_nll, got_top1 = feeder.feed(ids[c0:c1], ids[c0 + 1:min(c1 + 1, first)])
-                fed.extend(ids[c0:c1])
-                nll.extend(got_nll)
-                top1.extend(got_top1)
-                bar.update(c1 - c0)
-            for step in range(total - first):               # then token by token through the model's cache
-                last = feeder.last
-                tok = ids[n_prompt + step] if teacher_forced else int(last.argmax())
-                nll.append(float(-last[tok]))
-                top1.append(int(last.argmax()))
-                fed.append(tok)
-                feeder.feed([tok], [])
-                bar.update(1)
+        try:
+            with torch.no_grad(), capturing(model, cap):
+                fed, nll, top1, used_chunk = _run_model(model, ids, n_prompt=n_prompt, total=total,
+                                                        teacher_forced=teacher_forced, single_pass=single_pass,
+                                                        chunk=chunk, progress=progress)
+            meta, tokens = _describe(model, cap, shape, layer_ids, kv, group, fed, nll, top1, n_prompt=n_prompt,
+                                     dtype=dtype, model_id=model_id, source=source, teacher_forced=teacher_forced,
+                                     single_pass=single_pass, chunk=used_chunk, tokenizer=tokenizer)
+            tolerance = default_tolerance(dtype, str(next(model.parameters()).dtype)) if tol is None else tol
+            faith = _check_and_write(model, cap, meta, tokens, out_dir, tolerance=tolerance, overwrite=overwrite,
+                                     progress=progress)
+        finally:
+            cap.close()
+    mean_nll = meta.source["mean_nll_decode"]
+    return RecordResult(out_dir, faith, math.nan if mean_nll is None else mean_nll)
 
-        scales = {round(cap.scaling[layer], 12) for layer in layer_ids if layer in cap.scaling}
-        if len(scales) > 1:
-            raise CaptureError(f"layers use different softmax scales {sorted(scales)}; record them separately")
-        scale = cap.scaling[layer_ids[0]] if layer_ids[0] in cap.scaling else shape.head_dim ** -0.5
-        attention = tuple(layer_attention(model.config, layer, cap.scaling.get(layer, scale), cap.window.get(layer))
-                          for layer in layer_ids)
-        decode_nll = [x for x in nll[n_prompt:] if not math.isnan(x)]
-        mean_nll = float(np.mean(decode_nll)) if decode_nll else math.nan
-        info = ModelInfo(model_id=str(name), n_layers=shape.n_layers, n_q_heads=len(kv) * group,
-                         n_kv_heads=len(kv), head_dim=shape.head_dim, rope=shape.rope, layer_ids=layer_ids,
-                         hidden_size=0 if first_wo is None else first_wo.shape[0], attention=attention)
-        src = {
-            **(source or {}),
-            "recorder": "traces.recorder",
-            "model_type": shape.model_type,
-            "decode": "teacher_forced" if teacher_forced else "greedy",
-            "single_pass": bool(single_pass),
-            "prefill_chunk": feeder.chunk,
-            "kv_heads": list(kv),
-            "q_heads": cap.q_heads,
-            "model_n_q_heads": shape.n_q_heads,
-            "model_n_kv_heads": shape.n_kv_heads,
-            "device": str(device),
-            "model_dtype": str(next(model.parameters()).dtype),
-            "mean_nll_prompt": float(np.nanmean(nll[:n_prompt])) if n_prompt > 1 else math.nan,
-            "mean_nll_decode": mean_nll,
-        }
-        meta = TraceMeta(model=info, n_tokens=total, n_prompt=n_prompt, dtype=dtype, softmax_scale=float(scale),
-                         kind="qkv", source=src)
-        text = [tokenizer.decode([t]) if tokenizer is not None else "" for t in fed]
-        tokens = pd.DataFrame({
-            "position": np.arange(total, dtype=np.int64), "token_id": np.asarray(fed, np.int64), "text": text,
-            "is_prompt": np.arange(total) < n_prompt, "top1_id": np.asarray(top1, np.int64),
-            "nll": np.asarray(nll, np.float32),
-        })
-        tolerance = default_tolerance(dtype, str(next(model.parameters()).dtype)) if tol is None else tol
-        # one layer at a time: its windowed reference, its faithfulness (a failure discards the whole trace),
-        # then its files; nothing but the current layer is held in memory
-        with TraceWriter(out_dir, meta, compute_reference=False, overwrite=overwrite) as w:
-            for layer, attn in zip(tqdm(layer_ids, desc="check+write", unit="layer", disable=not progress),
-                                   attention):
-                q, k, v, model_o = cap.arrays(layer)
-                res, lse, o = layer_faithfulness(layer, q, k, v, model_o, attn.scale, window=attn.window)
-                assert_faithful([res], tolerance)
-                faith.append(res)
-                wo = output_projection(model, layer)
-                w.add_layer(LayerArrays(q, k, v, lse, o, None if wo is None else wo[:, cols]))
-            w.meta = replace(meta, source={**src, "faithfulness_rel_err": {str(r.layer): r.rel_err for r in faith}})
-            w.meta = replace(w.meta, source={k: (None if isinstance(v, float) and math.isnan(v) else v)
-                                             for k, v in w.meta.source.items()})
-            w.set_tokens(tokens)
-    return RecordResult(out_dir, faith, mean_nll)
+
+def _run_model(model, ids: list[int], *, n_prompt: int, total: int, teacher_forced: bool, single_pass: bool,
+               chunk: int | None, progress: bool) -> tuple[list[int], list[float], list[int], int]:
+    """Feed the prompt (with ``single_pass`` the whole teacher-forced text) in chunks, then decode token by
+    token; returns the fed tokens, each position's NLL and top-1 (NaN / -1 at position 0) and the chunk used."""
+    from tqdm.auto import tqdm
+
+    feeder = ChunkedFeeder(model, chunk)
+    fed: list[int] = []
+    nll, top1 = [math.nan], [-1]          # position 0 has no context; position p >= 1 is predicted by p - 1
+    with tqdm(total=total, desc="record", unit="tok", disable=not progress) as bar:
+        first = total if single_pass else n_prompt
+        for c0 in range(0, first, feeder.chunk):
+            c1 = min(first, c0 + feeder.chunk)
+            got_nll, got_top1 = feeder.feed(ids[c0:c1], ids[c0 + 1:min(c1 + 1, first)])
+            fed.extend(ids[c0:c1])
+            nll.extend(got_nll)
+            top1.extend(got_top1)
+            bar.update(c1 - c0)
+        for step in range(total - first):
+            last = feeder.last
+            tok = ids[n_prompt + step] if teacher_forced else int(last.argmax())
+            nll.append(float(-last[tok]))
+            top1.append(int(last.argmax()))
+            fed.append(tok)
+            feeder.feed([tok], [])
+            bar.update(1)
+    return fed, nll, top1, feeder.chunk
+
+
+def _describe(model, cap: Capture, shape, layer_ids: tuple[int, ...], kv: tuple[int, ...], group: int,
+              fed: list[int], nll: list[float], top1: list[int], *, n_prompt: int, dtype: str, model_id: str | None,
+              source: dict | None, teacher_forced: bool, single_pass: bool, chunk: int, tokenizer: Any):
+    """The trace's metadata (each layer's attention as its calls ran it) and its tokens table."""
+    import pandas as pd
+
+    total = len(fed)
+    scales = {round(cap.scaling[layer], 12) for layer in layer_ids if layer in cap.scaling}
+    if len(scales) > 1:
+        raise CaptureError(f"layers use different softmax scales {sorted(scales)}; record them separately")
+    scale = cap.scaling[layer_ids[0]] if layer_ids[0] in cap.scaling else shape.head_dim ** -0.5
+    attention = tuple(layer_attention(model.config, layer, cap.scaling.get(layer, scale), cap.window.get(layer))
+                      for layer in layer_ids)
+    decode_nll = [x for x in nll[n_prompt:] if not math.isnan(x)]
+    wo = output_projection(model, layer_ids[0])
+    info = ModelInfo(model_id=str(model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__),
+                     n_layers=shape.n_layers, n_q_heads=len(kv) * group, n_kv_heads=len(kv), head_dim=shape.head_dim,
+                     rope=shape.rope, layer_ids=layer_ids, hidden_size=0 if wo is None else wo.shape[0],
+                     attention=attention)
+    src = {
+        **(source or {}),
+        "recorder": "traces.recorder",
+        "model_type": shape.model_type,
+        "decode": "teacher_forced" if teacher_forced else "greedy",
+        "single_pass": bool(single_pass),
+        "prefill_chunk": chunk,
+        "kv_heads": list(kv),
+        "q_heads": cap.q_heads,
+        "model_n_q_heads": shape.n_q_heads,
+        "model_n_kv_heads": shape.n_kv_heads,
+        "device": str(next(model.parameters()).device),
+        "model_dtype": str(next(model.parameters()).dtype),
+        "mean_nll_prompt": float(np.nanmean(nll[:n_prompt])) if n_prompt > 1 else math.nan,
+        "mean_nll_decode": float(np.mean(decode_nll)) if decode_nll else math.nan,
+    }
+    src = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in src.items()}
+    meta = TraceMeta(model=info, n_tokens=total, n_prompt=n_prompt, dtype=dtype, softmax_scale=float(scale),
+                     kind="qkv", source=src)
+    tokens = pd.DataFrame({
+        "position": np.arange(total, dtype=np.int64), "token_id": np.asarray(fed, np.int64),
+        "text": [tokenizer.decode([t]) if tokenizer is not None else "" for t in fed],
+        "is_prompt": np.arange(total) < n_prompt, "top1_id": np.asarray(top1, np.int64),
+        "nll": np.asarray(nll, np.float32),
+    })
+    return meta, tokens
+
+
+def _check_and_write(model, cap: Capture, meta: TraceMeta, tokens: Any, out_dir: Path, *, tolerance: float,
+                     overwrite: bool, progress: bool) -> list[LayerFaithfulness]:
+    """One layer at a time: its reference (windowed on a sliding layer), its faithfulness (a failure discards the
+    whole trace), then its files; nothing but the current layer is held in memory."""
+    from tqdm.auto import tqdm
+
+    d = meta.model.head_dim
+    cols = np.concatenate([np.arange(h * d, (h + 1) * d) for h in cap.q_heads])
+    faith: list[LayerFaithfulness] = []
+    with TraceWriter(out_dir, meta, compute_reference=False, overwrite=overwrite) as w:
+        for i, layer in enumerate(tqdm(meta.model.layer_ids, desc="check+write", unit="layer", disable=not progress)):
+            attn = meta.attention(i)
+            q, k, v, model_o = cap.arrays(layer)
+            res, lse, o = layer_faithfulness(layer, q, k, v, model_o, attn.scale, window=attn.window)
+            assert_faithful([res], tolerance)
+            faith.append(res)
+            wo = output_projection(model, layer)
+            w.add_layer(LayerArrays(q, k, v, lse, o, None if wo is None else wo[:, cols]))
+        rel_err = {str(r.layer): r.rel_err for r in faith}
+        w.meta = replace(meta, source={**meta.source, "faithfulness_rel_err": rel_err})
+        w.set_tokens(tokens)
+    return faith
 
 
 DEFAULT_CHUNK = 512
