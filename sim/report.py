@@ -1,4 +1,5 @@
-"""Tables and plots users read: ranked policies per trace, loss-vs-budget curves."""
+"""Tables and plots users read: ranked policies per trace (built by `sim.table`, the same for the terminal and the
+page), loss-vs-budget curves, loss vs memory held (Pareto), occupancy maps and search plots."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -149,7 +149,8 @@ def ranked_tables(df: pd.DataFrame, metric: str | Column = "err_mean",
     if "sliding" not in df:
         df["sliding"] = "keep"
     df["sliding"] = df["sliding"].fillna("keep")
-    extras = [_as_column(e) for e in extras if _as_column(e).key in df and _as_column(e).key != metric.key]
+    extras = [c for c in map(_as_column, extras)                  # those the results hold (err_gap needs an oracle)
+              if c.key in df and c.key != metric.key and df[c.key].notna().any()]
     lower = metric.direction == "lower"
     tables = []
     for (trace, sliding), part in df.groupby(["trace", "sliding"], sort=False):
