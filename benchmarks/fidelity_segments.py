@@ -9,7 +9,7 @@ sliding window matters and the 3 global layers, the only ones a policy compresse
 3. Report: per text and budget, the split-half reliability of the model's policy ranking (mean ΔNLL over
    segments), and Spearman's rho of every simulated loss against it, within each budget and pooled. A
    predictor fitted on one text (per-layer weights of the error) is judged on the other.
-Writes benchmarks/results/fidelity_<model>.json and .png (fidelity_smollm2, fidelity_gemma3).
+Writes benchmarks/results/fidelity_<model>.json, .png and .html, the page (fidelity_smollm2, fidelity_gemma3).
 
     python benchmarks/fidelity_segments.py [--model gemma3-270m] [--segments 8] [--store results/fidelity_segments]
 """
@@ -87,6 +87,8 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
     import pandas as pd
 
     from benchmarks._util import RESULTS, machine, write_result
+    from gpu_validate.pages import segments_page
+    from sim.runinfo import kvsim_version, now
     from gpu_validate.fidelity import MODEL_LOSSES, SIM_LOSSES
     from sim.store import ResultStore
     from gpu_validate.segments import (fidelity_by_text, fit_layer_weights, plot_segment_fidelity, simulated,
@@ -121,9 +123,13 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
            "device": "cpu", "sim_losses": losses, "model_losses": MODEL_LOSSES, "by_text": res,
            "layer_weights": weights,
            "rows": merged.drop(columns=["nll_per_token", "err_by_layer", "err_wo_by_layer"]).to_dict("records"),
-           "seconds": time.perf_counter() - t0, "machine": machine()}
+           "seconds": time.perf_counter() - t0, "machine": machine(),
+           "kvsim": kvsim_version(), "date": now(), "command": "python benchmarks/fidelity_segments.py "
+                                                               + " ".join(sys.argv[1:])}
     path = write_result(f"fidelity_{args.name}", out)
-    plot_segment_fidelity(res, RESULTS / f"fidelity_{args.name}.png", title=f"simulator vs closed loop on {model_id}")
+    png = plot_segment_fidelity(res, RESULTS / f"fidelity_{args.name}.png",
+                                title=f"simulator vs closed loop on {model_id}")
+    print(f"page: {segments_page(out, path.with_suffix('.html'), plot=png)}")
     for text, r in res.items():
         for b, v in r["by_budget"].items():
             rel = v["reliability"]["delta_nll"]

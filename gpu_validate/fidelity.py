@@ -18,7 +18,7 @@ import numpy as np
 from gpu_validate.evaluate import compare_kept, metrics_of_run
 from gpu_validate.runner import BatchJob, ValidateError, full_model_logits, run_batch
 from policies.base import Policy
-from sim.metrics import column
+from sim.metrics import Column, column
 
 #: simulated losses (higher = worse) compared with the model's losses, labelled as sim.metrics labels them
 SIM_LOSSES = {key: column(key).label for key in ("err_mean", "err_p95", "kl_mean", "l1_mean", "miss_mass")}
@@ -180,3 +180,75 @@ def split_half_reliability(table: np.ndarray, n_splits: int = 200, seed: int = 0
     r = float(np.nanmean(rhos))
     return {"split_half_rho": r, "spearman_brown": 2 * r / (1 + r) if r > -1 else float("nan"),
             "n_segments": int(n), "n_splits": int(n_splits)}
+
+
+# ----- what a reader compares the simulator's numbers with -----
+
+#: the model-side columns of a fidelity result as summary columns (short header, label, direction, doc) for the
+#: page's tables and legend, beside `sim.metrics.COLUMNS` for the simulator's
+MODEL_COLUMNS = {
+    "delta_nll": Column("delta_nll", "ΔNLL", MODEL_LOSSES["delta_nll"], "lower",
+                        "the model's mean next-token NLL over the scored tokens with the policy's cache minus with "
+                        "the full cache, closed loop and teacher-forced (exp of it is the perplexity ratio)"),
+    "top1_disagreement": Column("top1_disagreement", "top-1 ≠", MODEL_LOSSES["top1_disagreement"], "lower",
+                                "share of the scored tokens whose greedy prediction differs from the full cache's"),
+    "kept_agreement": Column("kept_agreement", "kept =", "open-loop kept-set agreement", "higher",
+                             "share of (layer, decode step, KV head) where the model's cache holds exactly the "
+                             "simulator's kept set, both fed the same tokens"),
+}
+
+
+def token_reliability(rows: Sequence[dict[str, Any]], block: int = 8, n_splits: int = 200,
+                      seed: int = 0) -> dict[str, Any] | None:
+    """How reproducible the model's own ranking is on this one text: the scored tokens are cut into blocks of
+    ``block`` consecutive tokens (neighbouring tokens share their errors), and `split_half_reliability` ranks the
+    lossy configurations by mean ΔNLL on random halves of the blocks (Spearman-Brown: the reliability of the mean
+    over all of them). ``within_budget``: the mean over budgets of the policies' reliability at one budget (what
+    the within-budget rho is bounded by); ``pooled``: over every (policy, budget). None without per-token ΔNLL
+    (``nll_per_token``) in the rows, or with fewer than 4 blocks."""
+    lossy = [r for r in rows if r.get("policy") != "full" and r.get("nll_per_token") is not None]
+    if not lossy:
+        return None
+    n = min(len(r["nll_per_token"]) for r in lossy) // block
+    if n < 4:
+        return None
+
+    def blocks(r: dict[str, Any]) -> np.ndarray:
+        return np.asarray(r["nll_per_token"][:n * block], float).reshape(n, block).mean(1)
+
+    by_budget = {}
+    for b in sorted({int(r["budget"]) for r in lossy}):
+        part = sorted((r for r in lossy if int(r["budget"]) == b), key=lambda r: r["label"])
+        if len(part) >= 3:
+            rel = split_half_reliability(np.stack([blocks(r) for r in part], axis=1), n_splits, seed)
+            by_budget[b] = rel["spearman_brown"]
+    pooled = split_half_reliability(np.stack([blocks(r) for r in lossy], axis=1), n_splits, seed)["spearman_brown"]
+    vals = [v for v in by_budget.values() if np.isfinite(v)]
+    return {"block_tokens": block, "n_blocks": n, "n_splits": n_splits, "pooled": pooled,
+            "within_budget": float(np.mean(vals)) if vals else float("nan"), "by_budget": by_budget}
+
+
+def pair_agreement(rows: Sequence[dict[str, Any]], sim: str = "err_mean", model: str = "delta_nll") -> dict[str, Any]:
+    """Does the simulator order two policies at the same budget as the model does? Every pair of lossy policies
+    at each budget, in label order (A before B), is one case: the model says A loses more than B or less, and so
+    does the simulated loss. Returns the 2 x 2 confusion matrix of those calls, the agreement, the base rate (the
+    agreement of always answering the model's commoner call) and the pairs left out because one side ties."""
+    lossy = [r for r in rows if r.get("policy") != "full"]
+    conf = {"model_a_worse": {"sim_a_worse": 0, "sim_b_worse": 0},
+            "model_b_worse": {"sim_a_worse": 0, "sim_b_worse": 0}}
+    ties = 0
+    for b in sorted({int(r["budget"]) for r in lossy}):
+        part = sorted((r for r in lossy if int(r["budget"]) == b), key=lambda r: r["label"])
+        for i, a in enumerate(part):
+            for c in part[i + 1:]:
+                dm, ds = a[model] - c[model], a[sim] - c[sim]
+                if dm == 0 or ds == 0 or not (np.isfinite(dm) and np.isfinite(ds)):
+                    ties += 1
+                    continue
+                conf["model_a_worse" if dm > 0 else "model_b_worse"]["sim_a_worse" if ds > 0 else "sim_b_worse"] += 1
+    n = sum(v for row in conf.values() for v in row.values())
+    agree = conf["model_a_worse"]["sim_a_worse"] + conf["model_b_worse"]["sim_b_worse"]
+    a_worse = sum(conf["model_a_worse"].values())
+    return {"sim": sim, "model": model, "n_pairs": n, "ties": ties, "confusion": conf,
+            "agreement": agree / n if n else float("nan"),
+            "base_rate": max(a_worse, n - a_worse) / n if n else float("nan")}

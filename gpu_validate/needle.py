@@ -26,6 +26,7 @@ import numpy as np
 
 from gpu_validate.runner import BatchJob, ValidateError, run_batch
 from policies.base import Policy
+from sim.metrics import Column
 
 INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
                "I will quiz you about the pass key.\n")
@@ -156,6 +157,16 @@ FEATURES = {
 }
 
 
+#: the retrieval columns of a needle result (header, label, direction, doc) for the page's tables and legend
+ACCURACY = Column("accuracy", "accuracy", "retrieval accuracy", "higher",
+                  "share of the prompts whose pass key greedy decoding reproduces exactly, closed loop in the model")
+PREDICTED_ACCURACY = Column("predicted_accuracy", "predicted", "the simulator's predicted accuracy", "higher",
+                            "share of the held-out prompts the simulator predicts retrieved (the predictor at or above "
+                            "its threshold)")
+AGREEMENT = Column("agreement", "agreement", "agreement of the prediction with the model", "higher",
+                   "share of the held-out prompts where the simulator's call (retrieved or not) is the model's outcome")
+
+
 def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy, int]], *,
                     model_id: str = "model") -> list[dict[str, float]]:
     """Per (policy, budget): every `FEATURES` value, from a teacher-forced trace of prompt + answer replayed in
@@ -244,8 +255,10 @@ def fit_threshold(feature: np.ndarray, success: np.ndarray) -> float:
 def prediction_report(df, train_seeds: Sequence[int], features: Sequence[str] | None = None) -> dict[str, Any]:
     """Choose the predictor and its threshold on ``train_seeds`` rows of ``df`` (columns seed, success, and one
     column per candidate in ``features``, default the `FEATURES` present; lossy policies only), then score the
-    other seeds: agreement and confusion matrix (rows: model outcome, columns: prediction), overall and per
-    policy, and every candidate's train / held-out agreement for reference."""
+    other seeds: agreement next to its base rate (the share of the commoner outcome, what always predicting it
+    agrees on) and the confusion matrix (rows: model outcome, columns: prediction), overall, per policy and per
+    (policy, budget), the Spearman rho of the predicted accuracy per (policy, budget) with the model's, and every
+    candidate's train / held-out agreement for reference."""
     features = [f for f in (features or FEATURES) if f in df.columns]
     if not features:
         raise ValidateError(f"no predictor column in the table (expected one of {list(FEATURES)})")
@@ -267,6 +280,17 @@ def prediction_report(df, train_seeds: Sequence[int], features: Sequence[str] | 
         return {"model_ok_pred_ok": int((t & p).sum()), "model_ok_pred_fail": int((t & ~p).sum()),
                 "model_fail_pred_ok": int((~t & p).sum()), "model_fail_pred_fail": int((~t & ~p).sum())}
 
+    per_config = {}
+    if "budget" in test.columns:
+        for (label, b), part in test.groupby(["label", "budget"]):
+            pp = part[best].to_numpy() >= cut
+            tt = part.success.to_numpy().astype(bool)
+            per_config[f"{label}@{int(b)}"] = {"agreement": float((pp == tt).mean()), "accuracy": float(tt.mean()),
+                                               "predicted_accuracy": float(pp.mean()), "n": int(len(tt))}
+    from gpu_validate.fidelity import spearman
+
+    rho_acc = spearman([v["predicted_accuracy"] for v in per_config.values()],
+                       [v["accuracy"] for v in per_config.values()]) if per_config else float("nan")
     per_policy = {}
     for label, part in test.groupby("label"):
         pp = part[best].to_numpy() >= cut
@@ -285,7 +309,8 @@ def prediction_report(df, train_seeds: Sequence[int], features: Sequence[str] | 
             "test_seeds": sorted(int(s) for s in test.seed.unique()),
             "train_agreement": candidates[best]["train_agreement"],
             "sim_agreement": float((pred == truth).mean()), "n_test_cells": int(len(truth)),
-            "confusion": confusion(truth, pred), "per_policy": per_policy, "candidates": candidates}
+            "base_rate": float(max(truth.mean(), 1 - truth.mean())), "confusion": confusion(truth, pred),
+            "per_policy": per_policy, "per_config": per_config, "rho_accuracy": rho_acc, "candidates": candidates}
 
 
 def summarize(df) -> dict[str, Any]:
@@ -295,9 +320,29 @@ def summarize(df) -> dict[str, Any]:
     acc = {f"{lab}@{b}": float(part.success.mean()) for (lab, b), part in lossy.groupby(["label", "budget"])}
     by_len = {f"{lab}@{b}": {int(L): float(p.success.mean()) for L, p in part.groupby("length")}
               for (lab, b), part in lossy.groupby(["label", "budget"])}
+    by_seed = {f"{lab}@{b}": {int(s): float(p.success.mean()) for s, p in part.groupby("seed")}
+               for (lab, b), part in lossy.groupby(["label", "budget"])}
     return {"full_accuracy": float(full.success.mean()) if len(full) else float("nan"),
             "full_accuracy_by_length": {int(L): float(p.success.mean()) for L, p in full.groupby("length")},
-            "accuracy": acc, "accuracy_by_length": by_len}
+            "accuracy": acc, "accuracy_by_length": by_len, "accuracy_by_seed": by_seed}
+
+
+def seed_reliability(accuracy_by_seed: dict[str, dict[Any, float]], train_seeds: Sequence[int]) -> dict[str, Any]:
+    """The model against itself on other prompts: Spearman rho, over the (policy, budget) configurations, of their
+    retrieval accuracy on ``train_seeds`` with their accuracy on the other seeds (other keys and haystacks). A
+    predictor of the held-out accuracies can hardly rank them better than the model's own accuracies on the
+    training seeds do."""
+    from gpu_validate.fidelity import spearman
+
+    train = {int(s) for s in train_seeds}
+    a, b = [], []
+    for per_seed in accuracy_by_seed.values():
+        tr = [v for s, v in per_seed.items() if int(s) in train]
+        te = [v for s, v in per_seed.items() if int(s) not in train]
+        if tr and te:
+            a.append(float(np.mean(tr)))
+            b.append(float(np.mean(te)))
+    return {"rho": spearman(a, b), "n_configs": len(a), "train_seeds": sorted(train)}
 
 
 def plot_needle(df, path: str | Path, title: str = "") -> Path:

@@ -20,6 +20,28 @@ import numpy as np
 from gpu_validate.evaluate import metrics_of_run
 from gpu_validate.runner import BatchJob, ValidateError, full_model_logits, run_batch
 from policies.base import Policy
+from sim.metrics import Column
+
+
+#: simulated losses of the segment study that are not `sim.metrics` columns (header, label, direction, doc)
+SEGMENT_COLUMNS = {
+    "err_wo_mean": Column("err_wo_mean", "err after W_O", "attention error after the output projection W_O",
+                          "lower", "relative error of the layer's attention output after W_O, all heads summed as the "
+                                   "residual stream sees them (sim/projected_error.py)"),
+    "layerfit_err_insample": Column("layerfit_err_insample", "layer-fit err (in sample)",
+                                    "per-layer weighted error, fitted on this text", "lower",
+                                    "sum over layers of a non-negative weight times the layer's mean error, weights "
+                                    "fitted (ridge) on this text's cells"),
+    "layerfit_err_heldout": Column("layerfit_err_heldout", "layer-fit err (held out)",
+                                   "per-layer weighted error, fitted on the other text", "lower",
+                                   "the same weighted error with weights fitted on the other text"),
+    "layerfit_wo_insample": Column("layerfit_wo_insample", "layer-fit W_O (in sample)",
+                                   "per-layer weighted error after W_O, fitted on this text", "lower",
+                                   "per-layer weights of the error after W_O, fitted on this text's cells"),
+    "layerfit_wo_heldout": Column("layerfit_wo_heldout", "layer-fit W_O (held out)",
+                                  "per-layer weighted error after W_O, fitted on the other text", "lower",
+                                  "per-layer weights of the error after W_O, fitted on the other text"),
+}
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvsim`` console script; bad input exits with status 2 and a one-line error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv                                        # the command line, for the header of result pages
     try:
         return int(args.func(args) or 0)
     except (TraceError, PolicyError, ValueError, FileNotFoundError, FileExistsError) as e:

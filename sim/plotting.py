@@ -15,6 +15,15 @@ def agg_pyplot():
     return plt
 
 
+def current_umask() -> int:
+    """This process's umask (read by setting and restoring it)."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_figure(fig, path: str | Path, dpi: int = 130) -> Path:
     """Write a matplotlib figure atomically (temp file + rename; format from the suffix) and free it."""
     import os
@@ -28,6 +37,7 @@ def save_figure(fig, path: str | Path, dpi: int = 130) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=dpi)
+        os.chmod(tmp, 0o666 & ~current_umask())     # mkstemp creates 0600; a plot is as readable as any file
         os.replace(tmp, path)
     finally:
         plt.close(fig)

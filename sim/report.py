@@ -1,4 +1,5 @@
-"""Tables and plots users read: ranked policies per trace, loss-vs-budget curves."""
+"""Tables and plots users read: ranked policies per trace (built by `sim.table`, the same for the terminal and the
+page), loss-vs-budget curves, loss vs memory held (Pareto), occupancy maps and search plots."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,53 +9,32 @@ import pandas as pd
 
 from sim.metrics import column
 from sim.plotting import save_figure as _save
-
-#: result columns a ranked table shows after the policy and its rank (headers and legend from sim.metrics)
-_TABLE_COLUMNS = ("err_mean", "mass_mean", "kl_mean", "err_gap", "slots_mean")
-_SHOWN = {"label": "policy", "rank": "rank", **{c: column(c).short for c in _TABLE_COLUMNS}}
+from sim.table import PAPER_POLICIES, print_tables, ranked_tables
 
 
-def _legend(metric: str) -> str:
-    """What each header of the ranked table means."""
-    return " · ".join([f"rank: mean rank over budgets by {column(metric).short}"]
-                      + [f"{column(c).short}: {column(c).label} {column(c).arrow}" for c in _TABLE_COLUMNS])
+def split_sliding(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows replayed with ``--sliding compress`` under their own trace name (``NAME (sliding: compress)``), so that
+    tables and plots never draw them over the default rows of the same trace: their metrics cover other layers."""
+    if df.empty or "sliding" not in df or (df.sliding.fillna("keep") == "keep").all():
+        return df
+    other = df.sliding.fillna("keep") != "keep"
+    return df.assign(trace=np.where(other, df.trace + " (sliding: " + df.sliding.fillna("keep") + ")", df.trace))
 
 
 def ranked_table(df: pd.DataFrame, metric: str = "err_mean") -> pd.DataFrame:
-    """Per trace and policy label: mean rank over budgets (1 = lowest loss) and mean metrics, best first."""
-    if df.empty:
-        return df
-    df = df.copy()
-    lower = column(metric).direction == "lower"
-    df["rank"] = df.groupby(["trace", "budget"])[metric].rank(method="min", ascending=lower)
-    cols = [c for c in ("rank",) + _TABLE_COLUMNS if c in df]
-    out = df.groupby(["trace", "label"], as_index=False)[cols].mean()
-    return out.sort_values(["trace", "rank", metric], ascending=[True, True, lower]).reset_index(drop=True)
+    """The ranked tables (`sim.table.ranked_tables`) as one DataFrame: trace, sliding, label, role, rank, the
+    metric per budget (``err_mean@64``), its mean and the other means; references first, then best first."""
+    frames = [t.frame().assign(trace=t.trace, sliding=t.sliding) for t in ranked_tables(df, metric)]
+    if not frames:
+        return pd.DataFrame()
+    out = pd.concat(frames, ignore_index=True)
+    return out[["trace", "sliding", *[c for c in out if c not in ("trace", "sliding")]]]
 
 
 def print_ranked(df: pd.DataFrame, metric: str = "err_mean", title: str = "kvsim results") -> None:
-    """Print the ranked table to the terminal (rich), one table per trace."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(100, Console().width))
-    table_df = ranked_table(df, metric)
-    for trace, part in table_df.groupby("trace", sort=False):
-        budgets = sorted(df[df.trace == trace].budget.unique())
-        col = column(metric)
-        table = Table(title=f"{title} — {trace} — budgets {', '.join(map(str, budgets))} ({col.direction} "
-                            f"{col.short} is better)")
-        cols = [c for c in _SHOWN if c in part]
-        for c in cols:
-            table.add_column(_SHOWN[c], justify="left" if c == "label" else "right")
-        for _, row in part.iterrows():
-            table.add_row(*[str(row[c]) if c == "label" else f"{row[c]:.3g}" for c in cols])
-        console.print(table)
-    console.print(_legend(metric), style="dim")
-
-
-PAPER_POLICIES = ("buzz", "buzz_logn", "bumblebee", "cascading", "ada_snapkv", "ada_pyramidkv", "ada_h2o", "d2o")
-"""The seed papers' policies, always drawn in colour in the budget plot."""
+    """Print the ranked tables to the terminal (rich): one per trace, a column per budget, then the legend; the
+    same tables the HTML page shows (`sim.table`)."""
+    print_tables(ranked_tables(df, metric), title)
 
 
 def _highlighted(df: pd.DataFrame, metric: str, best: int) -> tuple[list[str], list[str]]:
@@ -114,18 +94,6 @@ def plot_budget_curves(df: pd.DataFrame, path: str | Path, metrics: tuple[str, .
     return _save(fig, path, dpi=130)
 
 
-def write_html(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") -> Path:
-    """The ranked table as a standalone HTML page."""
-    table = ranked_table(df, metric).rename(columns=_SHOWN)
-    html = ("<html><head><meta charset='utf-8'><title>kvsim results</title><style>"
-            "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-            "td,th{padding:4px 10px;border-bottom:1px solid #ddd;text-align:right}</style></head><body>"
-            f"<h1>kvsim results</h1>{table.to_html(index=False, float_format=lambda x: f'{x:.4g}')}</body></html>")
-    path = Path(path)
-    path.write_text(html, encoding="utf-8")
-    return path
-
-
 def default_budgets(n_tokens: int, n: int = 5) -> list[int]:
     """Powers of two from 16 up to about half the sequence (at most n of them)."""
     top = max(16, n_tokens // 2)
@@ -161,8 +129,10 @@ def plot_pareto(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") ->
     import matplotlib.pyplot as plt
 
     traces = list(dict.fromkeys(df.trace))
-    fig, axes = plt.subplots(1, len(traces), figsize=(6.5 * len(traces), 4.6), squeeze=False)
     policies = sorted(df.policy.unique())
+    ncol = 1 if len(policies) <= 18 else 2
+    fig, axes = plt.subplots(1, len(traces), figsize=(6.5 * len(traces) + 1.6 * ncol, 4.8), squeeze=False,
+                             layout="constrained")
     cmap = plt.get_cmap("tab20")
     for ax, trace in zip(axes[0], traces):
         part = df[(df.trace == trace) & (df.policy != "full")]
@@ -170,7 +140,7 @@ def plot_pareto(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") ->
             pts = part[part.policy == pol]
             if not pts.empty:
                 ax.scatter(pts.kv_bytes_mean / 1024, pts[metric], s=22, color=cmap(i % 20), label=pol,
-                           marker="os^vD<>ph*"[i % 10])
+                           marker="os^vD<>"[i % 7])      # 7 markers x 20 colours: no two policies alike below 140
         front = pareto_front(part, metric)
         ax.plot(front.kv_bytes_mean / 1024, front[metric], "-", color="black", linewidth=1, label="Pareto front")
         ax.set_xscale("log", base=2)
@@ -180,8 +150,7 @@ def plot_pareto(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") ->
         ax.set_title(trace, fontsize=10)
         ax.grid(True, alpha=0.3)
     handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="center right", fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 0.84, 1))
+    fig.legend(handles, names, loc="outside right upper", fontsize=8, frameon=False, ncol=ncol)
     return _save(fig, path, dpi=130)
 
 
@@ -232,3 +201,23 @@ def plot_occupancy(kept: np.ndarray, steps: np.ndarray, n_tokens: int, title: st
         ax.axis("off")
     fig.tight_layout()
     return _save(fig, path, dpi=120)
+
+
+def occupancy_figure(trace, policies, budget: int, path: str | Path, *, sliding: str = "keep") -> Path:
+    """`plot_occupancy` of the given policies (those that keep every token, such as the full cache, have no map and
+    are left out) replayed on ``trace`` at one budget, one panel each."""
+    from sim.replay import load_layers, replay
+
+    drawn = [pol for pol in policies if not pol.unbounded]
+    if not drawn:
+        raise ValueError(f"no policy to draw among {', '.join(p.label() for p in policies)} (policies that keep "
+                         "every token, such as full, have no occupancy map)")
+    inputs = load_layers(trace)
+    P, T = trace.meta.n_prompt, trace.meta.n_tokens
+    panels, titles, steps = [], [], None
+    for pol in drawn:
+        res = replay(trace, pol, budget, inputs=inputs, record_kept=(P, T - P), sliding=sliding)
+        panels.append(res.kept)
+        titles.append(f"{pol.label()} @ {budget}")
+        steps = res.kept_steps
+    return plot_occupancy(panels, steps, T, titles, path)

@@ -54,8 +54,11 @@ def test_demo_synthetic(tmp_path, capsys):
     assert main(["demo", "--synthetic", "mixed", "--tokens", "96", "--prompt", "16", "--budgets", "8,16",
                  "--out", str(tmp_path)]) == 0
     assert (tmp_path / "demo.png").stat().st_size > 10_000
-    assert (tmp_path / "demo.html").read_text().count("<tr>") > 3
-    assert "oracle" in capsys.readouterr().out
+    page = (tmp_path / "demo.html").read_text()
+    assert page.count("<tr>") > 3 and page.count('<img src="data:image/png;base64,') == 3
+    assert 'data-fact="model"' in page and "kvsim demo --synthetic mixed" in page
+    out = capsys.readouterr().out
+    assert "oracle" in out and f"page: {tmp_path / 'demo.html'}" in out
 
 
 @pytest.mark.parametrize("argv, message", [

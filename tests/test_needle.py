@@ -132,4 +132,8 @@ def test_needle_cli_on_tiny_local_model(llama, tmp_path, capsys):
     assert 0.0 <= rep["full_accuracy"] <= 1.0 and 0.0 <= rep["sim_agreement"] <= 1.0
     assert rep["prediction"]["n_test_cells"] == 4 and set(rep["accuracy"]) == {"streaming_llm@16", "snapkv@16"}
     assert (tmp_path / "needle.png").stat().st_size > 0
-    assert "simulator prediction on held-out seeds [2]" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "simulator prediction on held-out seeds [2]" in printed and f"page: {tmp_path / 'needle.html'}" in printed
+    page = (tmp_path / "needle.html").read_text()
+    assert "simulator: retrieves" in page and page.count('<img src="data:image/png;base64,') == 1
+    assert rep["prediction"]["base_rate"] >= 0.5 and rep["model_reliability"]["train_seeds"] == [1]

@@ -12,15 +12,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fidelity", help="measure how well the simulator predicts the real model's losses",
                        description="Record a trace of the model on the text, replay every policy x budget in the "
                                    "simulator and run it closed-loop in the model; report Spearman rho between "
-                                   "simulated losses and the model's ΔPPL / top-1 disagreement, open-loop kept-set "
-                                   "agreement, and a scatter plot. The oracle is skipped (it cannot run closed-loop).")
+                                   "simulated losses and the model's ΔPPL / top-1 disagreement next to the model's "
+                                   "own reliability on the text, pair agreement next to its base rate, open-loop "
+                                   "kept-set agreement, a scatter plot and an HTML page of it all. The oracle is "
+                                   "skipped (it cannot run closed-loop).")
     add_model_args(p)
     p.set_defaults(prompt=128, decode=64)
     add_policies_option(p, default="all", extra=" (the oracle is skipped: it cannot run closed-loop)")
     add_budgets_option(p, default=[16, 32, 64])
     p.add_argument("--open-steps", type=int, default=16, help="decode steps compared in open loop")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default benchmarks/results/fidelity_<device>.json; the PNG goes beside it)")
+                   help="JSON path (default benchmarks/results/fidelity_<device>.json; the PNG and the HTML page go "
+                        "beside it)")
     p.set_defaults(func=run)
 
 
@@ -29,8 +32,12 @@ def run(args: argparse.Namespace) -> int:
     import os
     import torch
 
-    from gpu_validate.fidelity import plot_fidelity, run_fidelity
+    from gpu_validate.fidelity import pair_agreement, plot_fidelity, run_fidelity, token_reliability
+    from gpu_validate.pages import fidelity_page, fidelity_tables, run_info
+    from sim.commands._common import command_line
+    from sim.table import print_tables
     from sim.specs import parse_policy_list
+    from traces.model import read_text
     from traces.models import model_id
 
     torch.set_grad_enabled(False)
@@ -44,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"benchmarks/results/fidelity_{device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     png = plot_fidelity(report, out.with_suffix(".png"))
-    report["plot"] = str(png)
+    report.update(plot=str(png), text=read_text(args.text)[1], command=command_line(args), **run_info(),
+                  model_reliability=token_reliability(report["rows"]), pair_agreement=pair_agreement(report["rows"]))
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=1, default=float))
     os.replace(tmp, out)
@@ -56,5 +64,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"within-budget rho among lossy policies (err_mean): ΔPPL {within['delta_nll']:.3f}, "
           f"top-1 {within['top1_disagreement']:.3f}")
     print(f"open-loop kept-set agreement: {report['kept_agreement']:.4f}  (target >= 0.99)")
-    print(f"wrote {out} and {png}")
+    rel, pairs = report["model_reliability"], report["pair_agreement"]
+    if rel:
+        print(f"the model's own reliability on this text (split-half over {rel['block_tokens']}-token blocks): "
+              f"{rel['pooled']:.3f} over all, {rel['within_budget']:.3f} within a budget")
+    print(f"pairs of policies ordered as the model orders them: {pairs['agreement']:.3f} (base rate "
+          f"{pairs['base_rate']:.3f}, {pairs['n_pairs']} pairs)")
+    print_tables(fidelity_tables(report)[0], f"kvsim fidelity — the model's ranking on {report['model']}")
+    page = fidelity_page(report, out.with_suffix(".html"), plot=png)
+    print(f"wrote {out} and {png}\npage: {page}")
     return 0

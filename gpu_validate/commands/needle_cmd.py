@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Build a grid of pass-key prompts (context lengths x needle depths x seeds, "
                                    "real filler text), run every policy x budget closed-loop in the model (batched) "
                                    "and score exact-match retrieval into a resumable Parquet store; plot one "
-                                   "accuracy heatmap per policy beside the full cache. With --predict, record each "
+                                   "accuracy heatmap per policy beside the full cache, and an HTML page of the "
+                                   "results. With --predict, record each "
                                    "prompt as a teacher-forced trace, replay the policies and predict the outcome "
                                    "from the retained attention on the key (threshold fitted on --train-seeds).")
     add_model_option(p)
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_policies_option(p, default=DEFAULT_POLICIES)
     add_budgets_option(p, default=[32, 64])
     p.add_argument("--store", default="results/needle", help="Parquet results store (resumable)")
-    add_out_option(p, "benchmarks/results/needle.json", "summary JSON (the PNG goes beside it)")
+    add_out_option(p, "benchmarks/results/needle.json", "summary JSON (the PNG and the HTML page go beside it)")
     p.add_argument("--predict", action="store_true", help="also the simulator's prediction (records traces)")
     p.add_argument("--train-seeds", type=int_list, default=None,
                    help="seeds the prediction threshold is fitted on (none: the first half of --seeds)")
@@ -54,7 +55,11 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
     import torch
 
-    from gpu_validate.needle import make_grid, needle_features, plot_needle, prediction_report, run_needle, summarize
+    from gpu_validate.needle import (make_grid, needle_features, plot_needle, prediction_report, run_needle,
+                                     seed_reliability, summarize)
+    from gpu_validate.pages import needle_page, needle_tables, run_info
+    from sim.commands._common import command_line
+    from sim.table import print_tables
     from gpu_validate.runner import check_run_args
     from policies.registry import get_policy
     from sim.store import ResultStore
@@ -73,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     model_id = name_of(args.model)
     from traces.model import read_text
 
-    text = read_text(args.text)[0]
+    text, text_id = read_text(args.text)
     prompts = make_grid(tok, text, args.lengths, args.depths, args.seeds)
     print(f"{len(prompts)} prompts x {len(configs)} configurations (+ full cache) on {model_id}", flush=True)
     store = ResultStore(args.store)
@@ -85,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
             & (df.budget.isin(args.budgets) | (df.policy == "full"))]
     report = {"model": model_id, "backend": "torch", "device": "cpu", "lengths": args.lengths,
               "depths": args.depths, "seeds": args.seeds, "policies": [p.label() for p in policies],
-              "budgets": args.budgets, "n_prompts": len(prompts), **summarize(df)}
+              "budgets": args.budgets, "n_prompts": len(prompts), "text": text_id, "command": command_line(args),
+              **run_info(), **summarize(df)}
     if args.predict:
         from tqdm.auto import tqdm
 
@@ -100,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         train = args.train_seeds if args.train_seeds is not None else args.seeds[:max(1, len(args.seeds) // 2)]
         pred = prediction_report(merged, train)
         report.update({"sim_agreement": pred["sim_agreement"], "prediction": pred,
+                       "model_reliability": seed_reliability(report["accuracy_by_seed"], train),
                        "predictor": f"{pred['feature']}: retained share of the full-cache attention on the key's "
                                     f"tokens at the answer steps, {pred['feature_doc']}"})
         print(f"simulator prediction on held-out seeds {pred['test_seeds']}: agreement {pred['sim_agreement']:.3f} "
@@ -116,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     tmp.write_text(json.dumps(report, indent=1, default=float))
     os.replace(tmp, out)
     print(f"full-cache accuracy {report['full_accuracy']:.3f}", flush=True)
-    for k, v in report["accuracy"].items():
-        print(f"{k:>32s}: {v:.3f}", flush=True)
-    print(f"wrote {out} and {png}", flush=True)
+    print_tables(needle_tables(report), f"kvsim needle — retrieval accuracy on {model_id}")
+    page = needle_page(report, out.with_suffix(".html"), plot=png)
+    print(f"wrote {out} and {png}\npage: {page}", flush=True)
     return 0

@@ -28,6 +28,14 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The command as typed (``kvsim demo --synthetic mixed``), for the header of a result page."""
+    import shlex
+
+    argv = getattr(args, "argv", None)
+    return "kvsim " + shlex.join(argv) if argv is not None else f"kvsim {getattr(args, 'command', '')}".strip()
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 (budgets, counts)."""
     try:

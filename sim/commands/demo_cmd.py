@@ -25,11 +25,12 @@ def _layers(text: str) -> str | list[int]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="replay all policies on a real model's trace; print a ranked table and a plot",
+    p = sub.add_parser("demo", help="replay all policies on a real model's trace; print a ranked table, write a page",
                        description="Record a trace of a real model (SmolLM2-135M by default, fetched and converted "
                                    "on first use) on kvsim's shipped held-out text, or generate a synthetic one; "
                                    "replay every registered policy at several budgets, print the ranked table and "
-                                   "write a loss-vs-budget plot.")
+                                   "write OUT/demo.html, a self-contained page: what ran, the table per budget, the "
+                                   "legend, loss-vs-budget, loss-vs-memory and occupancy plots (also as PNGs).")
     add_model_option(p)
     p.add_argument("--synthetic", metavar="KIND", default=None,
                    help="use a synthetic trace of this kind instead of a model (e.g. mixed)")
@@ -107,10 +108,27 @@ def describe_replayed(trace) -> str:
     return text
 
 
+#: policies whose cache occupancy the demo page draws (at the middle budget): a window, sinks + window, two
+#: attention-score policies and two paper policies, next to the oracle
+OCCUPANCY_POLICIES = ("streaming_llm", "h2o", "snapkv", "buzz", "bumblebee", "oracle")
+
+
+def _fits(policy, budget: int) -> bool:
+    """Whether ``policy`` accepts ``budget`` (BUZZ, for one, needs room for its sinks, window and threshold)."""
+    try:
+        policy.check_budget(budget)
+    except ValueError:
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     from policies import get_policy, list_policies
+    from sim.commands._common import command_line
     from sim.executors import default_workers
-    from sim.report import plot_budget_curves, print_ranked, write_html
+    from sim.pages import sweep_page
+    from sim.report import occupancy_figure, plot_budget_curves, plot_pareto, print_ranked
+    from sim.runinfo import save_trace_facts, trace_facts
     from sim.specs import trace_id
     from sim.store import ResultStore
     from sim.sweep import run_sweep, with_oracle_gap
@@ -124,10 +142,21 @@ def run(args: argparse.Namespace) -> int:
     layers = "" if args.synthetic else f", layers {','.join(map(str, trace.meta.model.layer_ids))}"
     title = f"kvsim demo — {model}{layers}"
     policies = [get_policy(n) for n in list_policies(combinators=False)]
-    df = run_sweep([ref], policies, args.budgets, ResultStore(args.out / "demo-results"), workers=default_workers())
-    df = with_oracle_gap(df[(df.trace_id == trace_id(trace)) & df.budget.isin(args.budgets)])
+    store = ResultStore(args.out / "demo-results")
+    save_trace_facts(store.root, trace)
+    df = run_sweep([ref], policies, args.budgets, store, workers=default_workers())
+    tid = trace_id(trace)
+    df = with_oracle_gap(df[(df.trace_id == tid) & df.budget.isin(args.budgets)])
     print_ranked(df, title=title)
-    png = plot_budget_curves(df, args.out / "demo.png", title=title)
-    html = write_html(df, args.out / "demo.html")
-    print(f"plot: {png}\ntable: {html}\nresults store: {args.out / 'demo-results'} (rerun to resume/extend)")
+    figures = {"budget_curves": plot_budget_curves(df, args.out / "demo.png", title=title),
+               "pareto": plot_pareto(df, args.out / "demo-pareto.png")}
+    budget = sorted(args.budgets)[len(args.budgets) // 2]
+    drawn = [pol for pol in map(get_policy, OCCUPANCY_POLICIES) if _fits(pol, budget)]
+    if drawn and budget <= trace.meta.n_tokens:
+        figures["occupancy"] = occupancy_figure(trace, drawn, budget, args.out / "demo-occupancy.png")
+    page = sweep_page(df, args.out / "demo.html", title=title, facts={tid: trace_facts(trace)}, figures=figures,
+                      command=command_line(args))
+    print(f"page: {page} (open it in a browser: the header says what ran; plots, the table per budget, legend)\n"
+          f"plots: {', '.join(str(p) for p in figures.values())}\n"
+          f"results store: {store.root} (rerun to resume/extend)")
     return 0

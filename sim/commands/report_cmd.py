@@ -9,13 +9,15 @@ from sim.commands._common import (add_budget_option, add_policies_option, add_sy
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="tables and plots from a results store (+ cache occupancy maps)",
-                       description="Print the ranked table per trace and write report.html, budget_curves.png "
-                                   "and pareto.png (loss vs memory held). With --occupancy TRACE, also replay the "
-                                   "given policies and draw which positions each one holds over time.")
+    p = sub.add_parser("report", help="ranked table, plots and a page from a results store (+ occupancy maps)",
+                       description="Print the ranked table per trace and write budget_curves.png, pareto.png "
+                                   "(loss vs memory held) and report.html, a self-contained page of the table per "
+                                   "budget, the plots and the legend. With --occupancy TRACE, also replay the given "
+                                   "policies and draw which positions each one holds over time.")
     p.add_argument("results", type=Path, help="results store directory (from kvsim sweep / search / demo)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: RESULTS/../report)")
-    p.add_argument("--metric", default="err_mean", help="ranking metric column")
+    p.add_argument("--metric", default="err_mean",
+                   help="summary column to rank by (sim.metrics: err_mean, err_p95, mass_mean, kl_mean, err_gap, ...)")
     p.add_argument("--occupancy", metavar="TRACE", default=None,
                    help="trace directory or synthetic:KIND for occupancy maps")
     g = p.add_argument_group("occupancy maps (--occupancy)")
@@ -28,7 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.report import plot_budget_curves, plot_occupancy, plot_pareto, print_ranked, write_html
+    from sim.commands._common import command_line
+    from sim.pages import sweep_page
+    from sim.report import plot_budget_curves, plot_pareto, print_ranked, split_sliding
+    from sim.runinfo import load_trace_facts
     from sim.store import ResultStore
     from sim.sweep import with_oracle_gap
 
@@ -37,35 +42,34 @@ def run(args: argparse.Namespace) -> int:
     df = ResultStore(args.results).load()
     if df.empty:
         raise ValueError(f"{args.results}: the results store is empty")
-    df = with_oracle_gap(df)
+    df = split_sliding(with_oracle_gap(df))
     out = args.out or args.results.parent / "report"
     out.mkdir(parents=True, exist_ok=True)
-    print_ranked(df, args.metric)
-    written = [write_html(df, out / "report.html", args.metric), plot_budget_curves(df, out / "budget_curves.png"),
-               plot_pareto(df, out / "pareto.png", args.metric)]
+    print_ranked(df, args.metric, title=f"kvsim report — {args.results.name}")
+    facts = load_trace_facts(args.results)
+    figures = {"budget_curves": plot_budget_curves(df, out / "budget_curves.png"),
+               "pareto": plot_pareto(df, out / "pareto.png", args.metric)}
     if args.occupancy:
-        written.append(_occupancy(args, out))
-    for path in written:
+        figures["occupancy"] = _occupancy(args, out, facts)
+    page = sweep_page(df, out / "report.html", title=f"kvsim report — {args.results.name}", metric=args.metric,
+                      facts=facts, figures=figures, command=command_line(args),
+                      lede=f"The results store {args.results} ({len(df)} configurations), ranked; every policy was "
+                           "replayed on the trace and measured against the full cache's attention at every decode "
+                           "step.")
+    for path in figures.values():
         print(f"wrote {path}")
+    print(f"page: {page} (open it in a browser: plots, the table per budget, legend)")
     return 0
 
 
-def _occupancy(args: argparse.Namespace, out: Path) -> Path:
-    from sim.replay import load_layers, replay
-    from sim.report import plot_occupancy
+def _occupancy(args: argparse.Namespace, out: Path, facts: dict) -> Path:
+    """The occupancy maps of ``--policies`` on ``--occupancy TRACE`` at ``--budget``; the trace's facts join
+    ``facts`` when the store did not have them."""
+    from sim.report import occupancy_figure
+    from sim.runinfo import trace_facts
     from sim.specs import parse_policy_list
 
     trace = load(args, args.occupancy)
-    inputs = load_layers(trace)
-    P, T = trace.meta.n_prompt, trace.meta.n_tokens
-    drawn = [pol for pol in parse_policy_list(args.policies) if not pol.unbounded]
-    if not drawn:
-        raise ValueError(f"--policies {args.policies!r}: no policy to draw (policies that keep every token, "
-                         f"such as full, have no occupancy map)")
-    panels, titles, steps = [], [], None
-    for pol in drawn:
-        res = replay(trace, pol, args.budget, inputs=inputs, record_kept=(P, T - P))
-        panels.append(res.kept)
-        titles.append(f"{pol.label()} @ {args.budget}")
-        steps = res.kept_steps
-    return plot_occupancy(panels, steps, T, titles, out / "occupancy.png")
+    f = trace_facts(trace)
+    facts.setdefault(f["trace_id"], f)
+    return occupancy_figure(trace, parse_policy_list(args.policies), args.budget, out / "occupancy.png")

@@ -39,7 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from sim.search import run_search
     from sim.store import ResultStore
 
+    from sim.runinfo import save_ref_facts
+
     ref = trace_ref(args, args.trace)
+    save_ref_facts(args.out, ref)                    # what `kvsim report` says about the trace
     res = run_search(ref, args.policy, args.budgets, ResultStore(args.out), objective=args.objective,
                      n_trials=args.trials, multi_objective=args.pareto, layer_weights=args.layer_weights,
                      workers=args.workers, ray_address=args.ray, threads=args.threads, seed=args.search_seed,

@@ -25,17 +25,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.report import default_budgets, plot_budget_curves, print_ranked
+    from sim.report import default_budgets, plot_budget_curves, print_ranked, split_sliding
+    from sim.runinfo import save_ref_facts
     from sim.store import ResultStore
     from sim.sweep import parse_policy_grid, run_sweep, with_oracle_gap
 
     refs = trace_refs(args)
     budgets = args.budgets or default_budgets(min(r.open()[0].meta.n_tokens for r in refs))
-    df = run_sweep(refs, parse_policy_grid(args.policies), budgets, ResultStore(args.out), workers=args.workers,
+    store = ResultStore(args.out)
+    for ref in refs:
+        save_ref_facts(store.root, ref)              # what `kvsim report` says about each trace
+    df = run_sweep(refs, parse_policy_grid(args.policies), budgets, store, workers=args.workers,
                    ray_address=args.ray, threads=args.threads, progress=not args.quiet)
-    df = with_oracle_gap(df[df.budget.isin(budgets)])
+    df = split_sliding(with_oracle_gap(df[df.budget.isin(budgets)]))
     print_ranked(df)
-    print(f"results: {args.out} ({len(df)} rows for these budgets)")
+    print(f"results: {args.out} ({len(df)} rows for these budgets; `kvsim report {args.out}` writes the page)")
     if args.plot:
         print(f"plot: {plot_budget_curves(df, args.plot)}")
     return 0
