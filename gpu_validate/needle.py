@@ -9,8 +9,11 @@ Every prompt has exactly ``length`` tokens, so prompts of one length batch toget
 The simulator's prediction (`needle_features`): the same prompt plus the answer is recorded as a
 teacher-forced trace; each policy is replayed on it and, at the answer steps, the share of the full-cache
 attention on the key's tokens that falls on tokens the policy still holds is measured several ways
-(`FEATURES`: over all heads, over the retrieval heads, at the first answer step, in the weakest layer). The
-predictor and its threshold are chosen on some seeds and judged on the others.
+(`FEATURES`: over all heads, over the retrieval heads, at the first answer step, in the weakest layer); the
+features are kept in a resumable store of their own (`stored_features`), so a re-fit never re-records a trace. The
+predictor and its threshold are chosen on some seeds (`fit_threshold`, by balanced accuracy unless told otherwise)
+and judged on the others (`prediction_report`, `binary_scores`): most cells fail, so an agreement is reported next
+to its base rate, with balanced accuracy and Matthews correlation, which do not reward calling the commoner outcome.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -190,6 +193,45 @@ def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy,
     return out
 
 
+def feature_key(prompt: NeedlePrompt, policy: Policy, budget: int, model_id: str) -> str:
+    """Stable key of one simulated (model, prompt, policy with its parameters, budget) cell in the feature store:
+    the closed-loop cell's coordinates plus a digest of the prompt's token ids (another filler text makes another
+    prompt under the same id) and the names of the `FEATURES` (a new candidate makes the stored rows stale)."""
+    ids = hashlib.sha256(json.dumps(list(prompt.ids)).encode()).hexdigest()[:16]
+    payload = json.dumps([model_id, prompt.prompt_id, prompt.key, ids, policy.name, policy.params, int(budget),
+                          sorted(FEATURES)], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def stored_features(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[Policy, int]], store, *,
+                    model_id: str, progress: bool = True, log: Callable[[str], None] = print) -> "Any":
+    """The `needle_features` of every prompt × (policy, budget), kept in ``store`` (a `sim.store.ResultStore`,
+    beside the closed-loop one): cells already there are read back, and a prompt with missing cells is recorded
+    and replayed for those only, then written as its own part file (atomic; an interrupted run resumes at the next
+    prompt). Re-fitting the prediction (another ``--train-seeds`` or ``--fit-objective``) thus never re-records a
+    trace. Returns one row per requested cell: prompt_id, label, budget and one column per feature."""
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    known = store.load()
+    done = set(known.key) if len(known) else set()
+    todo = [(p, [(pol, b) for pol, b in configs if feature_key(p, pol, b, model_id) not in done]) for p in prompts]
+    todo = [(p, cfgs) for p, cfgs in todo if cfgs]
+    n_done = len(prompts) * len(configs) - sum(len(c) for _, c in todo)
+    if n_done:
+        log(f"simulator features: {n_done} cells already in {store.root}")
+    for p, cfgs in tqdm(todo, desc="predict", unit="prompt", disable=not progress):
+        feats = needle_features(model, p, cfgs, model_id=model_id)
+        store.add([{"key": feature_key(p, pol, b, model_id), "model": model_id, "prompt_id": p.prompt_id,
+                    "label": pol.label(), "policy": pol.name, "params": pol.params, "budget": int(b), **x}
+                   for (pol, b), x in zip(cfgs, feats)])
+    if todo:
+        known = store.load()
+    want = pd.DataFrame([{"key": feature_key(p, pol, b, model_id)} for p in prompts for pol, b in configs])
+    rows = want.merge(known, on="key", how="left")
+    return rows[["prompt_id", "label", "budget", *[f for f in FEATURES if f in rows.columns]]]
+
+
 def _key_attention(inputs, scale: float, P: int, n_ans: int, key_pos: np.ndarray) -> np.ndarray:
     """Full-cache attention [L, n_ans, Hq, n_key] of the answer-step queries (positions P-1 .. P+n_ans-2,
     those that predict the answer's tokens) on the key's token positions."""
@@ -242,26 +284,102 @@ def _features(attn: np.ndarray, held: np.ndarray) -> dict[str, float]:
             "weakest_layer": float(min(per_layer))}
 
 
-def fit_threshold(feature: np.ndarray, success: np.ndarray) -> float:
-    """The cut t maximising agreement of (feature >= t) with ``success`` (midpoints between sorted values;
-    ties go to the lowest cut)."""
+# ----- scoring a yes/no prediction -----
+
+#: the objectives `fit_threshold` (and the choice among `FEATURES`) can maximise on the training seeds
+FIT_OBJECTIVES = ("balanced_accuracy", "agreement")
+
+
+def confusion_scores(confusion: Mapping[str, int]) -> dict[str, Any]:
+    """The scores of a yes/no prediction from its confusion (the keys ``model_ok_pred_ok``, ``model_ok_pred_fail``,
+    ``model_fail_pred_ok``, ``model_fail_pred_fail``; "ok" is the positive class): ``n``; ``agreement``, the share
+    called right; ``base_rate``, the share of the commoner true outcome (the agreement of always calling it, which
+    an agreement must beat to mean anything); ``balanced_accuracy``, the mean of the share of true successes called
+    successes (TPR) and of true failures called failures (TNR), 0.5 for any constant call however unbalanced the
+    classes; ``mcc``, the Matthews correlation of the call with the truth (1 perfect, 0 no better than chance, -1
+    reversed); and the ``confusion`` itself.
+
+    Edge cases: with no cells every rate is NaN; when the truth holds one class only, the rate of the other class is
+    undefined and so is ``balanced_accuracy`` (NaN, never a guess); ``mcc`` is 0 when any marginal (a true class or
+    a predicted class) is empty, the usual convention: such a call carries no information about the other side.
+    Results stored with only a confusion are scored from it this way (`gpu_validate.pages`)."""
+    tp, fn = int(confusion["model_ok_pred_ok"]), int(confusion["model_ok_pred_fail"])
+    fp, tn = int(confusion["model_fail_pred_ok"]), int(confusion["model_fail_pred_fail"])
+    n, pos, neg = tp + fn + fp + tn, tp + fn, fp + tn
+    nan = float("nan")
+    ba = (tp / pos + tn / neg) / 2 if pos and neg else nan
+    denom = float(tp + fp) * pos * neg * (fn + tn)
+    mcc = (tp * tn - fp * fn) / np.sqrt(denom) if denom > 0 else (0.0 if n else nan)
+    return {"n": n, "agreement": (tp + tn) / n if n else nan, "base_rate": max(pos, neg) / n if n else nan,
+            "balanced_accuracy": float(ba), "mcc": float(mcc),
+            "confusion": {"model_ok_pred_ok": tp, "model_ok_pred_fail": fn, "model_fail_pred_ok": fp,
+                          "model_fail_pred_fail": tn}}
+
+
+def binary_scores(truth: Sequence[bool] | np.ndarray, pred: Sequence[bool] | np.ndarray) -> dict[str, Any]:
+    """`confusion_scores` of the call ``pred`` against the outcome ``truth`` (equal-length booleans, True =
+    retrieved): agreement next to its base rate, balanced accuracy, Matthews correlation and the confusion."""
+    t, p = np.asarray(truth, bool), np.asarray(pred, bool)
+    if t.shape != p.shape:
+        raise ValidateError(f"truth and prediction differ in shape: {t.shape} vs {p.shape}")
+    return confusion_scores({"model_ok_pred_ok": int((t & p).sum()), "model_ok_pred_fail": int((t & ~p).sum()),
+                             "model_fail_pred_ok": int((~t & p).sum()), "model_fail_pred_fail": int((~t & ~p).sum())})
+
+
+def _objective_scores(feature: np.ndarray, success: np.ndarray, cuts: np.ndarray, objective: str) -> np.ndarray:
+    """The ``objective`` of (feature >= cut) against ``success`` for every cut (vectorised `binary_scores`)."""
+    if objective not in FIT_OBJECTIVES:
+        raise ValidateError(f"unknown fit objective {objective!r} (expected one of {list(FIT_OBJECTIVES)})")
+    pred = feature[None, :] >= cuts[:, None]                                  # [cuts, cells]
+    if objective == "agreement":
+        return (pred == success[None, :]).mean(axis=1)
+    pos, neg = success.sum(), (~success).sum()
+    if not (pos and neg):                         # one class only: balanced accuracy undefined at every cut
+        return np.full(len(cuts), np.nan)
+    return ((pred & success).sum(axis=1) / pos + (~pred & ~success).sum(axis=1) / neg) / 2
+
+
+def fit_threshold(feature: np.ndarray, success: np.ndarray, objective: str = "balanced_accuracy") -> float:
+    """The cut t maximising ``objective`` of the call (feature >= t) against ``success`` (candidates: below all
+    values, the midpoints between sorted distinct values, above all; ties go to the lowest cut).
+
+    ``objective`` is "balanced_accuracy" (the default) or "agreement". Retrieval outcomes are unbalanced (most
+    cells of a small model at a small budget fail), and agreement rewards calling the majority class: with 80 %
+    failures a cut above every value ("always fails") already agrees on 0.8, so an agreement-fitted cut drifts
+    towards missing the real hits. Balanced accuracy weighs the hits and the misses alike, and a constant call
+    scores 0.5 on it. When ``success`` holds one class only, balanced accuracy is undefined and the cut falls back
+    to agreement."""
     feature, success = np.asarray(feature, float), np.asarray(success, bool)
     vals = np.unique(feature)
     cands = np.concatenate([[vals[0] - 1e-9], (vals[:-1] + vals[1:]) / 2, [vals[-1] + 1e-9]])
-    agree = [((feature >= c) == success).mean() for c in cands]
-    return float(cands[int(np.argmax(agree))])
+    score = _objective_scores(feature, success, cands, objective)
+    if not np.isfinite(score).any():
+        score = _objective_scores(feature, success, cands, "agreement")
+    return float(cands[int(np.nanargmax(score))])
 
 
-def prediction_report(df, train_seeds: Sequence[int], features: Sequence[str] | None = None) -> dict[str, Any]:
+def _group_scores(part, pred: np.ndarray) -> dict[str, Any]:
+    """`binary_scores` of one group of held-out cells, with the model's and the predicted accuracy."""
+    truth = part.success.to_numpy().astype(bool)
+    return {**binary_scores(truth, pred), "accuracy": float(truth.mean()), "predicted_accuracy": float(pred.mean())}
+
+
+def prediction_report(df, train_seeds: Sequence[int], features: Sequence[str] | None = None, *,
+                      objective: str = "balanced_accuracy") -> dict[str, Any]:
     """Choose the predictor and its threshold on ``train_seeds`` rows of ``df`` (columns seed, success, and one
-    column per candidate in ``features``, default the `FEATURES` present; lossy policies only), then score the
-    other seeds: agreement next to its base rate (the share of the commoner outcome, what always predicting it
-    agrees on) and the confusion matrix (rows: model outcome, columns: prediction), overall, per policy and per
-    (policy, budget), the Spearman rho of the predicted accuracy per (policy, budget) with the model's, and every
-    candidate's train / held-out agreement for reference."""
+    column per candidate in ``features``, default the `FEATURES` present; lossy policies only), both by
+    ``objective`` (see `fit_threshold`; the same objective picks the threshold of each candidate and the candidate),
+    then score the other seeds with `binary_scores`: agreement next to its base rate (the share of the commoner
+    outcome, what always predicting it agrees on), balanced accuracy, Matthews correlation and the confusion matrix
+    (model outcome × prediction), overall, per policy, per (policy, budget) and per context length; the Spearman
+    rho of the predicted accuracy per (policy, budget) with the model's, and every candidate's train / held-out
+    scores for reference. With a ``full_success`` column (the full cache's outcome per prompt) also the scores of
+    the call "the simulator says retrieved and the full cache retrieves"."""
     features = [f for f in (features or FEATURES) if f in df.columns]
     if not features:
         raise ValidateError(f"no predictor column in the table (expected one of {list(FEATURES)})")
+    if objective not in FIT_OBJECTIVES:
+        raise ValidateError(f"unknown fit objective {objective!r} (expected one of {list(FIT_OBJECTIVES)})")
     train = df[df.seed.isin(train_seeds)]
     test = df[~df.seed.isin(train_seeds)]
     if train.empty or test.empty:
@@ -269,48 +387,53 @@ def prediction_report(df, train_seeds: Sequence[int], features: Sequence[str] | 
     y_train, truth = train.success.to_numpy().astype(bool), test.success.to_numpy().astype(bool)
     candidates = {}
     for f in features:
-        cut = fit_threshold(train[f].to_numpy(), y_train)
-        candidates[f] = {"threshold": cut, "train_agreement": float(((train[f].to_numpy() >= cut) == y_train).mean()),
-                         "heldout_agreement": float(((test[f].to_numpy() >= cut) == truth).mean())}
-    best = max(features, key=lambda f: candidates[f]["train_agreement"])   # first listed wins ties
+        cut = fit_threshold(train[f].to_numpy(), y_train, objective)
+        tr = binary_scores(y_train, train[f].to_numpy() >= cut)
+        te = binary_scores(truth, test[f].to_numpy() >= cut)
+        candidates[f] = {"threshold": cut, "train_agreement": tr["agreement"],
+                         "train_balanced_accuracy": tr["balanced_accuracy"], "train_mcc": tr["mcc"],
+                         "heldout_agreement": te["agreement"], "heldout_balanced_accuracy": te["balanced_accuracy"],
+                         "heldout_mcc": te["mcc"]}
+
+    def train_score(f: str) -> float:
+        v = candidates[f][f"train_{objective}"]
+        return v if np.isfinite(v) else candidates[f]["train_agreement"]   # one class on the training seeds
+
+    best = max(features, key=train_score)   # first listed wins ties
     cut = candidates[best]["threshold"]
     pred = test[best].to_numpy() >= cut
+    overall = binary_scores(truth, pred)
 
-    def confusion(t: np.ndarray, p: np.ndarray) -> dict[str, int]:
-        return {"model_ok_pred_ok": int((t & p).sum()), "model_ok_pred_fail": int((t & ~p).sum()),
-                "model_fail_pred_ok": int((~t & p).sum()), "model_fail_pred_fail": int((~t & ~p).sum())}
+    def per(keys) -> dict[Any, dict[str, Any]]:
+        return {k: _group_scores(part, part[best].to_numpy() >= cut) for k, part in test.groupby(keys)}
 
-    per_config = {}
-    if "budget" in test.columns:
-        for (label, b), part in test.groupby(["label", "budget"]):
-            pp = part[best].to_numpy() >= cut
-            tt = part.success.to_numpy().astype(bool)
-            per_config[f"{label}@{int(b)}"] = {"agreement": float((pp == tt).mean()), "accuracy": float(tt.mean()),
-                                               "predicted_accuracy": float(pp.mean()), "n": int(len(tt))}
+    per_config = ({f"{label}@{int(b)}": v for (label, b), v in per(["label", "budget"]).items()}
+                  if "budget" in test.columns else {})
+    per_policy = per("label")
+    per_length = {int(L): v for L, v in per("length").items()} if "length" in test.columns else {}
     from gpu_validate.fidelity import spearman
 
     rho_acc = spearman([v["predicted_accuracy"] for v in per_config.values()],
                        [v["accuracy"] for v in per_config.values()]) if per_config else float("nan")
-    per_policy = {}
-    for label, part in test.groupby("label"):
-        pp = part[best].to_numpy() >= cut
-        tt = part.success.to_numpy().astype(bool)
-        per_policy[label] = {"agreement": float((pp == tt).mean()), "accuracy": float(tt.mean()),
-                             "predicted_accuracy": float(pp.mean()), "n": int(len(tt))}
     gated = {}
     if "full_success" in test.columns:   # one full-cache run per prompt plus the simulator: no retrieval the model
         full_ok = test.full_success.to_numpy().astype(bool)   # cannot do with the full cache is predicted
-        gp = pred & full_ok
-        gated = {"sim_and_full_agreement": float((gp == truth).mean()), "confusion_sim_and_full": confusion(truth, gp),
-                 "sim_agreement_where_full_succeeds": float((pred[full_ok] == truth[full_ok]).mean())
-                 if full_ok.any() else float("nan"), "n_test_cells_where_full_succeeds": int(full_ok.sum())}
-    return {"feature": best, "feature_doc": FEATURES.get(best, best), "threshold": cut, **gated,
-            "train_seeds": sorted(int(s) for s in train_seeds),
+        g = binary_scores(truth, pred & full_ok)
+        where = binary_scores(truth[full_ok], pred[full_ok])
+        gated = {"sim_and_full_agreement": g["agreement"], "sim_and_full_balanced_accuracy": g["balanced_accuracy"],
+                 "sim_and_full_mcc": g["mcc"], "confusion_sim_and_full": g["confusion"],
+                 "sim_agreement_where_full_succeeds": where["agreement"],
+                 "sim_balanced_accuracy_where_full_succeeds": where["balanced_accuracy"],
+                 "n_test_cells_where_full_succeeds": int(full_ok.sum())}
+    return {"feature": best, "feature_doc": FEATURES.get(best, best), "threshold": cut, "objective": objective,
+            **gated, "train_seeds": sorted(int(s) for s in train_seeds),
             "test_seeds": sorted(int(s) for s in test.seed.unique()),
             "train_agreement": candidates[best]["train_agreement"],
-            "sim_agreement": float((pred == truth).mean()), "n_test_cells": int(len(truth)),
-            "base_rate": float(max(truth.mean(), 1 - truth.mean())), "confusion": confusion(truth, pred),
-            "per_policy": per_policy, "per_config": per_config, "rho_accuracy": rho_acc, "candidates": candidates}
+            "train_balanced_accuracy": candidates[best]["train_balanced_accuracy"],
+            "sim_agreement": overall["agreement"], "n_test_cells": overall["n"], "base_rate": overall["base_rate"],
+            "balanced_accuracy": overall["balanced_accuracy"], "mcc": overall["mcc"],
+            "confusion": overall["confusion"], "per_policy": per_policy, "per_config": per_config,
+            "per_length": per_length, "rho_accuracy": rho_acc, "candidates": candidates}
 
 
 def summarize(df) -> dict[str, Any]:

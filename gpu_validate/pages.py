@@ -5,7 +5,8 @@ the simulator's prediction of it).
 Each page is built from the result's JSON alone (plus its PNG), so a stored result can be paged again. Every number
 a reader should weigh sits next to what it is weighed against: the simulator's rho beside the model's own
 reliability (how well the model agrees with itself), an agreement beside its base rate (what always giving the
-commoner answer would score), and the confusion matrix of the calls behind the agreement. Tables per budget come
+commoner answer would score), with balanced accuracy and Matthews correlation where the calls are yes/no (neither
+rewards the commoner answer), and the confusion matrix of the calls behind the agreement. Tables per budget come
 from `sim.table` (the builder the terminal uses), page parts from `sim.webpage`.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from gpu_validate.fidelity import MODEL_COLUMNS, SIM_LOSSES, pair_agreement
-from gpu_validate.needle import ACCURACY, AGREEMENT, PREDICTED_ACCURACY
+from gpu_validate.needle import ACCURACY, AGREEMENT, PREDICTED_ACCURACY, confusion_scores
 from gpu_validate.segments import SEGMENT_COLUMNS
 from sim.metrics import COLUMNS, Column
 from sim.runinfo import kvsim_version, machine, now
@@ -47,6 +48,12 @@ TERMS = {
                    "cannot be expected to predict the model better than the model predicts itself.",
     "pair agreement": "the share of pairs of policies at the same budget that the simulator orders as the model does",
     "base rate": "the agreement of always giving the commoner answer; an agreement is worth what it adds to this",
+    "balanced accuracy": "the mean of the share of the model's hits the simulator calls hits and the share of its "
+                         "misses it calls misses: 0.5 for any constant call, 1 for a perfect one, however unbalanced "
+                         "the outcomes (— where the held-out cells hold one outcome only)",
+    "MCC": "Matthews correlation of the simulator's calls with the model's outcomes: 1 perfect, 0 no better than "
+           "chance or a constant call, −1 reversed; like balanced accuracy it does not reward calling the commoner "
+           "outcome",
 }
 
 
@@ -310,13 +317,17 @@ def needle_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: str
     boxes = [(fmt3(report["full_accuracy"]), "full-cache accuracy", "the model itself, every token kept: the ceiling "
                                                                     "of every policy")]
     if pred:
-        boxes.append((fmt3(pred["sim_agreement"]), f"simulator agrees with the model on held-out seeds "
-                                                   f"{', '.join(map(str, pred['test_seeds']))}",
-                      f"base rate {fmt3(pred.get('base_rate', _base_rate(pred['confusion'])))} (always the "
-                      "commoner outcome)"))
+        sc = _scores(pred)
+        seeds = ", ".join(map(str, pred["test_seeds"]))
+        boxes.append((fmt3(pred["sim_agreement"]), f"simulator agrees with the model on held-out seeds {seeds}",
+                      f"base rate {fmt3(sc['base_rate'])} (always the commoner outcome)"))
+        boxes.append((fmt3(sc["balanced_accuracy"]), f"balanced accuracy of the simulator's calls, seeds {seeds}",
+                      f"0.5 is a constant call; Matthews correlation {fmt3(sc['mcc'])} (0: no better than chance)"))
         if "sim_and_full_agreement" in pred:
+            full = confusion_scores(pred["confusion_sim_and_full"])
             boxes.append((fmt3(pred["sim_and_full_agreement"]), "with the full cache's outcome per prompt",
-                          "a prompt the full cache fails is predicted a miss"))
+                          f"a prompt the full cache fails is predicted a miss; balanced accuracy "
+                          f"{fmt3(full['balanced_accuracy'])}, MCC {fmt3(full['mcc'])}"))
         if np.isfinite(pred.get("rho_accuracy", np.nan)):
             rel = report.get("model_reliability") or {}
             boxes.append((fmt3(pred["rho_accuracy"]), "ρ of predicted with actual accuracy per policy × budget",
@@ -341,28 +352,35 @@ def needle_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: str
     if plot:
         page.section("Accuracy by length and depth", figure_html(plot, NEEDLE_CAPTION, "needle heatmaps"))
     if pred:
-        c = pred["confusion"]
-        base = pred.get("base_rate", _base_rate(c))
+        sc = _scores(pred)
         rows = [("model_ok", "model retrieves"), ("model_fail", "model fails")]
         cols = [("pred_ok", "simulator: retrieves"), ("pred_fail", "simulator: fails")]
-        body = confusion_html(_confusion(c), rows, cols,
+        body = confusion_html(_confusion(pred["confusion"]), rows, cols,
                               f"{pred['n_test_cells']} held-out cells (seeds {', '.join(map(str, pred['test_seeds']))})"
-                              f"; agreement {fmt3(pred['sim_agreement'])} against a base rate of {fmt3(base)}.")
+                              f"; agreement {fmt3(pred['sim_agreement'])} against a base rate of "
+                              f"{fmt3(sc['base_rate'])}; balanced accuracy {fmt3(sc['balanced_accuracy'])}, "
+                              f"MCC {fmt3(sc['mcc'])}.")
         if "confusion_sim_and_full" in pred:
+            full = confusion_scores(pred["confusion_sim_and_full"])
             body += confusion_html(_confusion(pred["confusion_sim_and_full"]), rows, cols,
-                                   f"With the full cache's outcome: agreement {fmt3(pred['sim_and_full_agreement'])}.")
+                                   f"With the full cache's outcome: agreement {fmt3(pred['sim_and_full_agreement'])}; "
+                                   f"balanced accuracy {fmt3(full['balanced_accuracy'])}, MCC {fmt3(full['mcc'])}.")
+        objective = pred.get("objective", "agreement")     # results before the objective existed fitted agreement
         body += f"<p>Predictor: {esc(report.get('predictor', pred['feature']))}; threshold {fmt3(pred['threshold'])}, "
-        body += (f"chosen with the predictor on seeds {', '.join(map(str, pred['train_seeds']))} (agreement there "
-                 f"{fmt3(pred['train_agreement'])}).</p>")
-        pp = pred.get("per_policy", {})
-        body += simple_table(["policy", "agreement", "accuracy", "predicted accuracy", "cells"],
-                             [[lab, float(v["agreement"]), float(v["accuracy"]), float(v["predicted_accuracy"]),
-                               int(v["n"])] for lab, v in pp.items()], caption="Per policy, held-out seeds.")
+        body += (f"chosen with the predictor on seeds {', '.join(map(str, pred['train_seeds']))} by "
+                 f"{esc(objective.replace('_', ' '))} (agreement there {fmt3(pred['train_agreement'])}, balanced "
+                 f"accuracy {fmt3(pred.get('train_balanced_accuracy', np.nan))}).</p>")
+        body += _groups_table("policy", pred.get("per_policy", {}), "Per policy, held-out seeds.")
+        if pred.get("per_length"):
+            body += _groups_table("context tokens", pred["per_length"], "Per context length, held-out seeds.")
         cand = pred.get("candidates", {})
-        body += simple_table(["predictor", "threshold", "agreement on the training seeds", "held-out agreement"],
-                             [[k, float(v["threshold"]), float(v["train_agreement"]), float(v["heldout_agreement"])]
+        body += simple_table(["predictor", "threshold", "agreement on the training seeds", "held-out agreement",
+                              "held-out balanced accuracy", "held-out MCC"],
+                             [[k, float(v["threshold"]), float(v["train_agreement"]), float(v["heldout_agreement"]),
+                               float(v.get("heldout_balanced_accuracy", np.nan)), float(v.get("heldout_mcc", np.nan))]
                               for k, v in cand.items()],
-                             caption="Every candidate predictor, with the threshold fitted on the training seeds.")
+                             caption="Every candidate predictor, with the threshold fitted on the training seeds "
+                                     "(— : not in this result).")
         page.section("The simulator's prediction", body)
     items = metric_legend_items([ACCURACY] + extras)
     if tables:
@@ -377,9 +395,24 @@ def _confusion(c: Mapping[str, int]) -> dict[str, dict[str, int]]:
             "model_fail": {"pred_ok": c["model_fail_pred_ok"], "pred_fail": c["model_fail_pred_fail"]}}
 
 
-def _base_rate(c: Mapping[str, int]) -> float:
-    """The share of the commoner model outcome in a flat needle confusion (for results stored before the
-    prediction recorded its base rate)."""
-    ok = c["model_ok_pred_ok"] + c["model_ok_pred_fail"]
-    n = ok + c["model_fail_pred_ok"] + c["model_fail_pred_fail"]
-    return max(ok, n - ok) / n if n else float("nan")
+def _scores(part: Mapping[str, Any]) -> dict[str, Any]:
+    """Base rate, balanced accuracy and MCC of a prediction (or of one of its groups) as stored, or computed from its
+    confusion (or the base rate from the model's accuracy) for results stored before they were recorded (NaN where
+    neither is there: per-group confusions were not stored then)."""
+    from_conf = confusion_scores(part["confusion"]) if "confusion" in part else {}
+    if "accuracy" in part and "base_rate" not in from_conf:         # the model's accuracy gives the base rate
+        from_conf["base_rate"] = max(float(part["accuracy"]), 1.0 - float(part["accuracy"]))
+    return {k: float(part.get(k, from_conf.get(k, np.nan))) for k in ("base_rate", "balanced_accuracy", "mcc")}
+
+
+def _groups_table(head: str, groups: Mapping[Any, Mapping[str, Any]], caption: str) -> str:
+    """The prediction's scores per group (policy, context length): agreement beside its base rate, balanced
+    accuracy, MCC, the model's and the predicted accuracy."""
+    rows = []
+    for key, v in groups.items():
+        sc = _scores(v)
+        rows.append([str(key), float(v["agreement"]), sc["base_rate"], sc["balanced_accuracy"], sc["mcc"],
+                     float(v["accuracy"]), float(v["predicted_accuracy"]), int(v["n"])])
+    return simple_table([head, "agreement", "base rate", "balanced accuracy", "MCC", "accuracy", "predicted accuracy",
+                         "cells"], rows, caption=caption + " Balanced accuracy is — where the cells hold one outcome "
+                                                           "only.")

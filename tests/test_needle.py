@@ -5,8 +5,13 @@ import pandas as pd
 import pytest
 import torch
 
-from gpu_validate.needle import (FEATURES, fit_threshold, make_grid, make_prompt, needle_features, plot_needle,
-                                 prediction_report, run_needle, summarize)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_validate import needle
+from gpu_validate.needle import (FEATURES, FIT_OBJECTIVES, binary_scores, confusion_scores, fit_threshold, make_grid,
+                                 make_prompt, needle_features, plot_needle, prediction_report, run_needle,
+                                 stored_features, summarize)
 from gpu_validate.runner import ValidateError
 from policies.registry import get_policy
 from sim.store import ResultStore
@@ -91,11 +96,17 @@ def test_threshold_and_prediction_report():
                        "weakest_layer": [0.9, 0.2, 0.8, 0.1, 0.0, 0.0, 0.0, 0.0],   # useless on the train seed
                        "success": [False, False, True, True, False, True, True, True]})
     r = prediction_report(df, [0])
+    assert r["objective"] == "balanced_accuracy" and r["candidates"]["weakest_layer"]["train_balanced_accuracy"] < 1
     assert r["feature"] == "retained_share" and r["candidates"]["weakest_layer"]["train_agreement"] < 1.0
     assert r["threshold"] == pytest.approx(0.5)
     assert r["sim_agreement"] == pytest.approx(0.75)
     assert r["confusion"] == {"model_ok_pred_ok": 2, "model_ok_pred_fail": 1, "model_fail_pred_ok": 0,
                               "model_fail_pred_fail": 1}
+    assert r["base_rate"] == pytest.approx(0.75) and r["balanced_accuracy"] == pytest.approx((2 / 3 + 1) / 2)
+    assert r["mcc"] == pytest.approx(2 / np.sqrt(2 * 3 * 1 * 2))
+    assert prediction_report(df, [0], objective="agreement")["threshold"] == pytest.approx(0.5)
+    with pytest.raises(ValidateError, match="objective"):
+        prediction_report(df, [0], objective="accuracy")
     with pytest.raises(ValidateError, match="both sides"):
         prediction_report(df, [0, 1])
     # with the full cache's outcome per prompt: a prompt the full cache fails is predicted as a miss
@@ -106,7 +117,145 @@ def test_threshold_and_prediction_report():
     assert r["n_test_cells_where_full_succeeds"] == 3
 
 
-def test_needle_cli_on_tiny_local_model(llama, tmp_path, capsys):
+def _calls(tp: int, fn: int, fp: int, tn: int) -> tuple[np.ndarray, np.ndarray]:
+    """(truth, prediction) holding the given confusion."""
+    truth = np.array([True] * (tp + fn) + [False] * (fp + tn))
+    pred = np.array([True] * tp + [False] * fn + [True] * fp + [False] * tn)
+    return truth, pred
+
+
+def test_binary_scores_on_the_issues_confusion():
+    """The committed SmolLM2 result: agreement 0.867 looks good next to nothing, less so next to its base rate."""
+    tp, fn, fp, tn = 64, 47, 33, 456
+    s = binary_scores(*_calls(tp, fn, fp, tn))
+    assert s["confusion"] == {"model_ok_pred_ok": tp, "model_ok_pred_fail": fn, "model_fail_pred_ok": fp,
+                              "model_fail_pred_fail": tn}
+    assert s["n"] == 600 and s["agreement"] == pytest.approx(520 / 600)
+    assert s["base_rate"] == pytest.approx(489 / 600)                      # 0.815: the failures
+    assert s["balanced_accuracy"] == pytest.approx((tp / (tp + fn) + tn / (tn + fp)) / 2)
+    assert s["balanced_accuracy"] == pytest.approx(0.7545, abs=1e-4)
+    mcc = (tp * tn - fp * fn) / np.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    assert s["mcc"] == pytest.approx(mcc) and s["mcc"] == pytest.approx(0.537, abs=1e-3)
+    assert confusion_scores(s["confusion"]) == s                              # the same scores from a stored confusion
+
+
+def test_binary_scores_of_constant_and_degenerate_calls():
+    truth = np.array([True] * 20 + [False] * 80)
+    for const in (True, False):
+        s = binary_scores(truth, np.full(100, const))
+        assert s["balanced_accuracy"] == 0.5 and s["mcc"] == 0.0
+    assert binary_scores(truth, np.zeros(100, bool))["agreement"] == pytest.approx(s["base_rate"])
+    one_class = binary_scores(np.zeros(5, bool), np.array([0, 1, 0, 0, 1], bool))
+    assert np.isnan(one_class["balanced_accuracy"]) and one_class["mcc"] == 0.0 and one_class["base_rate"] == 1.0
+    empty = binary_scores([], [])
+    assert empty["n"] == 0 and all(np.isnan(empty[k]) for k in ("agreement", "base_rate", "balanced_accuracy", "mcc"))
+    with pytest.raises(ValidateError, match="shape"):
+        binary_scores([True], [True, False])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=60))
+def test_binary_scores_properties(pairs):
+    t, p = np.array(pairs, bool).T
+    s = binary_scores(t, p)
+    assert -1.0 - 1e-12 <= s["mcc"] <= 1.0 + 1e-12
+    assert 0.5 <= s["base_rate"] <= 1.0 and 0.0 <= s["agreement"] <= 1.0
+    assert np.isnan(s["balanced_accuracy"]) == (t.all() or not t.any())
+    if not np.isnan(s["balanced_accuracy"]):
+        assert 0.0 <= s["balanced_accuracy"] <= 1.0
+        assert binary_scores(t, ~p)["balanced_accuracy"] == pytest.approx(1 - s["balanced_accuracy"])
+    # MCC is symmetric in the two sides, and neither score depends on which outcome is called positive
+    assert binary_scores(p, t)["mcc"] == pytest.approx(s["mcc"])
+    flipped = binary_scores(~t, ~p)
+    assert flipped["mcc"] == pytest.approx(s["mcc"]) and flipped["agreement"] == pytest.approx(s["agreement"])
+    assert flipped["balanced_accuracy"] == pytest.approx(s["balanced_accuracy"], nan_ok=True)
+    assert binary_scores(t, ~p)["mcc"] == pytest.approx(-s["mcc"])
+    assert binary_scores(t, t)["mcc"] == (1.0 if t.any() and not t.all() else 0.0)
+
+
+def test_fit_objective_balanced_accuracy_finds_the_rare_hits():
+    """90 % failures: the agreement cut gives up half the hits for 5 more failures right; the balanced-accuracy cut
+    keeps every hit."""
+    feature = np.array([0.3] * 5 + [0.9] * 5 + [0.1] * 80 + [0.5] * 10)
+    success = np.array([True] * 10 + [False] * 90)
+    by_agreement = fit_threshold(feature, success, "agreement")
+    by_ba = fit_threshold(feature, success)                                  # the default
+    assert by_agreement == pytest.approx(0.7) and by_ba == pytest.approx(0.2)
+    s_agree, s_ba = binary_scores(success, feature >= by_agreement), binary_scores(success, feature >= by_ba)
+    assert s_ba["balanced_accuracy"] > s_agree["balanced_accuracy"] and s_agree["agreement"] > s_ba["agreement"]
+    assert s_ba["balanced_accuracy"] == pytest.approx((1 + 80 / 90) / 2)
+    # one class only: balanced accuracy is undefined, the cut falls back to agreement
+    assert fit_threshold(np.array([0.2, 0.4]), np.array([False, False])) > 0.4
+    with pytest.raises(ValidateError, match="objective"):
+        fit_threshold(feature, success, "f1")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1), st.booleans()), min_size=2, max_size=40))
+def test_fit_threshold_maximises_its_objective(cells):
+    f, y = np.array([c[0] for c in cells]), np.array([c[1] for c in cells])
+    ba = {o: binary_scores(y, f >= fit_threshold(f, y, o)) for o in FIT_OBJECTIVES}
+    assert ba["agreement"]["agreement"] >= ba["balanced_accuracy"]["agreement"] - 1e-12
+    if y.any() and not y.all():
+        assert ba["balanced_accuracy"]["balanced_accuracy"] >= ba["agreement"]["balanced_accuracy"] - 1e-12
+
+
+def test_prediction_report_scores_every_group():
+    rng = np.random.default_rng(0)
+    rows = [{"seed": s, "length": L, "label": lab, "budget": b, "retained_share": float(x),
+             "success": bool(x + rng.normal(0, 0.2) > 0.7)}
+            for s in (1, 2, 3) for L in (256, 512) for lab in ("h2o", "snapkv") for b in (32, 64)
+            for x in rng.uniform(size=4)]
+    r = prediction_report(pd.DataFrame(rows), [1])
+    keys = {"n", "agreement", "base_rate", "balanced_accuracy", "mcc", "confusion", "accuracy", "predicted_accuracy"}
+    assert set(r["per_policy"]) == {"h2o", "snapkv"} and set(r["per_length"]) == {256, 512}
+    assert set(r["per_config"]) == {f"{p}@{b}" for p in ("h2o", "snapkv") for b in (32, 64)}
+    for group in ("per_policy", "per_config", "per_length"):
+        assert all(set(v) == keys for v in r[group].values())
+        assert sum(v["n"] for v in r[group].values()) == r["n_test_cells"] == 64
+        for name in r["confusion"]:                                   # the groups split the overall confusion
+            assert sum(v["confusion"][name] for v in r[group].values()) == r["confusion"][name]
+    for k in ("sim_agreement", "base_rate", "balanced_accuracy", "mcc"):
+        assert np.isfinite(r[k])
+    assert set(r["candidates"]["retained_share"]) >= {"heldout_balanced_accuracy", "heldout_mcc", "train_mcc"}
+
+
+def test_feature_store_resumes_and_recomputes_only_missing_cells(monkeypatch, tmp_path):
+    tok = CharTok()
+    prompts = make_grid(tok, TEXT, [280], [0.0, 1.0], [1])
+    calls = []
+
+    def fake(model, prompt, configs, *, model_id="model"):
+        calls.append((prompt.prompt_id, [(p.label(), b) for p, b in configs]))
+        return [{f: b / 100 for f in FEATURES} for _, b in configs]
+
+    monkeypatch.setattr(needle, "needle_features", fake)
+    store = ResultStore(tmp_path / "sim")
+    snap, h2o = get_policy("snapkv"), get_policy("h2o")
+    df = stored_features(None, prompts, [(snap, 16), (h2o, 16)], store, model_id="tiny", progress=False,
+                         log=lambda s: None)
+    assert len(calls) == 2 and len(df) == 4 and len(store.parts()) == 2   # one part file per prompt
+    assert list(df.columns) == ["prompt_id", "label", "budget", *FEATURES]
+    assert (df.retained_share == 0.16).all()
+    calls.clear()
+    df = stored_features(None, prompts, [(snap, 16), (h2o, 16), (snap, 32)], store, model_id="tiny",
+                         progress=False, log=lambda s: None)
+    assert calls == [(p.prompt_id, [("snapkv", 32)]) for p in prompts]     # only the new cells
+    assert len(df) == 6 and sorted(df[df.label == "snapkv"].budget) == [16, 16, 32, 32]
+    calls.clear()
+    stored_features(None, prompts, [(snap, 16)], store, model_id="tiny", progress=False, log=lambda s: None)
+    assert calls == []
+    stored_features(None, prompts, [(snap, 16)], store, model_id="other", progress=False, log=lambda s: None)
+    assert len(calls) == 2                                                   # another model is another cell
+
+
+def test_cli_fit_objectives_match_the_library():
+    from gpu_validate.commands import needle_cmd
+
+    assert needle_cmd.FIT_OBJECTIVES == FIT_OBJECTIVES
+
+
+def test_needle_cli_on_tiny_local_model(llama, tmp_path, capsys, monkeypatch):
     import json
     import string
 
@@ -137,3 +286,22 @@ def test_needle_cli_on_tiny_local_model(llama, tmp_path, capsys):
     page = (tmp_path / "needle.html").read_text()
     assert "simulator: retrieves" in page and page.count('<img src="data:image/png;base64,') == 1
     assert rep["prediction"]["base_rate"] >= 0.5 and rep["model_reliability"]["train_seeds"] == [1]
+    for k in ("model", "policies", "budgets", "lengths", "full_accuracy", "sim_agreement", "base_rate",
+              "balanced_accuracy", "mcc"):
+        assert k in rep
+    assert rep["base_rate"] == rep["prediction"]["base_rate"] and rep["mcc"] == rep["prediction"]["mcc"]
+    assert rep["fit_objective"] == rep["prediction"]["objective"] == "balanced_accuracy"
+    assert "balanced accuracy" in printed and "MCC" in printed and "balanced accuracy" in page
+    assert len(ResultStore(tmp_path / "store-sim").load()) == 8              # the features, stored
+    # a second run re-fits from the stored features (no trace recorded) with the other objective
+
+    def no_trace(*a, **k):
+        raise AssertionError("features recomputed")
+
+    monkeypatch.setattr(needle, "needle_features", no_trace)
+    assert main(["needle", "--model", str(tmp_path / "m"), "--text", str(tmp_path / "text.txt"), "--lengths", "260",
+                 "--depths", "0,1", "--seeds", "1,2", "--policies", "streaming_llm;snapkv", "--budgets", "16",
+                 "--predict", "--train-seeds", "1", "--store", str(tmp_path / "store"), "--out", str(out),
+                 "--quiet", "--fit-objective", "agreement"]) == 0
+    rep2 = json.loads(out.read_text())
+    assert rep2["fit_objective"] == "agreement" and rep2["prediction"]["n_test_cells"] == 4

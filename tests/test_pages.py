@@ -364,6 +364,36 @@ def test_needle_page(tmp_path):
     assert [int(x) for x in conf[0]["rows"][0][1:]] == [c["model_ok_pred_ok"], c["model_ok_pred_fail"]]
     text = (tmp_path / "n.html").read_text(encoding="utf-8")
     assert "base rate" in text and "the model against itself on other seeds" in text
+    pred = rep["prediction"]
+    per = next(t for t in p.tables if t["head"][0] == "policy" and "MCC" in t["head"])
+    assert per["head"][:5] == ["policy", "agreement", "base rate", "balanced accuracy", "MCC"]
+    assert [r[0] for r in per["rows"]] == list(pred["per_policy"])
+    by_len = next(t for t in p.tables if t["head"][0] == "context tokens")
+    assert [r[0] for r in by_len["rows"]] == ["256", "512"]
+    assert f"balanced accuracy {fmt3(pred['balanced_accuracy'])}, MCC {fmt3(pred['mcc'])}" in text
+
+
+def test_needle_page_of_a_result_stored_before_balanced_accuracy(tmp_path):
+    """Results stored before the prediction carried balanced accuracy and MCC still render: the overall scores from
+    the confusion, the per-policy base rate from the accuracy, the rest left blank."""
+    from gpu_validate.needle import confusion_scores
+
+    rep, _ = _needle_report()
+    pred = rep["prediction"]
+    for k in ("base_rate", "balanced_accuracy", "mcc", "objective", "per_length", "train_balanced_accuracy"):
+        pred.pop(k)
+    pred["per_policy"] = {lab: {k: v[k] for k in ("agreement", "accuracy", "predicted_accuracy", "n")}
+                          for lab, v in pred["per_policy"].items()}
+    pred["candidates"] = {f: {k: v[k] for k in ("threshold", "train_agreement", "heldout_agreement")}
+                          for f, v in pred["candidates"].items()}
+    p = check_page(needle_page(rep, tmp_path / "old.html"), facts=HEADER + ("text", "prompts"))
+    sc = confusion_scores(pred["confusion"])
+    text = (tmp_path / "old.html").read_text(encoding="utf-8")
+    assert f"balanced accuracy {fmt3(sc['balanced_accuracy'])}, MCC {fmt3(sc['mcc'])}" in text
+    assert "by agreement" in text                                     # what such a result was fitted by
+    per = next(t for t in p.tables if t["head"][0] == "policy" and "MCC" in t["head"])
+    assert all(r[3] == "—" and r[4] == "—" and r[2] != "—" for r in per["rows"])
+    assert not [t for t in p.tables if t["head"][0] == "context tokens"]
 
 
 def test_fidelity_cli_writes_its_page(tmp_path, capsys):

@@ -19,6 +19,8 @@ def _floats(text: str) -> list[float]:
 
 DEFAULT_POLICIES = ("streaming_llm; h2o; tova; cascading; snapkv; pyramidkv; ada_snapkv; bumblebee; buzz; window; "
                     "random; d2o")
+#: kept in step with `gpu_validate.needle.FIT_OBJECTIVES` (not imported here: the command's module loads light)
+FIT_OBJECTIVES = ("balanced_accuracy", "agreement")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "accuracy heatmap per policy beside the full cache, and an HTML page of the "
                                    "results. With --predict, record each "
                                    "prompt as a teacher-forced trace, replay the policies and predict the outcome "
-                                   "from the retained attention on the key (threshold fitted on --train-seeds).")
+                                   "from the retained attention on the key (predictor and threshold chosen on "
+                                   "--train-seeds by --fit-objective; the features go to a resumable store of their "
+                                   "own, --sim-store), scored on the other seeds by agreement next to its base rate, "
+                                   "balanced accuracy and Matthews correlation.")
     add_model_option(p)
     add_text_option(p, what="filler text")
     p.add_argument("--lengths", type=int_list, default=[256, 512, 1024], help="context lengths in tokens")
@@ -39,9 +44,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_budgets_option(p, default=[32, 64])
     p.add_argument("--store", default="results/needle", help="Parquet results store (resumable)")
     add_out_option(p, "benchmarks/results/needle.json", "summary JSON (the PNG and the HTML page go beside it)")
-    p.add_argument("--predict", action="store_true", help="also the simulator's prediction (records traces)")
+    p.add_argument("--predict", action="store_true", help="also the simulator's prediction (records one trace per prompt, once: "
+                        "the features are stored in --sim-store)")
     p.add_argument("--train-seeds", type=int_list, default=None,
                    help="seeds the prediction threshold is fitted on (none: the first half of --seeds)")
+    p.add_argument("--fit-objective", choices=FIT_OBJECTIVES, default="balanced_accuracy",
+                   help="what the predictor and its threshold maximise on --train-seeds: balanced_accuracy (most "
+                        "cells fail, and agreement rewards predicting the commoner outcome) or agreement (as before)")
+    p.add_argument("--sim-store", default=None,
+                   help="Parquet store of the simulator's features (resumable; none: the --store path plus '-sim')")
     p.add_argument("--max-rows", type=positive_int, default=48, help="configurations per model batch")
     add_quiet_option(p)
     p.set_defaults(func=run)
@@ -52,11 +63,10 @@ def run(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    import pandas as pd
     import torch
 
-    from gpu_validate.needle import (make_grid, needle_features, plot_needle, prediction_report, run_needle,
-                                     seed_reliability, summarize)
+    from gpu_validate.needle import (make_grid, plot_needle, prediction_report, run_needle, seed_reliability,
+                                     stored_features, summarize)
     from gpu_validate.pages import needle_page, needle_tables, run_info
     from sim.commands._common import command_line
     from sim.table import print_tables
@@ -93,26 +103,25 @@ def run(args: argparse.Namespace) -> int:
               "budgets": args.budgets, "n_prompts": len(prompts), "text": text_id, "command": command_line(args),
               **run_info(), **summarize(df)}
     if args.predict:
-        from tqdm.auto import tqdm
-
-        feats = []
-        for p in tqdm(prompts, desc="predict", unit="prompt", disable=args.quiet):
-            f = needle_features(model, p, configs, model_id=model_id)
-            feats += [{"prompt_id": p.prompt_id, "label": pol.label(), "budget": b, **x}
-                      for (pol, b), x in zip(configs, f)]
+        sim_store = ResultStore(args.sim_store or str(args.store).rstrip("/") + "-sim")
+        feats = stored_features(model, prompts, configs, sim_store, model_id=model_id, progress=not args.quiet)
         full_ok = df[df.policy == "full"].set_index("prompt_id").success.rename("full_success")
-        merged = df[df.policy != "full"].merge(pd.DataFrame(feats), on=["prompt_id", "label", "budget"])
+        merged = df[df.policy != "full"].merge(feats, on=["prompt_id", "label", "budget"])
         merged = merged.join(full_ok, on="prompt_id")
         train = args.train_seeds if args.train_seeds is not None else args.seeds[:max(1, len(args.seeds) // 2)]
-        pred = prediction_report(merged, train)
-        report.update({"sim_agreement": pred["sim_agreement"], "prediction": pred,
+        pred = prediction_report(merged, train, objective=args.fit_objective)
+        report.update({"sim_agreement": pred["sim_agreement"], "base_rate": pred["base_rate"],
+                       "balanced_accuracy": pred["balanced_accuracy"], "mcc": pred["mcc"],
+                       "fit_objective": pred["objective"], "sim_store": str(sim_store.root), "prediction": pred,
                        "model_reliability": seed_reliability(report["accuracy_by_seed"], train),
                        "predictor": f"{pred['feature']}: retained share of the full-cache attention on the key's "
                                     f"tokens at the answer steps, {pred['feature_doc']}"})
         print(f"simulator prediction on held-out seeds {pred['test_seeds']}: agreement {pred['sim_agreement']:.3f} "
-              f"(predictor {pred['feature']}, threshold {pred['threshold']:.3f}, both chosen on seeds "
-              f"{pred['train_seeds']}); with the full cache's outcome per prompt: "
-              f"{pred.get('sim_and_full_agreement', float('nan')):.3f}; "
+              f"(base rate {pred['base_rate']:.3f}), balanced accuracy {pred['balanced_accuracy']:.3f}, "
+              f"MCC {pred['mcc']:.3f} (predictor {pred['feature']}, threshold {pred['threshold']:.3f}, both chosen "
+              f"by {pred['objective'].replace('_', ' ')} on seeds {pred['train_seeds']}); with the full cache's "
+              f"outcome per prompt: agreement {pred.get('sim_and_full_agreement', float('nan')):.3f}, balanced "
+              f"accuracy {pred.get('sim_and_full_balanced_accuracy', float('nan')):.3f}; "
               f"confusion {pred['confusion']}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
