@@ -3,15 +3,24 @@
 Work travels as plain specs (trace spec + size arguments, policy name + params, budgets) so that every
 executor computes exactly the same rows; workers cache loaded traces per process. Each worker process or Ray
 task runs with its share of the cores (``sim.threads``).
+
+A configuration may also run as several jobs, one per group of its layers (``Executor.run_split``,
+``--split-layers N``): the policy's allocation over all layers is computed once in the process that splits it
+and travels with each group (``sim.replay.LayerGroup``); the groups' results are merged back into one result,
+identical to the unsplit run.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
-from policies import get_policy
+from policies import Policy, get_policy
 from sim.threads import ThreadPlan, available_cores, limit_threads, plan_threads, thread_env
+
+if TYPE_CHECKING:
+    from sim.replay import LayerGroup, ReplayResult
 
 _TRACE_CACHE: dict[tuple, Any] = {}
 
@@ -47,7 +56,9 @@ class TraceRef:
 
 @dataclass(frozen=True)
 class Job:
-    """One unit of work: a policy at one or more budgets (several for one-pass strategies such as the oracle's)."""
+    """One unit of work: a policy at one or more budgets (several for one-pass strategies such as the oracle's),
+    over every layer it compresses or, with ``group``, one group of them (``split_job``). The group is left out
+    of comparisons: a group's job is the same configuration as the job it was split from."""
 
     trace: TraceRef
     policy: str
@@ -55,29 +66,64 @@ class Job:
     budgets: tuple[int, ...]
     keys: tuple[str, ...]
     meta: dict = field(default_factory=dict, hash=False, compare=False)
+    group: LayerGroup | None = field(default=None, compare=False)
+
+    def make_policy(self) -> Policy:
+        """The job's policy, built from its name and parameters."""
+        return get_policy(self.policy, **dict(self.params))
 
 
-def run_job(job: Job) -> list[dict[str, Any]]:
-    """Evaluate a job and return one result row per budget (pure function of the job)."""
-    import time
-
+def replay_job(job: Job) -> tuple[list[ReplayResult], float]:
+    """Replay a job's configuration (its layer group only, when it has one): one result per budget, in order,
+    and the seconds the replay took."""
     from sim.replay import effective_chunk, replay_budgets
-    from sim.specs import trace_id, trace_name
 
     trace, inputs = job.trace.open()
-    policy = get_policy(job.policy, **dict(job.params))
+    policy = job.make_policy()
     t0 = time.perf_counter()
+    results = replay_budgets(trace, policy, job.budgets, inputs=inputs, sliding=job.trace.sliding,
+                             chunk=effective_chunk(policy, job.trace.chunk), group=job.group)
+    return results, time.perf_counter() - t0
+
+
+def job_rows(job: Job, results: Sequence[ReplayResult], seconds: float) -> list[dict[str, Any]]:
+    """The job's result rows, one per budget: each result's summary plus what identifies the configuration, and
+    ``elapsed_s``, the replay's seconds per budget (summed over the layer groups of a split configuration)."""
+    from sim.replay import effective_chunk
+    from sim.specs import trace_id, trace_name
+
+    trace, _ = job.trace.open()
+    policy = job.make_policy()
     chunk = effective_chunk(policy, job.trace.chunk)
-    results = replay_budgets(trace, policy, job.budgets, inputs=inputs, sliding=job.trace.sliding, chunk=chunk)
-    per = (time.perf_counter() - t0) / len(results)
     rows = []
     for key, budget, res in zip(job.keys, job.budgets, results):
         row = res.summary()
         row.update(key=key, trace=trace_name(trace), trace_id=trace_id(trace), policy=policy.name,
                    label=policy.label(), params=dict(policy.params), budget=budget, n_tokens=trace.meta.n_tokens,
-                   sliding=job.trace.sliding, prefill_chunk=chunk, elapsed_s=per, **job.meta)
+                   sliding=job.trace.sliding, prefill_chunk=chunk, elapsed_s=seconds / len(results), **job.meta)
         rows.append(row)
     return rows
+
+
+def run_job(job: Job) -> list[dict[str, Any]]:
+    """Evaluate a job and return one result row per budget (pure function of the job)."""
+    return job_rows(job, *replay_job(job))
+
+
+def run_group(job: Job) -> tuple[Job, list[ReplayResult], float]:
+    """A layer group's job, run where the executor puts it: the job (to match it to its configuration), its
+    per-budget results for the group's layers and the seconds they took."""
+    return (job, *replay_job(job))
+
+
+def split_job(job: Job, n_groups: int) -> list[Job]:
+    """``job`` as ``n_groups`` jobs of consecutive layers (``sim.replay.layer_groups``): the allocation over all
+    its layers is computed here, once, and each job carries its group's rows of it."""
+    from sim.replay import layer_groups
+
+    trace, inputs = job.trace.open()
+    groups = layer_groups(trace, job.make_policy(), job.budgets, n_groups, inputs=inputs, sliding=job.trace.sliding)
+    return [replace(job, group=g) for g in groups]
 
 
 def _init_worker(threads: int) -> None:
@@ -133,6 +179,23 @@ class Executor:
         else:
             yield from self._run_pool(jobs, fn)
 
+    def run_split(self, jobs: list[Job], n_groups: int) -> Iterator[tuple[Job, list[ReplayResult], float]]:
+        """Run each job's configuration as ``n_groups`` jobs of consecutive layers (``split_job``, all split
+        here before any runs, so a bad ``n_groups`` fails at once) and yield (job, its results in budget order,
+        the replay seconds summed over its groups) as soon as the job's last group is back."""
+        from sim.replay import merge_layer_groups
+
+        groups = {job: split_job(job, n_groups) for job in jobs}
+        parts: dict[Job, list[list[ReplayResult]]] = {job: [] for job in jobs}
+        seconds = dict.fromkeys(jobs, 0.0)
+        for done, results, secs in self.run([g for gs in groups.values() for g in gs], fn=run_group):
+            job = replace(done, group=None)          # equal to the job it was split from
+            parts[job].append(results)
+            seconds[job] += secs
+            if len(parts[job]) == len(groups[job]):
+                trace, _ = job.trace.open()
+                yield job, [merge_layer_groups(trace, by_budget) for by_budget in zip(*parts.pop(job))], seconds[job]
+
     def _run_pool(self, jobs: list[Job], fn: Callable[[Job], Any]) -> Iterator[Any]:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(max_workers=self.plan.workers, initializer=_init_worker,
@@ -165,11 +228,30 @@ class Executor:
             yield ray.get(done[0])
 
 
-def execute(jobs: list[Job], *, workers: int = 1, ray_address: str | None = None,
-            threads: int | None = None) -> Iterator[list[dict[str, Any]]]:
-    """Run ``jobs`` once on a fresh ``Executor`` (see there) and yield each job's rows as it finishes."""
+def execute(jobs: list[Job], *, workers: int = 1, ray_address: str | None = None, threads: int | None = None,
+            split_layers: int = 1) -> Iterator[list[dict[str, Any]]]:
+    """Run ``jobs`` once on a fresh ``Executor`` (see there) and yield each job's rows as it finishes; with
+    ``split_layers`` > 1, each job's configuration runs as that many layer groups (``Executor.run_split``)."""
     with Executor(workers=workers, ray_address=ray_address, threads=threads) as ex:
-        yield from ex.run(jobs)
+        if split_layers == 1:
+            yield from ex.run(jobs)
+            return
+        for job, results, seconds in ex.run_split(jobs, split_layers):
+            yield job_rows(job, results, seconds)
+
+
+def replay_split(ref: TraceRef, policy: Policy, budget: int, n_groups: int, *, workers: int = 1,
+                 ray_address: str | None = None, threads: int | None = None) -> ReplayResult:
+    """``sim.replay.replay`` of one configuration with its layers run as ``n_groups`` jobs on an ``Executor``
+    (at most ``n_groups`` local workers, or Ray): the same result. It refuses a prompt chunk the policy cannot
+    take, as ``replay`` does (a sweep instead runs such a policy token by token)."""
+    from sim.replay import check_chunk
+
+    check_chunk(policy, ref.chunk)
+    job = Job(ref, policy.name, tuple(sorted(policy.params.items())), (int(budget),), ("",))   # "": no store
+    with Executor(workers=min(workers, n_groups), ray_address=ray_address, threads=threads) as ex:
+        [(_, [result], _)] = ex.run_split([job], n_groups)
+    return result
 
 
 def default_workers() -> int:

@@ -12,12 +12,19 @@ is zero by definition) and count in the memory held (``kv_bytes_mean``) at min(t
 head after step t. ``sliding="compress"`` applies the policy to the sliding layers too, on top of their window
 (``sim.contract.apply_window``), so budgets below the window save memory there. Metrics are means over the
 layers a policy compresses (``ReplayResult.layers``).
+
+Layer groups (``--split-layers N``). A configuration's layers replay independently once each knows its budget,
+so a long trace's replay can be cut into groups of consecutive compressed layers run as separate jobs
+(``sim.executors``). What couples layers is the allocation alone (``Policy.allocate``: PyramidKV's depth
+schedule, D2O's variance-based budgets): ``layer_groups`` computes it once over every compressed layer and hands
+each ``LayerGroup`` its rows, the strategies replay just the group's layers from them (``group=``), and
+``merge_layer_groups`` puts the groups' results back together, identical to the unsplit replay.
 """
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -29,7 +36,7 @@ from sim.engine import EngineConfig, EngineOutputs, LayerData, replay_layer
 from sim.metrics import N_METRICS, NAMES, summarise
 from sim.oracle import oracle_layer
 from sim.threads import KVSIM_THREADS, available_cores, blas_per_layer_thread
-from traces.format import LayerArrays, LayerAttention, Trace
+from traces.format import LayerArrays, LayerAttention, ModelInfo, Trace
 from traces.reference import full_attention_reference
 
 #: bytes per cached element on the GPU the memory figures model (fp16/bf16 caches)
@@ -191,11 +198,16 @@ class LayerLoader(Sequence):
 EAGER_INPUT_BYTES = 1 << 30
 
 
+def layer_input_bytes(model: ModelInfo, n_tokens: int) -> int:
+    """Bytes of one layer's float32 engine inputs (q, k, v, lse, o) over ``n_tokens`` tokens: what each replay
+    thread holds while it replays a layer."""
+    hq, hkv, d = model.n_q_heads, model.n_kv_heads, model.head_dim
+    return 4 * (2 * hq * d + 2 * hkv * d + hq) * n_tokens
+
+
 def input_bytes(trace: Trace) -> int:
     """Bytes of float32 engine inputs the whole trace would take."""
-    m = trace.meta.model
-    per_token = 4 * (2 * m.n_q_heads * m.head_dim + 2 * m.n_kv_heads * m.head_dim + m.n_q_heads)
-    return per_token * trace.meta.n_tokens * trace.n_layers
+    return layer_input_bytes(trace.meta.model, trace.meta.n_tokens) * trace.n_layers
 
 
 def layer_inputs(trace: Trace) -> Sequence[LayerInputs]:
@@ -277,13 +289,90 @@ def held_elsewhere(trace: Trace, replayed: Sequence[int]) -> np.ndarray | None:
     return out * meta.model.n_kv_heads
 
 
+def allocation(trace: Trace, policy: Policy, budget: int, inputs: Sequence[LayerInputs],
+               layers: Sequence[int]) -> np.ndarray:
+    """``policy``'s slots per layer and KV head [len(layers), Hkv] at ``budget`` over the compressed ``layers``:
+    ``Policy.allocate`` on their prompts, checked. The one place a replay allocates, so that the policies whose
+    budgets couple layers (PyramidKV, D2O) see every compressed layer, whether the replay is split or not."""
+    meta = trace.meta
+    hkv = meta.model.n_kv_heads
+    prompt = PromptLayers(trace, inputs, layers, meta.n_prompt)
+    return check_allocation(policy, policy.allocate(int(budget), hkv, prompt, meta.softmax_scale), len(layers), hkv)
+
+
+@dataclass(frozen=True, eq=False)
+class LayerGroup:
+    """Consecutive compressed layers of one configuration, replayed on their own (``layer_groups``).
+
+    ``layers``: their stored-layer indices; ``alloc[budget]``: their rows [len(layers), Hkv] of the policy's
+    allocation over *all* compressed layers, computed where the configuration was split and shipped as plain
+    arrays, so a worker replays its group without reading (or allocating from) any other layer.
+    """
+
+    layers: tuple[int, ...]
+    alloc: dict[int, np.ndarray]
+
+    def budgets(self, budget: int) -> np.ndarray:
+        """The group's slots per layer and KV head at ``budget`` (a writable copy: the engine takes no
+        read-only array, and Ray hands a task's array arguments over read-only)."""
+        try:
+            return np.array(self.alloc[int(budget)], np.int64)
+        except KeyError:
+            raise ValueError(f"layer group {list(self.layers)} carries no allocation for budget {budget} "
+                             f"(only {sorted(self.alloc)}); split the configuration at that budget") from None
+
+
+def layer_groups(trace: Trace, policy: Policy, budgets: Sequence[int], n_groups: int, *,
+                 inputs: Sequence[LayerInputs] | None = None, sliding: str = "keep") -> list[LayerGroup]:
+    """``policy``'s configuration at ``budgets`` cut into ``n_groups`` groups of consecutive compressed layers
+    (sizes differing by at most one), each with its rows of the allocation computed here, once per budget."""
+    layers = compressed_layers(trace, sliding)
+    if not 1 <= n_groups <= len(layers):
+        raise ValueError(f"cannot split the {len(layers)} layers {policy.label()} compresses on {trace.path} "
+                         f"(sliding={sliding!r}) into {n_groups!r} groups; use 1 to {len(layers)}")
+    for b in budgets:
+        _check_budget(trace, policy, b)
+    inputs = inputs if inputs is not None else layer_inputs(trace)
+    full = {int(b): allocation(trace, policy, b, inputs, layers) for b in budgets}
+    return [LayerGroup(tuple(layers[j] for j in rows), {b: a[rows] for b, a in full.items()})
+            for rows in np.array_split(np.arange(len(layers)), n_groups)]
+
+
+def _concat_kept(blocks: Sequence[np.ndarray]) -> np.ndarray:
+    """Kept-position blocks [n_i, ..., width_i] joined along the first axis, padded with -1 to the widest."""
+    width = max(b.shape[-1] for b in blocks)
+    out = np.full((sum(len(b) for b in blocks), *blocks[0].shape[1:-1], width), -1, np.int32)
+    start = 0
+    for b in blocks:
+        out[start: start + len(b), ..., : b.shape[-1]] = b
+        start += len(b)
+    return out
+
+
+def merge_layer_groups(trace: Trace, parts: Sequence[ReplayResult]) -> ReplayResult:
+    """One configuration's result from its layer groups' results (any order), identical to the unsplit replay:
+    layers in trace order, kept sets padded to the widest, and ``held_elsewhere`` recomputed for all of them (a
+    group's own counts the other groups' layers as held in full, so summing the groups' would double-count)."""
+    parts = sorted(parts, key=lambda r: int(r.layer_index[0]))
+    layers = np.concatenate([r.layer_index for r in parts])
+    expected = compressed_layers(trace, parts[0].sliding)
+    if layers.tolist() != expected:
+        raise ValueError(f"layer groups cover layers {layers.tolist()}, the configuration compresses {expected}")
+    kept = None if parts[0].kept is None else _concat_kept([r.kept for r in parts])
+    return replace(parts[0], trace=str(trace.path), layers=layers, kept=kept,
+                   budgets=np.concatenate([r.budgets for r in parts]),
+                   metrics=np.concatenate([r.metrics for r in parts]), slots=np.concatenate([r.slots for r in parts]),
+                   held_elsewhere=held_elsewhere(trace, expected))
+
+
 @dataclass(frozen=True)
 class ReplayStrategy:
     """How a family of policies is replayed.
 
-    ``run(trace, policy, budgets, inputs=, record_kept=, threads=)`` returns one ``ReplayResult`` per budget,
-    in the given order; ``one_pass`` says it evaluates all budgets in one pass (so callers hand it every
-    budget at once rather than one job per budget).
+    ``run(trace, policy, budgets, inputs=, record_kept=, threads=, sliding=, chunk=, group=)`` returns one
+    ``ReplayResult`` per budget, in the given order (of the ``LayerGroup``'s layers only, when one is given);
+    ``one_pass`` says it evaluates all budgets in one pass (so callers hand it every budget at once rather than
+    one job per budget).
     """
 
     name: str
@@ -302,10 +391,13 @@ def strategy_of(policy: Policy) -> ReplayStrategy:
 
 def replay_budgets(trace: Trace, policy: Policy, budgets: Sequence[int], *,
                    inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
-                   threads: int | None = None, sliding: str = "keep", chunk: int = 1) -> list[ReplayResult]:
-    """Replay ``policy`` at each of ``budgets`` by its strategy; one result per budget, in order."""
+                   threads: int | None = None, sliding: str = "keep", chunk: int = 1,
+                   group: LayerGroup | None = None) -> list[ReplayResult]:
+    """Replay ``policy`` at each of ``budgets`` by its strategy; one result per budget, in order. With a
+    ``group`` (``layer_groups``), only its layers, at its shipped allocation (``merge_layer_groups`` joins the
+    groups' results)."""
     return strategy_of(policy).run(trace, policy, list(budgets), inputs=inputs, record_kept=record_kept,
-                                   threads=threads, sliding=sliding, chunk=chunk)
+                                   threads=threads, sliding=sliding, chunk=chunk, group=group)
 
 
 def replay(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInputs] | None = None,
@@ -325,32 +417,32 @@ def replay(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInput
 
 def _replay_steps(trace: Trace, policy: Policy, budgets: Sequence[int], *,
                   inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
-                  threads: int | None = None, sliding: str = "keep", chunk: int = 1) -> list[ReplayResult]:
+                  threads: int | None = None, sliding: str = "keep", chunk: int = 1,
+                  group: LayerGroup | None = None) -> list[ReplayResult]:
     """The step strategy: one engine replay per budget over the same prepared inputs."""
     inputs = inputs if inputs is not None else layer_inputs(trace)
     return [replay_step(trace, policy, b, inputs=inputs, record_kept=record_kept, threads=threads, sliding=sliding,
-                        chunk=chunk) for b in budgets]
+                        chunk=chunk, group=group) for b in budgets]
 
 
 def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInputs] | None = None,
                 record_kept: tuple[int, int] | None = None, threads: int | None = None,
-                sliding: str = "keep", chunk: int = 1) -> ReplayResult:
+                sliding: str = "keep", chunk: int = 1, group: LayerGroup | None = None) -> ReplayResult:
     """Stream ``trace`` through ``policy``'s kernels at ``budget``: policies with a prefill selector compress
     the prompt first, the others stream it through ``step``, ``chunk`` prompt tokens per step (chunked
     prefill: every token of a chunk attends causally over the cache plus its chunk-mates, the step sees their
     attention summed per slot, as a token-by-token run without evictions would accumulate it, then evicts to
     the budget; 1 is token by token, the prompt length is "compress once after the prompt"). A chunk never
-    crosses into the decode steps, which stay one token each."""
+    crosses into the decode steps, which stay one token each. With a ``group``, only its layers at its
+    shipped budgets (``layer_groups``)."""
     _check_budget(trace, policy, budget)
     chunk = check_chunk(policy, chunk)
     meta = trace.meta
     inputs = inputs if inputs is not None else layer_inputs(trace)
-    layers = compressed_layers(trace, sliding)
+    layers = compressed_layers(trace, sliding) if group is None else list(group.layers)
     T, P = meta.n_tokens, meta.n_prompt
     hkv = meta.model.n_kv_heads
-    budgets = check_allocation(policy, policy.allocate(int(budget), hkv,
-                                                       PromptLayers(trace, inputs, layers, P),
-                                                       meta.softmax_scale), len(layers), hkv)
+    budgets = allocation(trace, policy, budget, inputs, layers) if group is None else group.budgets(budget)
     kernels = tuple((fn,) for fn in policy.kernels())
     n_steps = T - P
     rec_start, n_rec = record_kept if record_kept else (0, 0)
@@ -378,12 +470,7 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
     n_threads = _threads(threads, len(layers))
     with blas_per_layer_thread(n_threads), ThreadPoolExecutor(n_threads) as pool:
         outs = list(pool.map(run, range(len(layers))))
-    kept = None
-    if n_rec:
-        width = max(o[2].shape[2] for o in outs)
-        kept = np.full((len(outs), n_rec, hkv, width), -1, np.int32)
-        for l, o in enumerate(outs):
-            kept[l, :, :, : o[2].shape[2]] = o[2]
+    kept = _concat_kept([o[2][None] for o in outs]) if n_rec else None
     return ReplayResult(
         trace=str(trace.path), policy=policy.name, label=policy.label(), params=dict(policy.params),
         budget=int(budget), budgets=budgets, steps=np.arange(P, T), metrics=np.stack([o[0] for o in outs]),
@@ -395,22 +482,26 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
 
 def _replay_oracle_policy(trace: Trace, policy: Policy, budgets: Sequence[int], *,
                           inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
-                          threads: int | None = None, sliding: str = "keep", chunk: int = 1) -> list[ReplayResult]:
+                          threads: int | None = None, sliding: str = "keep", chunk: int = 1,
+                          group: LayerGroup | None = None) -> list[ReplayResult]:
     """The oracle strategy: its ``scope`` parameter is read here, and only here (the oracle reads no prompt
     steps, so ``chunk`` changes nothing)."""
     return replay_oracle(trace, budgets, scope=policy.params["scope"], inputs=inputs, threads=threads,
-                         label=policy.label(), record_kept=record_kept, sliding=sliding)
+                         label=policy.label(), record_kept=record_kept, sliding=sliding,
+                         layers=None if group is None else group.layers)
 
 
 def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
                   inputs: list[LayerInputs] | None = None, threads: int | None = None,
                   label: str = "oracle", record_kept: tuple[int, int] | None = None,
-                  sliding: str = "keep") -> list[ReplayResult]:
+                  sliding: str = "keep", layers: Sequence[int] | None = None) -> list[ReplayResult]:
     """The oracle at several budgets from one pass over the full attention rows (a budget curve).
 
     ``record_kept=(start, n)`` records, for steps start..start+n-1, the positions the oracle attends at that
     step: the newest token plus the top-``budget`` past tokens of each KV head (``scope='layer'``: the top
     ``budget * Hkv`` across the layer's heads), ranked as ``sim.oracle.oracle_layer`` ranks them.
+    ``layers``: only these of the compressed layers (a ``LayerGroup``'s: the oracle allocates nothing, so a
+    group needs no other layer).
     """
     from policies.registry import get_policy
 
@@ -419,7 +510,7 @@ def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
         _check_budget(trace, oracle, b)
     meta = trace.meta
     inputs = inputs if inputs is not None else layer_inputs(trace)
-    layers = compressed_layers(trace, sliding)
+    layers = compressed_layers(trace, sliding) if layers is None else list(layers)
     T, P = meta.n_tokens, meta.n_prompt
     order = np.argsort(np.asarray(budgets, np.int64), kind="stable")
     sorted_b = np.ascontiguousarray(np.asarray(budgets, np.int64)[order])

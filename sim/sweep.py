@@ -78,16 +78,19 @@ def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequen
 
 def run_sweep(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequence[int], store: ResultStore,
               *, workers: int = 1, ray_address: str | None = None, threads: int | None = None,
-              progress: bool = True) -> pd.DataFrame:
+              split_layers: int = 1, progress: bool = True) -> pd.DataFrame:
     """Evaluate every configuration not yet in ``store`` and return the store's full table.
 
     Each finished job is written at once (atomic part file), so Ctrl-C or kill -9 loses only running jobs
     and a rerun resumes where it stopped. ``threads`` per worker: see ``sim.executors.Executor``.
+    ``split_layers`` > 1 runs each configuration as that many jobs of consecutive layers (``Executor.run_split``);
+    its rows are written when its last group is back.
     """
     jobs = plan(traces, policies, budgets, store.keys())
     total = sum(len(j.budgets) for j in jobs)
     with tqdm(total=total, desc="sweep", unit="cfg", disable=not progress) as bar:
-        consume(execute(jobs, workers=workers, ray_address=ray_address, threads=threads), store.add, bar.update)
+        consume(execute(jobs, workers=workers, ray_address=ray_address, threads=threads, split_layers=split_layers),
+                store.add, bar.update)
     return store.load()
 
 

@@ -150,6 +150,15 @@ def add_executor_options(p: argparse.ArgumentParser) -> None:
                    help="run on Ray: a cluster address (ray://host:10001, auto) or 'local' (needs kvsim[ray])")
 
 
+def add_split_option(p: argparse.ArgumentParser, *, extra: str = "") -> None:
+    """``--split-layers N``: each configuration as N jobs of consecutive layers (``Executor.run_split``)."""
+    p.add_argument("--split-layers", type=positive_int, default=1, metavar="N",
+                   help="run each configuration as N jobs, one per group of consecutive layers (N at most the "
+                        "layers a policy compresses), on the local workers or --ray: for one long trace across "
+                        "machines. Budgets that couple layers (PyramidKV, D2O) are allocated once over all layers "
+                        "here and shipped with each group; results are identical to N = 1" + extra)
+
+
 def add_quiet_option(p: argparse.ArgumentParser) -> None:
     """``--quiet``: no progress bar."""
     p.add_argument("--quiet", action="store_true", help="no progress bar")

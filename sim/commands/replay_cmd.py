@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from sim.commands._common import add_budget_option, add_policy_option, add_trace_args, load
+from sim.commands._common import (add_budget_option, add_executor_options, add_policy_option, add_split_option,
+                                  add_trace_args, load, trace_ref)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,6 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_trace_args(p)
     add_policy_option(p)
     add_budget_option(p)
+    add_executor_options(p)
+    add_split_option(p, extra=" (unless N > 1 or --ray is given, the replay runs in this process, its layers on "
+                              "--threads threads; otherwise on at most N local workers)")
     p.add_argument("--per-head", action="store_true", help="also print metrics per layer and query head")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
@@ -23,12 +27,17 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from sim.executors import replay_split
     from sim.replay import replay
     from sim.specs import parse_policy
 
-    trace = load(args, args.trace)
     policy = parse_policy(args.policy)
-    res = replay(trace, policy, args.budget, sliding=args.sliding, chunk=args.chunk)
+    if args.split_layers > 1 or args.ray:
+        res = replay_split(trace_ref(args, args.trace), policy, args.budget, args.split_layers, workers=args.workers,
+                           ray_address=args.ray, threads=args.threads)
+    else:
+        res = replay(load(args, args.trace), policy, args.budget, sliding=args.sliding, chunk=args.chunk,
+                     threads=args.threads)
     summary = res.summary()
     if args.json:
         print(json.dumps(summary, indent=1))

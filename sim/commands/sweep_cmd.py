@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from sim.commands._common import (add_budgets_option, add_executor_options, add_out_option, add_policies_option,
-                                  add_quiet_option, add_trace_args, trace_refs)
+                                  add_quiet_option, add_split_option, add_trace_args, trace_refs)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,6 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_budgets_option(p, extra=" (default: powers of 2 up to the shortest trace)")
     add_out_option(p, "kvsim-out/results", "results store directory")
     add_executor_options(p)
+    add_split_option(p)
     p.add_argument("--plot", type=Path, default=None, help="also write loss-vs-budget curves to this PNG")
     add_quiet_option(p)
     p.set_defaults(func=run)
@@ -36,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     for ref in refs:
         save_ref_facts(store.root, ref)              # what `kvsim report` says about each trace
     df = run_sweep(refs, parse_policy_grid(args.policies), budgets, store, workers=args.workers,
-                   ray_address=args.ray, threads=args.threads, progress=not args.quiet)
+                   ray_address=args.ray, threads=args.threads, split_layers=args.split_layers,
+                   progress=not args.quiet)
     df = split_sliding(with_oracle_gap(df[df.budget.isin(budgets)]))
     print_ranked(df)
     print(f"results: {args.out} ({len(df)} rows for these budgets; `kvsim report {args.out}` writes the page)")
