@@ -19,21 +19,25 @@ def text_metrics(model, ids: Sequence[int], n_prompt: int, policy: Policy, budge
 
     Scored predictions are those made by decode positions n_prompt .. len(ids)-2 (the steps where the
     compressed cache is read, as the simulator's measured steps), of tokens n_prompt+1 .. len(ids)-1.
-    ``full_logits`` ([len(ids), V] from `full_model_logits`) saves the reference forward across calls.
+    ``full_logits`` ([len(ids) - n_prompt, V] from ``full_model_logits(model, ids, start=n_prompt)``) saves the
+    reference forward across calls.
     """
     ids = [int(x) for x in ids]
     if not 1 <= n_prompt <= len(ids) - 2:
         raise ValidateError(f"need 1 <= n_prompt <= {len(ids) - 2} for {len(ids)} tokens, got {n_prompt}")
     res = CompressedRunner(model, policy, budget, backend=backend, sliding=sliding, chunk=chunk).run(ids[:n_prompt],
                                                                                        continuation=ids[n_prompt:])
-    full = full_model_logits(model, ids) if full_logits is None else full_logits
+    full = full_model_logits(model, ids, start=n_prompt) if full_logits is None else full_logits
     return metrics_of_run(res, model, ids, n_prompt, full)
 
 
 def metrics_of_run(res: RunResult, model, ids: Sequence[int], n_prompt: int, full_logits: np.ndarray) -> dict[str, Any]:
     """`text_metrics` of a finished teacher-forced run (e.g. one row of `run_batch`) against the full cache's
-    logits over ``ids``."""
-    full = full_logits[n_prompt:-1]
+    logits at positions n_prompt .. len(ids)-1 (``full_model_logits(model, ids, start=n_prompt)``)."""
+    if full_logits.shape[0] != len(ids) - n_prompt:
+        raise ValidateError(f"full-cache logits cover {full_logits.shape[0]} positions; expected the "
+                            f"{len(ids) - n_prompt} from the prompt's last token on (start=n_prompt)")
+    full = full_logits[:-1]
     logp = full - np.logaddexp.reduce(full.astype(np.float64), axis=1, keepdims=True)
     tgt = np.asarray(ids[n_prompt + 1:])
     nll_full = -logp[np.arange(len(tgt)), tgt]

@@ -86,7 +86,7 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
                      single_pass=True, progress=False, model_id=model_id)
         trace = load_trace(Path(tmp) / "trace")
         inputs = load_layers(trace)
-        full = full_model_logits(model, ids)
+        full = full_model_logits(model, ids, start=n_prompt)
         sims = [replay(trace, p, b, inputs=inputs, record_kept=(n_prompt, n_open_steps), threads=1, sliding=sliding,
                        chunk=effective_chunk(p, chunk)) for p, b in configs]
         n_open = int(min(n_open_steps, n_decode))

@@ -734,10 +734,27 @@ class CompressedRunner:
         return BatchRunner(self.model, [job], backend=self.backend, **self.kwargs).run()[0]
 
 
-def full_model_logits(model, ids: Sequence[int]) -> np.ndarray:
-    """Logits [T, V] of the unmodified model over ``ids`` in one causal forward (the full-cache reference)."""
+def full_model_logits(model, ids: Sequence[int], *, start: int = 0, chunk: int = PROMPT_CHUNK) -> np.ndarray:
+    """Logits [T - start, V] of the unmodified model over ``ids`` at positions start .. T-1 (the full-cache
+    reference). The tokens go through the model ``chunk`` at a time with its own KV cache, so no layer builds a
+    T x T mask or score matrix, and the LM head runs only where a logit is returned: one forward over 32 k tokens
+    would need tens of GB (Gemma-3's 262 k-token vocabulary alone makes T x V logits 34 GB)."""
+    from traces.recorder import cache_keyword, returned_cache
+
+    ids = [int(x) for x in ids]
+    if not 0 <= start < len(ids):
+        raise ValidateError(f"start must be in [0, {len(ids)}) for {len(ids)} tokens, got {start}")
     device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    kw_name, past, parts = cache_keyword(model), None, []
     model.eval()
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([[int(x) for x in ids]], device=device), use_cache=False)
-    return out.logits[0].float().cpu().numpy()
+        for c0 in range(0, len(ids), chunk):
+            c1 = min(len(ids), c0 + chunk)
+            wanted = c1 - max(start, c0)               # positions of this chunk at or after start
+            kw = {kw_name: past} if past is not None else {}
+            out = model(input_ids=x[:, c0:c1], use_cache=True, logits_to_keep=max(1, wanted), **kw)
+            past = returned_cache(out)
+            if wanted > 0:
+                parts.append(out.logits[0, -wanted:].float().cpu().numpy())
+    return np.concatenate(parts)

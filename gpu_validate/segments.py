@@ -96,7 +96,7 @@ def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Poli
             chunk = todo[c:c + max_rows]
             for seg, _, _ in chunk:
                 if seg.name not in fulls:
-                    fulls[seg.name] = full_model_logits(model, seg.ids)
+                    fulls[seg.name] = full_model_logits(model, seg.ids, start=n_prompt)
             rows: list[dict[str, Any]] = []
 
             def finished(i: int, res, chunk=chunk, rows=rows) -> None:

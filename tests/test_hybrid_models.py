@@ -103,6 +103,15 @@ def test_gemma3_closed_loop_full_cache_is_the_model(gemma, ids):
     np.testing.assert_allclose(res.logits, full_model_logits(gemma, ids)[11:39], rtol=1e-4, atol=1e-4)
 
 
+def test_gemma3_full_logits_in_chunks_cross_the_window(gemma, ids):
+    """Chunks shorter than the sliding window, over more tokens than it, through the model's own (sliding) cache:
+    the same logits as one forward."""
+    from gpu_validate.runner import full_model_logits
+
+    one = full_model_logits(gemma, ids)
+    np.testing.assert_allclose(full_model_logits(gemma, ids, start=5, chunk=WINDOW - 1), one[5:], rtol=1e-4, atol=1e-4)
+
+
 def test_gemma3_memory_counts_the_windows(gemma, gemma_trace, ids):
     """Held K+V bytes: the policy's slots on the global layer plus each sliding layer's window, in closed loop
     and in the simulator alike."""

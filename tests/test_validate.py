@@ -73,6 +73,19 @@ def test_full_budget_logits_equal_unmodified_model(make, policy, budget, ids):
     assert res.top1.tolist() == ref[11:-1].argmax(1).tolist()
 
 
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_full_model_logits_in_chunks_equal_one_forward(make, ids):
+    """The full-cache reference fed a few tokens at a time through the model's own cache (bounded memory at long
+    context) gives the one-forward logits, from ``start`` on."""
+    model = make()
+    one = full_model_logits(model, ids[:40])
+    chunked = full_model_logits(model, ids[:40], start=13, chunk=6)
+    assert chunked.shape == (27, one.shape[1])
+    np.testing.assert_allclose(chunked, one[13:], atol=2e-5, rtol=0)
+    with pytest.raises(ValidateError, match="start"):
+        full_model_logits(model, ids[:40], start=40)
+
+
 def test_triton_backend_matches_torch_backend_and_unmodified_model(llama, ids):
     ref = full_model_logits(llama, ids[:14])
     full = CompressedRunner(llama, get_policy("full"), 1, backend="triton", keep_logits=True)
