@@ -35,13 +35,12 @@ TRACES = {
     "smollm2-135m": {"dir": "kvsim-out/long/smollm2-8k", "prompt": 7936, "decode": 256, "text": "long-default"},
     "gemma3-270m": {"dir": "kvsim-out/long/gemma3-32k", "prompt": 32512, "decode": 256, "text": "long-default"},
 }
-POLICIES = ("full;window;streaming_llm;h2o;tova;snapkv;pyramidkv;ada_snapkv;expected_attention;knorm;bumblebee;"
-            "d2o;buzz;cascading")
+POLICIES = "full;streaming_llm;h2o;tova;snapkv;pyramidkv;expected_attention;knorm;bumblebee;d2o;buzz;cascading"
 BUDGETS = (512, 2048)
 CHUNKS = (1, 512)
 #: configurations run closed loop for real (the others are estimated from their measured per-token cost)
-CLOSED_LOOP = (("gemma3-270m", "snapkv", 2048, 1), ("gemma3-270m", "h2o", 2048, 512),
-               ("smollm2-135m", "snapkv", 2048, 1), ("smollm2-135m", "h2o", 2048, 512))
+CLOSED_LOOP = (("gemma3-270m", "snapkv", 2048, 1), ("smollm2-135m", "snapkv", 2048, 1),
+               ("smollm2-135m", "h2o", 2048, 512))
 
 
 def timed(args: list[str], env: dict[str, str] | None = None, timeout: float = 7200) -> dict:
@@ -91,13 +90,19 @@ def recordings(out: dict) -> None:
 
 
 def replays(out: dict, policies: list[str]) -> None:
+    """Each policy x budget, and x prompt chunk for a policy that streams its prompt in chunks (for the others a
+    chunk changes nothing: ``sim.replay.effective_chunk``)."""
+    from policies import get_policy
+    from sim.replay import effective_chunk
+
     done = {(r["model"], r["policy"], r["budget"], r["chunk"]) for r in out["replay"]}
     for model, t in TRACES.items():
         if not Path(t["dir"], "manifest.json").exists():
             continue
         for name in policies:
             for budget in BUDGETS:
-                for chunk in (CHUNKS if name not in ("oracle",) else (1,)):
+                chunked = name != "oracle" and effective_chunk(get_policy(name), 2) == 2
+                for chunk in (CHUNKS if chunked else (1,)):
                     if (model, name, budget, chunk) in done:
                         continue
                     args = ["replay", t["dir"], "--policy", name, "--budget", str(budget), "--prefill-chunk",
@@ -140,23 +145,46 @@ def closed_loop(out: dict) -> None:
 
 
 def speedups(out: dict) -> None:
-    """closed_loop_seconds for every replay row: measured where that configuration ran, else estimated as the
-    measured closed-loop seconds of the same model, scaled by nothing (the model's forward passes, not the
-    policy, dominate a CPU closed loop: the estimate is the mean of that model's measured runs with the same
-    prompt chunk, or any chunk when none)."""
-    measured = {(r["model"], r["policy"], r["budget"], r["chunk"]): r["seconds"] for r in out["closed_loop"]}
+    """closed_loop_seconds for every replay row: measured where that configuration ran, else estimated (labelled
+    ``closed_loop_estimated``). A CPU closed loop's time is the model's forward passes, not the policy's work, so
+    a row is estimated from the measured runs of the same model that feed the prompt the same way: a prefill
+    selector's (and the oracle's) from the measured prefill-selector runs (prompt in 512-token forwards); a policy
+    streaming its prompt in chunks of C > 1 from measured runs streaming at that C (or, where none ran, from the
+    prefill-selector runs: a lower bound, as the streamed chunks cost more); a policy streaming token by token
+    from the prefill-selector runs plus the single-token forwards it does instead of 512-token ones, P - P/512 more
+    forwards at the measured decode cost per token (``1 / tokens_per_s``)."""
+    from policies import get_policy
+
+    def kind(policy_name: str, chunk: int) -> str:
+        if policy_name == "oracle" or get_policy(policy_name).has_prefill:
+            return "prefill"
+        return f"stream{chunk}"
+
+    runs = {}
+    for r in out["closed_loop"]:
+        runs.setdefault((r["model"], kind(r["policy"], r["chunk"])), []).append(r)
+    measured = {(r["model"], r["policy"], r["budget"], r["chunk"]): r for r in out["closed_loop"]}
     for row in out["replay"]:
         if "seconds" not in row:
             continue
         key = (row["model"], row["policy"], row["budget"], row["chunk"])
         if key in measured:
-            row["closed_loop_seconds"], row["closed_loop_estimated"] = measured[key], False
+            row["closed_loop_seconds"], row["closed_loop_estimated"] = measured[key]["seconds"], False
         else:
-            same = [s for (m, _, _, c), s in measured.items() if m == row["model"] and c == row["chunk"]]
-            same = same or [s for (m, _, _, _), s in measured.items() if m == row["model"]]
+            k = kind(row["policy"], row["chunk"])
+            base = runs.get((row["model"], "prefill"), [])
+            same = runs.get((row["model"], k)) or base
             if not same:
                 continue
-            row["closed_loop_seconds"], row["closed_loop_estimated"] = sum(same) / len(same), True
+            seconds = sum(r["seconds"] for r in same) / len(same)
+            if k == "stream1":
+                n_prompt = TRACES[row["model"]]["prompt"]
+                per_token = sum(1 / r["tokens_per_s"] for r in same) / len(same)
+                seconds += (n_prompt - n_prompt // 512) * per_token
+            row["closed_loop_seconds"], row["closed_loop_estimated"] = seconds, True
+            row["closed_loop_estimate"] = ("lower bound: no measured run streams its prompt in chunks of "
+                                           f"{row['chunk']}" if k.startswith("stream") and k != "stream1"
+                                           and not runs.get((row["model"], k)) else "from measured runs")
         row["speedup"] = row["closed_loop_seconds"] / row["seconds"]
 
 
