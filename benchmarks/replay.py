@@ -134,8 +134,9 @@ def policy_profile(trace, policy, inputs, budget: int, repeat: int = 2) -> dict:
     budgets = allocate()
 
     def prefill():
-        kernel, params = policy.kernels()[1], policy.param_vector()
+        kernel = policy.kernels()[1]
         for layer, li in enumerate(inputs):
+            params = policy.param_vector(meta.attention(layer))
             head = np.ascontiguousarray(policy.head_state_init(hkv, meta.model.head_dim, li.wo), np.float64)
             kernel(params, layer, budgets[layer], li.q[:P], li.k[:P], li.v[:P], float(meta.softmax_scale),
                    np.ones((hkv, P), np.uint8), np.zeros((hkv, P, policy.slot_fields)), head)
