@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import json
 import os
 import sys
 import tempfile
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 
-from benchmarks._util import cli_seconds, machine, write_result  # noqa: E402
+from benchmarks._util import RESULTS, cli_seconds, machine, write_result  # noqa: E402
 from policies import get_policy, list_policies  # noqa: E402
 from sim.engine import profile_attention, profile_parts  # noqa: E402
 from sim.metrics import N_METRICS  # noqa: E402
@@ -218,6 +219,20 @@ def sweep_seconds(trace_dir: str, workers: int) -> dict:
             "policies": list_policies(), "environment": "plain user shell (no thread variables)", "seconds": wall}
 
 
+def previous_full_run() -> dict:
+    """The model runs and the sweep of the last full run in benchmarks/results/replay.json (``--quick`` skips
+    them), each marked with the date of the run it came from."""
+    path = RESULTS / "replay.json"
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    carried = {}
+    for key in ("model_runs", "sweep"):
+        if old.get(key):
+            carried[key] = {**old[key], "from_run": old[key].get("from_run", "the previous full run (--quick skips it)")}
+    return carried
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=DEFAULT_TRACE, help="real model trace directory (recorded when missing)")
@@ -297,6 +312,8 @@ def main(argv: list[str] | None = None) -> None:
               f"streamed steps {p['stream_s']:.3f} s")
     ratios = {n: best[n] / h2o for n in best}
     state: dict = {"model_runs": None, "sweep": None}
+    if args.quick:      # keep the last full run's model runs and sweep, labelled as such, rather than drop them
+        state.update(previous_full_run())
 
     def save() -> None:
         """Write what is measured so far (the model runs and the sweep take minutes on a busy machine)."""
