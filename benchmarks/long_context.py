@@ -172,19 +172,19 @@ def speedups(out: dict) -> None:
             row["closed_loop_seconds"], row["closed_loop_estimated"] = measured[key]["seconds"], False
         else:
             k = kind(row["policy"], row["chunk"])
-            base = runs.get((row["model"], "prefill"), [])
-            same = runs.get((row["model"], k)) or base
-            if not same:
-                continue
-            seconds = sum(r["seconds"] for r in same) / len(same)
-            if k == "stream1":
-                n_prompt = TRACES[row["model"]]["prompt"]
-                per_token = sum(1 / r["tokens_per_s"] for r in same) / len(same)
-                seconds += (n_prompt - n_prompt // 512) * per_token
+            same, extra, note = runs.get((row["model"], k)), 0.0, "from measured runs"
+            if not same:                                  # from the prefill selectors' runs
+                same = runs.get((row["model"], "prefill"))
+                if not same:
+                    continue
+                if k == "stream1":                        # plus the single-token forwards instead of 512-token ones
+                    n_prompt = TRACES[row["model"]]["prompt"]
+                    extra = (n_prompt - n_prompt // 512) * sum(1 / r["tokens_per_s"] for r in same) / len(same)
+                elif k != "prefill":
+                    note = f"lower bound: no measured run streams its prompt in chunks of {row['chunk']}"
+            seconds = sum(r["seconds"] for r in same) / len(same) + extra
             row["closed_loop_seconds"], row["closed_loop_estimated"] = seconds, True
-            row["closed_loop_estimate"] = ("lower bound: no measured run streams its prompt in chunks of "
-                                           f"{row['chunk']}" if k.startswith("stream") and k != "stream1"
-                                           and not runs.get((row["model"], k)) else "from measured runs")
+            row["closed_loop_estimate"] = note
         row["speedup"] = row["closed_loop_seconds"] / row["seconds"]
 
 

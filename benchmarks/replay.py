@@ -221,7 +221,7 @@ def sweep_seconds(trace_dir: str, workers: int) -> dict:
 
 def previous_full_run() -> dict:
     """The model runs and the sweep of the last full run in benchmarks/results/replay.json (``--quick`` skips
-    them), each marked with the date of the run it came from."""
+    them), each marked ``from_run`` as carried over from an earlier run."""
     path = RESULTS / "replay.json"
     if not path.exists():
         return {}

@@ -443,15 +443,9 @@ class BatchRunner:
         the model's KV cache between chunks (no layer builds a P x P mask; a long prompt's memory stays bounded),
         capturing every layer's q/k/v; returns the logits after the last prompt token. Only that position's
         prediction is read, so the LM head runs on it alone (Gemma-3: 262 k x 640 weights)."""
-        from traces.recorder import cache_keyword, returned_cache
-
         ids = torch.tensor(prompts, device=self.device)
-        kw_name, past = cache_keyword(self.model), None
-        for c0 in range(0, ids.shape[1], PROMPT_CHUNK):
-            kw = {kw_name: past} if past is not None else {}
-            out = self.model(input_ids=ids[:, c0:c0 + PROMPT_CHUNK], use_cache=True, logits_to_keep=1, **kw)
-            past = returned_cache(out)
-        del past
+        for _, _, logits in forward_in_chunks(self.model, ids, PROMPT_CHUNK, lambda c0, c1: 1):
+            pass            # the layers capture q/k/v as the chunks go; only the last chunk's logits are read
         for store in (self.prompt_q, self.prompt_k, self.prompt_v):
             for layer, parts in store.items():
                 store[layer] = np.concatenate(parts, axis=1)                      # [U, P, H, d]
@@ -459,7 +453,7 @@ class BatchRunner:
             dev, dtype = self.device, next(self.model.parameters()).dtype
             self.dense = {layer: [torch.from_numpy(a[layer]).to(dev, dtype).transpose(1, 2)[self.prompt_of]
                                   for a in (self.prompt_k, self.prompt_v)] for layer in self.prompt_k}
-        return out.logits[:, -1].float()
+        return logits[:, -1].float()
 
     def _forward(self, tokens: Sequence[Sequence[int]], t: int, *, logits: bool = True):
         """Feed each row's tokens (one, or a prompt chunk) at positions t, t+1, ...; the logits after the last,
@@ -734,27 +728,35 @@ class CompressedRunner:
         return BatchRunner(self.model, [job], backend=self.backend, **self.kwargs).run()[0]
 
 
-def full_model_logits(model, ids: Sequence[int], *, start: int = 0, chunk: int = PROMPT_CHUNK) -> np.ndarray:
-    """Logits [T - start, V] of the unmodified model over ``ids`` at positions start .. T-1 (the full-cache
-    reference). The tokens go through the model ``chunk`` at a time with its own KV cache, so no layer builds a
-    T x T mask or score matrix, and the LM head runs only where a logit is returned: one forward over 32 k tokens
-    would need tens of GB (Gemma-3's 262 k-token vocabulary alone makes T x V logits 34 GB)."""
+def forward_in_chunks(model, ids: torch.Tensor, chunk: int, keep) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Feed ``ids`` [B, T] through ``model`` ``chunk`` tokens per forward with the model's own KV cache between
+    forwards (no layer builds a T x T mask or score matrix: bounded memory at long context), and yield (c0, c1,
+    the logits of the chunk's last ``keep(c0, c1)`` positions) for each chunk [c0, c1); the LM head runs on those
+    positions alone."""
     from traces.recorder import cache_keyword, returned_cache
 
+    kw_name, past = cache_keyword(model), None
+    for c0 in range(0, ids.shape[1], chunk):
+        c1 = min(ids.shape[1], c0 + chunk)
+        kw = {kw_name: past} if past is not None else {}
+        out = model(input_ids=ids[:, c0:c1], use_cache=True, logits_to_keep=keep(c0, c1), **kw)
+        past = returned_cache(out)
+        yield c0, c1, out.logits
+
+
+def full_model_logits(model, ids: Sequence[int], *, start: int = 0, chunk: int = PROMPT_CHUNK) -> np.ndarray:
+    """Logits [T - start, V] of the unmodified model over ``ids`` at positions start .. T-1 (the full-cache
+    reference), ``chunk`` tokens per forward (`forward_in_chunks`): one forward over 32 k tokens would need tens
+    of GB (Gemma-3's 262 k-token vocabulary alone makes T x V logits 34 GB)."""
     ids = [int(x) for x in ids]
     if not 0 <= start < len(ids):
         raise ValidateError(f"start must be in [0, {len(ids)}) for {len(ids)} tokens, got {start}")
-    device = next(model.parameters()).device
-    x = torch.tensor([ids], device=device)
-    kw_name, past, parts = cache_keyword(model), None, []
+
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    parts = []
     model.eval()
-    with torch.no_grad():
-        for c0 in range(0, len(ids), chunk):
-            c1 = min(len(ids), c0 + chunk)
-            wanted = c1 - max(start, c0)               # positions of this chunk at or after start
-            kw = {kw_name: past} if past is not None else {}
-            out = model(input_ids=x[:, c0:c1], use_cache=True, logits_to_keep=max(1, wanted), **kw)
-            past = returned_cache(out)
-            if wanted > 0:
-                parts.append(out.logits[0, -wanted:].float().cpu().numpy())
+    with torch.no_grad():   # keep: the chunk's positions at or after start (at least one: the head needs a row)
+        for c0, c1, logits in forward_in_chunks(model, x, chunk, lambda c0, c1: max(1, c1 - max(start, c0))):
+            if c1 > start:
+                parts.append(logits[0, -(c1 - max(start, c0)):].float().cpu().numpy())
     return np.concatenate(parts)
