@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -27,19 +28,16 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from gpu_validate.runner import BatchJob, ValidateError, run_batch
+from gpu_validate.runner import BatchJob, ValidateError, model_geometry, run_batch
+from gpu_validate.tasks import TaskError, build_task, retrieved
 from policies.base import Policy
 from sim.metrics import Column
 
-INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
-               "I will quiz you about the pass key.\n")
-NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
-QUESTION = "\nWhat is the pass key? The pass key is"
-
-
 @dataclass(frozen=True)
 class NeedlePrompt:
-    """One haystack: its grid coordinates, key, token ids, the answer's ids and where the key's tokens sit."""
+    """One haystack: its grid coordinates, token ids, the answer's ids, the token positions of the evidence the
+    answer is read from (``key_positions``), the values a right generation contains and how many tokens are
+    generated."""
 
     length: int
     depth: float
@@ -48,102 +46,175 @@ class NeedlePrompt:
     ids: tuple[int, ...]
     answer: tuple[int, ...]
     key_positions: tuple[int, ...]
+    task: str = "passkey"
+    values: tuple[str, ...] = ()
+    n_generate: int = 0
+    repeats: int = 1
 
     @property
     def prompt_id(self) -> str:
-        return f"L{self.length}-d{self.depth:g}-s{self.seed}"
+        base = f"L{self.length}-d{self.depth:g}-s{self.seed}"
+        if self.task == "passkey" and self.repeats == 1:
+            return base                      # the original needle grid's ids (stores written before the tasks)
+        return f"{self.task}{'' if self.repeats == 1 else f'x{self.repeats}'}-{base}"
+
+    def success(self, generated: Sequence[int], decode: Callable[[list[int]], str] | None = None) -> bool:
+        """Whether greedy decoding retrieved: every value in the decoded generation (``decode``), or, without a
+        decoder, the answer's tokens reproduced exactly."""
+        if decode is None or not self.values:
+            return tuple(generated[:len(self.answer)]) == self.answer
+        return retrieved(decode(list(generated[:self.n_generate or len(self.answer)])), self.values)
 
 
-def _find_all(seq: Sequence[int], sub: Sequence[int]) -> list[int]:
-    n = len(sub)
-    return [i for i in range(len(seq) - n + 1) if list(seq[i:i + n]) == list(sub)]
+def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [int(x) for x in enc["input_ids"]], [tuple(o) for o in enc["offset_mapping"]]
 
 
-def make_prompt(tokenizer, filler_ids: Sequence[int], length: int, depth: float, seed: int) -> NeedlePrompt:
-    """The needle prompt of exactly ``length`` tokens for (depth, seed); the key and the filler window are
-    drawn from ``seed`` (and the length and depth, so every grid cell has its own key)."""
-    if not 0.0 <= depth <= 1.0:
-        raise ValidateError(f"needle depth must lie in [0, 1], got {depth}")
-    h = int(hashlib.sha256(f"{length}/{depth:g}/{seed}".encode()).hexdigest()[:8], 16)
-    rng = np.random.default_rng([seed, h])
-    key = str(int(rng.integers(10000, 100000)))
-    head = tokenizer.encode(INSTRUCTION)
-    needle = tokenizer.encode(NEEDLE.format(key=key))
-    question = tokenizer.encode(QUESTION)
-    answer = tokenizer.encode(f" {key}")
-    n_fill = length - len(head) - len(needle) - len(question)
+def _bos(tokenizer) -> list[int]:
+    """The BOS token where the tokenizer itself starts a text with one (Gemma), else nothing (SmolLM2)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    return [int(bos)] if bos is not None and len(full) > len(plain) and full[0] == bos else []
+
+
+def make_prompt(tokenizer, filler_ids: Sequence[int], length: int, depth: float, seed: int, *,
+                task: str = "passkey", repeats: int = 1) -> NeedlePrompt:
+    """The ``task`` prompt (`gpu_validate.tasks`) of exactly ``length`` tokens for (depth, seed): the task's values
+    and the filler window are drawn from ``seed`` (and the length, depth and task, so every grid cell has its own).
+    The filler window wraps around the end of the text when the prompt needs more filler than the text has."""
+    try:
+        seed_text = f"{length}/{depth:g}/{seed}" if task == "passkey" else f"{task}/{length}/{depth:g}/{seed}"
+        h = int(hashlib.sha256(seed_text.encode()).hexdigest()[:8], 16)
+        spec = build_task(task, np.random.default_rng([seed, h]), depth, repeats)
+    except TaskError as exc:
+        raise ValidateError(str(exc)) from None
+    rng = np.random.default_rng([seed, h, 1]) if task != "passkey" else None
+    head = _bos(tokenizer) + _encode(tokenizer, spec.head)[0]
+    question = _encode(tokenizer, spec.question)[0]
+    answer = _encode(tokenizer, spec.answer)[0]
+    lines = [(_encode(tokenizer, text), d, text) for text, d in spec.needles]
+    n_fill = length - len(head) - sum(len(ids) for (ids, _), _, _ in lines) - len(question)
     if n_fill < 1:
-        raise ValidateError(f"needle length {length} leaves no room for filler (needs > "
-                            f"{len(head) + len(needle) + len(question)} tokens)")
-    if len(filler_ids) < n_fill:
-        raise ValidateError(f"the filler text has {len(filler_ids)} tokens; length {length} needs {n_fill}")
-    off = int(rng.integers(0, len(filler_ids) - n_fill + 1))
-    fill = [int(x) for x in filler_ids[off:off + n_fill]]
-    cut = int(round(depth * n_fill))
-    ids = head + fill[:cut] + needle + fill[cut:] + question
-    key_ids = tokenizer.encode(f" {key}")[-len(tokenizer.encode(key)):] if key else []
-    start = len(head) + cut
-    pos = [start + i + j for i in _find_all(needle, key_ids) for j in range(len(key_ids))]
-    if len(ids) != length or not pos:
-        raise ValidateError(f"needle prompt construction failed (got {len(ids)} tokens, key found {len(pos)} times)")
-    return NeedlePrompt(length, float(depth), int(seed), key, tuple(ids), tuple(int(a) for a in answer),
-                        tuple(pos))
+        raise ValidateError(f"{task} length {length} leaves no room for filler (needs > {length - n_fill + 1} tokens)")
+    if not len(filler_ids):
+        raise ValidateError("the filler text is empty")
+    if task == "passkey":     # the original grid's draw, kept so its stored cells stay valid
+        if len(filler_ids) < n_fill:
+            filler_ids = list(filler_ids) * (n_fill // len(filler_ids) + 1)
+        off = _passkey_offset(seed, h, len(filler_ids), n_fill)
+    else:
+        off = int(rng.integers(0, len(filler_ids)))
+    reps = -(-(off + n_fill) // len(filler_ids))
+    fill = [int(x) for x in (list(filler_ids) * reps)[off:off + n_fill]]
+    ids, evidence = list(head), []
+    placed = sorted(range(len(lines)), key=lambda i: (lines[i][1], i))
+    prev = 0
+    for i in placed:
+        (line_ids, offsets), d, text = lines[i]
+        cut = int(round(d * n_fill))
+        ids += fill[prev:cut]
+        prev = cut
+        spans = [(m.start(), m.end()) for v in spec.evidence for m in re.finditer(re.escape(v), text)]
+        evidence += [len(ids) + j for j, (a, b) in enumerate(offsets) if any(a < e and b > s for s, e in spans)]
+        ids += line_ids
+    ids += fill[prev:] + question
+    if len(ids) != length or not evidence:
+        raise ValidateError(f"{task} prompt construction failed (got {len(ids)} tokens, {len(evidence)} evidence "
+                            "tokens)")
+    n_gen = len(answer) + (0 if len(spec.values) == 1 else 4)   # room for a list written a little differently
+    return NeedlePrompt(length, float(depth), int(seed), spec.key, tuple(ids), tuple(answer), tuple(sorted(evidence)),
+                        task, spec.values, n_gen, int(repeats))
+
+
+def _passkey_offset(seed: int, h: int, n_filler: int, n_fill: int) -> int:
+    """The original needle grid's filler offset: the second draw of its generator (the first drew the key)."""
+    rng = np.random.default_rng([seed, h])
+    rng.integers(10000, 100000)
+    return int(rng.integers(0, n_filler - n_fill + 1))
 
 
 def make_grid(tokenizer, filler_text: str, lengths: Sequence[int], depths: Sequence[float],
-              seeds: Sequence[int]) -> list[NeedlePrompt]:
-    """Every (length, depth, seed) prompt of the grid."""
-    filler = tokenizer(filler_text, verbose=False)["input_ids"]
-    return [make_prompt(tokenizer, filler, L, d, s) for L in lengths for d in depths for s in seeds]
+              seeds: Sequence[int], *, tasks: Sequence[str] = ("passkey",), repeats: int = 1) -> list[NeedlePrompt]:
+    """Every (task, length, depth, seed) prompt of the grid."""
+    filler = tokenizer(filler_text, add_special_tokens=False, verbose=False)["input_ids"]
+    return [make_prompt(tokenizer, filler, L, d, s, task=t, repeats=repeats)
+            for t in tasks for L in lengths for d in depths for s in seeds]
 
 
-def config_key(prompt: NeedlePrompt, policy: Policy, budget: int, model_id: str) -> str:
-    """Stable store key of a (model, prompt, policy with its parameters, budget) cell."""
-    payload = json.dumps([model_id, prompt.prompt_id, prompt.key, policy.name, policy.params, int(budget)],
-                         sort_keys=True, default=str)
+def config_key(prompt: NeedlePrompt, policy: Policy, budget: int, model_id: str, chunk: int = 1) -> str:
+    """Stable store key of a (model, prompt, policy with its parameters, budget, prompt chunk) cell (``chunk`` 0:
+    the whole prompt in one step; 1, token by token, is left out of the key so the cells stored before chunking
+    keep theirs)."""
+    cell = [model_id, prompt.prompt_id, prompt.key, policy.name, policy.params, int(budget)]
+    payload = json.dumps(cell if chunk == 1 else cell + [int(chunk)], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def prompt_chunk(prompt: NeedlePrompt, chunk: int) -> int:
+    """The prompt chunk a streamed policy takes ``prompt`` with: ``chunk`` tokens per step, 0 = all of it."""
+    return len(prompt.ids) if chunk == 0 else int(chunk)
 
 
 def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[Policy, int]], store, *,
                model_id: str, backend: str = "torch", max_rows: int = 48, progress: bool = True,
+               decode: Callable[[list[int]], str] | None = None, chunk: int = 1,
                log: Callable[[str], None] = print) -> "Any":
     """Closed-loop retrieval of every prompt × (policy, budget) not yet in ``store`` (a `sim.store.ResultStore`);
-    each finished batch is written as its own part file (resumable). Returns the store's table."""
+    each finished batch is written as its own part file (resumable). Returns the store's table.
+
+    ``decode`` (the tokenizer's) scores a generation by the values it contains (`NeedlePrompt.success`); without
+    it the answer's tokens must come back exactly. ``chunk``: prompt tokens per policy step for a policy without a
+    prefill selector (chunked prefill, `BatchJob.chunk`; 0 = the whole prompt in one step, which compresses once
+    after the prompt as a prefill selector does -- the setting of SnapKV's and Ada-KV's needle tests -- and lets
+    the batch take the prompt from the model's own forward instead of streaming it)."""
     from tqdm.auto import tqdm
 
+    chunk_arg = int(chunk)
     done = store.keys()
     todo = [(p, pol, b) for p in prompts for pol, b in configs
-            if config_key(p, pol, b, model_id) not in done]
+            if config_key(p, pol, b, model_id, chunk) not in done]
     if len(todo) < len(prompts) * len(configs):
         log(f"resuming: {len(prompts) * len(configs) - len(todo)} cells already in {store.root}")
-    # a batch shares one prompt length and one way of loading the prompt (streamed or prefilled); each batch
-    # is stored as soon as it finishes
-    groups: dict[tuple[int, bool], list] = {}
+    # one prompt at a time: its streamed and prefilled batches share the prompt's forward (`run_batch`'s memo),
+    # and every batch is stored as soon as it finishes
+    by_prompt: dict[str, list] = {}
     for c in todo:
-        groups.setdefault((c[0].length, BatchJob(c[1], c[2], c[0].ids).streams), []).append(c)
+        by_prompt.setdefault(c[0].prompt_id, []).append(c)
+    n_layers, _, n_kv, head_dim = model_geometry(model)
     with tqdm(total=len(todo), desc="needle", unit="cell", disable=not progress) as bar:
-        for (length, streams), cells in sorted(groups.items()):
-            for c in range(0, len(cells), max_rows):
-                chunk = cells[c:c + max_rows]
-                jobs = [BatchJob(pol, b, p.ids, n_generate=len(p.answer)) for p, pol, b in chunk]
-                rows: list[dict[str, Any]] = []
+        for cells in sorted(by_prompt.values(), key=lambda cs: (cs[0][0].length, cs[0][0].task, cs[0][0].prompt_id)):
+            p = cells[0][0]
+            memo: dict = {}
+            for streams in (False, True):
+                part = [c for c in cells if BatchJob(c[1], c[2], p.ids).streams == streams]
+                # a streamed row's cache holds its budget plus a prompt chunk: cap the rows at ~4 GB of cache
+                row_bytes = (prompt_chunk(p, chunk_arg) + max([b for _, _, b in part], default=0)) * n_layers * \
+                    n_kv * head_dim * 8
+                rows_cap = max_rows if not streams else max(1, min(max_rows, int(4e9 // row_bytes)))
+                for c in range(0, len(part), rows_cap):
+                    cells_ = part[c:c + rows_cap]
+                    jobs = [BatchJob(pol, b, p.ids, n_generate=p.n_generate or len(p.answer),
+                                     chunk=prompt_chunk(p, chunk_arg)) for _, pol, b in cells_]
+                    rows: list[dict[str, Any]] = []
 
-                def finished(i: int, res, chunk=chunk, rows=rows) -> None:
-                    p, pol, b = chunk[i]
-                    hit = tuple(res.generated[:len(p.answer)]) == p.answer
-                    rows.append({"key": config_key(p, pol, b, model_id), "model": model_id,
-                                 "prompt_id": p.prompt_id, "length": p.length, "depth": p.depth, "seed": p.seed,
-                                 "needle_key": p.key, "policy": pol.name, "label": pol.label(),
-                                 "params": pol.params, "budget": int(b), "success": bool(hit),
-                                 "generated": json.dumps(res.generated)})
-                    bar.update(1)
+                    def finished(i: int, res, cells_=cells_, rows=rows) -> None:
+                        _, pol, b = cells_[i]
+                        rows.append({"key": config_key(p, pol, b, model_id, chunk_arg), "model": model_id,
+                                     "task": p.task, "prompt_id": p.prompt_id, "length": p.length, "depth": p.depth,
+                                     "seed": p.seed, "needle_key": p.key, "policy": pol.name, "label": pol.label(),
+                                     "params": pol.params, "budget": int(b), "chunk": int(chunk_arg),
+                                     "success": p.success(res.generated, decode),
+                                     "generated": json.dumps(res.generated)})
+                        bar.update(1)
 
-                run_batch(model, jobs, backend=backend, max_rows=max_rows, on_result=finished)
-                store.add(rows)
-                acc = np.mean([r["success"] for r in rows])
-                bar.write(f"length {length} ({'streamed' if streams else 'prefilled'} prompts): batch of "
-                          f"{len(rows)} cells, accuracy {acc:.2f}")
-                sys.stdout.flush()
+                    run_batch(model, jobs, backend=backend, max_rows=rows_cap, on_result=finished, prompt_memo=memo)
+                    store.add(rows)
+                    acc = np.mean([r["success"] for r in rows])
+                    bar.write(f"{p.prompt_id} ({'streamed' if streams else 'prefilled'}): {len(rows)} cells, "
+                              f"accuracy {acc:.2f}")
+                    sys.stdout.flush()
     return store.load()
 
 
@@ -171,9 +242,9 @@ AGREEMENT = Column("agreement", "agreement", "agreement of the prediction with t
 
 
 def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy, int]], *,
-                    model_id: str = "model") -> list[dict[str, float]]:
+                    model_id: str = "model", chunk: int = 1) -> list[dict[str, float]]:
     """Per (policy, budget): every `FEATURES` value, from a teacher-forced trace of prompt + answer replayed in
-    the simulator."""
+    the simulator (with the closed loop's prompt ``chunk``, `run_needle`)."""
     from sim.replay import load_layers, replay
     from traces.format import load_trace
     from traces.recorder import record_trace
@@ -188,23 +259,25 @@ def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy,
         attn = _key_attention(inputs, trace.meta.softmax_scale, P, n_ans, np.asarray(prompt.key_positions))
         out = []
         for policy, budget in configs:
-            res = replay(trace, policy, int(budget), inputs=inputs, record_kept=(P, n_ans), threads=1)
+            res = replay(trace, policy, int(budget), inputs=inputs, record_kept=(P, n_ans), threads=1,
+                         chunk=prompt_chunk(prompt, chunk))
             out.append(_features(attn, _held(res.kept, np.asarray(prompt.key_positions), attn.shape)))
     return out
 
 
-def feature_key(prompt: NeedlePrompt, policy: Policy, budget: int, model_id: str) -> str:
+def feature_key(prompt: NeedlePrompt, policy: Policy, budget: int, model_id: str, chunk: int = 1) -> str:
     """Stable key of one simulated (model, prompt, policy with its parameters, budget) cell in the feature store:
     the closed-loop cell's coordinates plus a digest of the prompt's token ids (another filler text makes another
     prompt under the same id) and the names of the `FEATURES` (a new candidate makes the stored rows stale)."""
     ids = hashlib.sha256(json.dumps(list(prompt.ids)).encode()).hexdigest()[:16]
-    payload = json.dumps([model_id, prompt.prompt_id, prompt.key, ids, policy.name, policy.params, int(budget),
-                          sorted(FEATURES)], sort_keys=True, default=str)
+    cell = [model_id, prompt.prompt_id, prompt.key, ids, policy.name, policy.params, int(budget), sorted(FEATURES)]
+    payload = json.dumps(cell if chunk == 1 else cell + [int(chunk)], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
 def stored_features(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[Policy, int]], store, *,
-                    model_id: str, progress: bool = True, log: Callable[[str], None] = print) -> "Any":
+                    model_id: str, chunk: int = 1, progress: bool = True,
+                    log: Callable[[str], None] = print) -> "Any":
     """The `needle_features` of every prompt × (policy, budget), kept in ``store`` (a `sim.store.ResultStore`,
     beside the closed-loop one): cells already there are read back, and a prompt with missing cells is recorded
     and replayed for those only, then written as its own part file (atomic; an interrupted run resumes at the next
@@ -215,21 +288,30 @@ def stored_features(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tu
 
     known = store.load()
     done = set(known.key) if len(known) else set()
-    todo = [(p, [(pol, b) for pol, b in configs if feature_key(p, pol, b, model_id) not in done]) for p in prompts]
+    todo = [(p, [(pol, b) for pol, b in configs if feature_key(p, pol, b, model_id, chunk) not in done])
+            for p in prompts]
     todo = [(p, cfgs) for p, cfgs in todo if cfgs]
     n_done = len(prompts) * len(configs) - sum(len(c) for _, c in todo)
     if n_done:
         log(f"simulator features: {n_done} cells already in {store.root}")
     for p, cfgs in tqdm(todo, desc="predict", unit="prompt", disable=not progress):
-        feats = needle_features(model, p, cfgs, model_id=model_id)
-        store.add([{"key": feature_key(p, pol, b, model_id), "model": model_id, "prompt_id": p.prompt_id,
+        feats = needle_features(model, p, cfgs, model_id=model_id, chunk=chunk)
+        store.add([{"key": feature_key(p, pol, b, model_id, chunk), "model": model_id, "prompt_id": p.prompt_id,
                     "label": pol.label(), "policy": pol.name, "params": pol.params, "budget": int(b), **x}
                    for (pol, b), x in zip(cfgs, feats)])
     if todo:
         known = store.load()
-    want = pd.DataFrame([{"key": feature_key(p, pol, b, model_id)} for p in prompts for pol, b in configs])
+    want = pd.DataFrame([{"key": feature_key(p, pol, b, model_id, chunk)} for p in prompts for pol, b in configs])
     rows = want.merge(known, on="key", how="left")
     return rows[["prompt_id", "label", "budget", *[f for f in FEATURES if f in rows.columns]]]
+
+
+def prediction_table(df, features) -> "Any":
+    """The lossy cells of a closed-loop table ``df`` with their simulator ``features`` (`stored_features`) and the
+    full cache's outcome on the same prompt (``full_success``): what `prediction_report` fits and judges."""
+    full_ok = df[df.policy == "full"].set_index("prompt_id").success.rename("full_success")
+    merged = df[df.policy != "full"].merge(features, on=["prompt_id", "label", "budget"])
+    return merged.join(full_ok, on="prompt_id")
 
 
 def _key_attention(inputs, scale: float, P: int, n_ans: int, key_pos: np.ndarray) -> np.ndarray:
@@ -375,15 +457,24 @@ def prediction_report(df, train_seeds: Sequence[int], features: Sequence[str] | 
     rho of the predicted accuracy per (policy, budget) with the model's, and every candidate's train / held-out
     scores for reference. With a ``full_success`` column (the full cache's outcome per prompt) also the scores of
     the call "the simulator says retrieved and the full cache retrieves"."""
-    features = [f for f in (features or FEATURES) if f in df.columns]
-    if not features:
-        raise ValidateError(f"no predictor column in the table (expected one of {list(FEATURES)})")
-    if objective not in FIT_OBJECTIVES:
-        raise ValidateError(f"unknown fit objective {objective!r} (expected one of {list(FIT_OBJECTIVES)})")
     train = df[df.seed.isin(train_seeds)]
     test = df[~df.seed.isin(train_seeds)]
     if train.empty or test.empty:
         raise ValidateError(f"need rows on both sides of the seed split (train seeds {list(train_seeds)})")
+    return split_report(train, test, features, objective=objective)
+
+
+def split_report(train, test, features: Sequence[str] | None = None, *,
+                 objective: str = "balanced_accuracy") -> dict[str, Any]:
+    """`prediction_report` with the split given: the predictor and threshold are fitted on the rows of ``train``
+    and judged on ``test`` (another seed set, another task, or another model: the transfer tests)."""
+    features = [f for f in (features or FEATURES) if f in train.columns and f in test.columns]
+    if not features:
+        raise ValidateError(f"no predictor column in the table (expected one of {list(FEATURES)})")
+    if objective not in FIT_OBJECTIVES:
+        raise ValidateError(f"unknown fit objective {objective!r} (expected one of {list(FIT_OBJECTIVES)})")
+    if train.empty or test.empty:
+        raise ValidateError("need rows to fit on and rows to judge")
     y_train, truth = train.success.to_numpy().astype(bool), test.success.to_numpy().astype(bool)
     candidates = {}
     for f in features:
@@ -411,6 +502,7 @@ def prediction_report(df, train_seeds: Sequence[int], features: Sequence[str] | 
                   if "budget" in test.columns else {})
     per_policy = per("label")
     per_length = {int(L): v for L, v in per("length").items()} if "length" in test.columns else {}
+    per_task = {str(t): v for t, v in per("task").items()} if "task" in test.columns else {}
     from gpu_validate.fidelity import spearman
 
     rho_acc = spearman([v["predicted_accuracy"] for v in per_config.values()],
@@ -426,14 +518,14 @@ def prediction_report(df, train_seeds: Sequence[int], features: Sequence[str] | 
                  "sim_balanced_accuracy_where_full_succeeds": where["balanced_accuracy"],
                  "n_test_cells_where_full_succeeds": int(full_ok.sum())}
     return {"feature": best, "feature_doc": FEATURES.get(best, best), "threshold": cut, "objective": objective,
-            **gated, "train_seeds": sorted(int(s) for s in train_seeds),
+            **gated, "train_seeds": sorted(int(s) for s in train.seed.unique()),
             "test_seeds": sorted(int(s) for s in test.seed.unique()),
             "train_agreement": candidates[best]["train_agreement"],
             "train_balanced_accuracy": candidates[best]["train_balanced_accuracy"],
             "sim_agreement": overall["agreement"], "n_test_cells": overall["n"], "base_rate": overall["base_rate"],
             "balanced_accuracy": overall["balanced_accuracy"], "mcc": overall["mcc"],
             "confusion": overall["confusion"], "per_policy": per_policy, "per_config": per_config,
-            "per_length": per_length, "rho_accuracy": rho_acc, "candidates": candidates}
+            "per_length": per_length, "per_task": per_task, "rho_accuracy": rho_acc, "candidates": candidates}
 
 
 def summarize(df) -> dict[str, Any]:
@@ -448,6 +540,17 @@ def summarize(df) -> dict[str, Any]:
     return {"full_accuracy": float(full.success.mean()) if len(full) else float("nan"),
             "full_accuracy_by_length": {int(L): float(p.success.mean()) for L, p in full.groupby("length")},
             "accuracy": acc, "accuracy_by_length": by_len, "accuracy_by_seed": by_seed}
+
+
+def passing_cells(df, min_full: float) -> tuple["Any", dict, dict]:
+    """(rows of the (task, length) cells where the full cache's accuracy is at least ``min_full``, {cell: full
+    accuracy} kept, {cell: full accuracy} dropped). A cell without full-cache rows is kept."""
+    full = df[df.policy == "full"]
+    acc = {(str(t), int(L)): float(p.success.mean()) for (t, L), p in full.groupby(["task", "length"])}
+    dropped = {c: a for c, a in acc.items() if a < min_full}
+    kept = {c: a for c, a in acc.items() if a >= min_full}
+    cell = list(zip(df.task.astype(str), df.length.astype(int)))
+    return df[[c not in dropped for c in cell]], kept, dropped
 
 
 def seed_reliability(accuracy_by_seed: dict[str, dict[Any, float]], train_seeds: Sequence[int]) -> dict[str, Any]:

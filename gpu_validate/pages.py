@@ -349,8 +349,28 @@ def needle_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: str
     body += "<h3>By context length</h3>" + simple_table(["policy", "budget", *[f"{L} tokens" for L in lengths]],
                                                         len_rows, caption="Accuracy per context length.")
     page.section("Accuracy per budget", body)
+    if report.get("by_task"):
+        cells = report.get("full_accuracy_by_cell", {})
+        rows = [[t, float(s["full_accuracy"])] + [float(np.mean([v for k, v in s["accuracy"].items()
+                                                                 if k.endswith(f"@{b}")] or [np.nan]))
+                                                  for b in report["budgets"]]
+                for t, s in report["by_task"].items()]
+        body = simple_table(["task", "full cache", *[f"policies' mean at {b}" for b in report["budgets"]]], rows,
+                            caption="Accuracy per task (reported cells only).")
+        if cells:
+            body += simple_table(["task @ length", "full-cache accuracy", "reported"],
+                                 [[k, float(v), "yes" if k in report.get("reported_cells", []) else "dropped"]
+                                  for k, v in cells.items()],
+                                 caption=f"Cells where the full cache retrieves less than "
+                                         f"{report.get('min_full_accuracy', 0):g} are dropped: a policy cannot be "
+                                         "judged on a task the model fails with every token kept.")
+        if pred and pred.get("per_task"):
+            body += _groups_table("task", pred["per_task"], "The simulator's calls per task, held-out seeds.")
+        page.section("Tasks", body)
     if plot:
         page.section("Accuracy by length and depth", figure_html(plot, NEEDLE_CAPTION, "needle heatmaps"))
+    for task, task_plot in report.get("task_plots", {}).items():
+        page.section(f"{task}: accuracy by length and depth", figure_html(task_plot, NEEDLE_CAPTION, f"{task} heatmaps"))
     if pred:
         sc = _scores(pred)
         rows = [("model_ok", "model retrieves"), ("model_fail", "model fails")]

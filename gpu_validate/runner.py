@@ -252,7 +252,7 @@ class BatchRunner:
 
     def __init__(self, model, jobs: Sequence[BatchJob], *, backend: str = "torch", open_loop: bool = False,
                  record_kept: tuple[int, int] | None = None, cache_dtype: torch.dtype | None = None,
-                 keep_logits: bool = False, sliding: str = "keep") -> None:
+                 keep_logits: bool = False, sliding: str = "keep", prompt_memo: dict | None = None) -> None:
         if not jobs:
             raise ValidateError("a batch needs at least one job")
         for j in jobs:
@@ -274,6 +274,7 @@ class BatchRunner:
         self.layer_scale: dict[int, float] = {}
         self.layer_window: dict[int, int | None] = {}
         self._wo_cache: dict[int, np.ndarray] = {}
+        self.prompt_memo = prompt_memo
 
     # ----- attention entry point (called by every attention module) -----
     def attention(self, module, query, key, value, attention_mask, **kwargs):
@@ -396,8 +397,9 @@ class BatchRunner:
             keys = np.ascontiguousarray(keys_all[sl, :cap])
             values = np.ascontiguousarray(values_all[sl, :cap])
             pos = np.ascontiguousarray(pos_all[sl, :cap])
-            for i in range(t - self.t + 1):           # the step's new slots (a prompt chunk's) start at zero state
-                sst[np.arange(H), lengths - 1 - i] = 0.0
+            n_new = t - self.t + 1                    # the step's new slots (a prompt chunk's) start at zero state
+            for h in range(H):
+                sst[h, max(0, lengths[h] - n_new):lengths[h]] = 0.0
             keep = np.ones((H, cap), np.uint8)
             merge_to = np.full((H, cap), -1, np.int64)
             merge_w = np.ones((H, cap), np.float64)
@@ -442,18 +444,32 @@ class BatchRunner:
         """The distinct prompts through the model with its own attention, ``PROMPT_CHUNK`` tokens per forward and
         the model's KV cache between chunks (no layer builds a P x P mask; a long prompt's memory stays bounded),
         capturing every layer's q/k/v; returns the logits after the last prompt token. Only that position's
-        prediction is read, so the LM head runs on it alone (Gemma-3: 262 k x 640 weights)."""
-        ids = torch.tensor(prompts, device=self.device)
-        for _, _, logits in forward_in_chunks(self.model, ids, PROMPT_CHUNK, lambda c0, c1: 1):
-            pass            # the layers capture q/k/v as the chunks go; only the last chunk's logits are read
-        for store in (self.prompt_q, self.prompt_k, self.prompt_v):
-            for layer, parts in store.items():
-                store[layer] = np.concatenate(parts, axis=1)                      # [U, P, H, d]
+        prediction is read, so the LM head runs on it alone (Gemma-3: 262 k x 640 weights). With a
+        ``prompt_memo`` (`run_batch` shares one among the batches of a call) the captures of the same prompts are
+        reused: a prompt goes through the model once for its streamed and its prefilled rows."""
+        memo = self.prompt_memo
+        if memo is not None and memo.get("prompts") == tuple(prompts):
+            self.prompt_q, self.prompt_k, self.prompt_v = memo["q"], memo["k"], memo["v"]
+            self.layer_scale.update(memo["scale"])
+            self.layer_window.update(memo["window"])
+            last = memo["logits"]
+        else:
+            ids = torch.tensor(prompts, device=self.device)
+            for _, _, logits in forward_in_chunks(self.model, ids, PROMPT_CHUNK, lambda c0, c1: 1):
+                pass        # the layers capture q/k/v as the chunks go; only the last chunk's logits are read
+            for store in (self.prompt_q, self.prompt_k, self.prompt_v):
+                for layer, parts in store.items():
+                    store[layer] = np.concatenate(parts, axis=1)                  # [U, P, H, d]
+            last = logits[:, -1].float()
+            if memo is not None:
+                memo.clear()
+                memo.update(prompts=tuple(prompts), q=self.prompt_q, k=self.prompt_k, v=self.prompt_v,
+                            scale=dict(self.layer_scale), window=dict(self.layer_window), logits=last)
         if self.open_loop:
             dev, dtype = self.device, next(self.model.parameters()).dtype
             self.dense = {layer: [torch.from_numpy(a[layer]).to(dev, dtype).transpose(1, 2)[self.prompt_of]
                                   for a in (self.prompt_k, self.prompt_v)] for layer in self.prompt_k}
-        return logits[:, -1].float()
+        return last
 
     def _forward(self, tokens: Sequence[Sequence[int]], t: int, *, logits: bool = True):
         """Feed each row's tokens (one, or a prompt chunk) at positions t, t+1, ...; the logits after the last,
@@ -577,27 +593,50 @@ class BatchRunner:
 
         Until a row's cache first drops or merges a slot of a layer it compresses, its attention at step t reads
         every token the model's own attention reads, with unit logit scale: the causal prompt forward already
-        computed that token's q/k/v (and everything the model does with them). So steps run on the captured
-        q/k/v -- append, attention probabilities, policy step, a chunk at a time -- and the model streams only
-        from the chunk after the first eviction in any row. Returns that chunk's first token."""
+        computed that token's q/k/v (and everything the model does with them). So a chunk's tokens are appended
+        from the captured k/v and the policy steps on their summed attention, computed once per distinct prompt
+        from the captured q/k (`_prompt_chunk_probs`); the model streams only from the chunk after the first
+        eviction in any row. With the whole prompt as one chunk the model never streams it. Returns that chunk's
+        first token."""
         rows, dev, C = self.rows, self.device, self.chunk
         idx = self.prompt_of.cpu().numpy()
+        B = len(rows)
         for t0 in range(0, P, C):
             stop = min(P, t0 + C)
             if any(row.logit_scale(t) != 1.0 for t in range(t0, stop) for row in rows):
                 return t0
             self.t = t0
-            q = {layer: torch.from_numpy(self.prompt_q[layer][idx, t0:stop]).to(dev).transpose(1, 2)
-                 for layer in range(self.n_layers)}                                          # [B, Hq, C, d]
-            kv = {layer: [torch.from_numpy(a[idx, t0:stop]).to(dev).transpose(1, 2)          # [B, Hkv, C, d]
-                          for a in (self.prompt_k[layer], self.prompt_v[layer])] for layer in range(self.n_layers)}
+            pos = (t0 + torch.arange(stop - t0, device=dev, dtype=torch.int64))[None, :].expand(B, -1)
             evicted = False
             for layer in range(self.n_layers):   # (an open loop's dense copy already holds the prompt)
-                self._decode_attention(layer, q[layer], *kv[layer], extend_dense=False)
-                evicted |= self._last_deviated
+                cache = self.caches[layer]
+                k, v = (torch.from_numpy(a[layer][idx, t0:stop]).to(dev, self.cache_dtype).transpose(1, 2)
+                        for a in (self.prompt_k, self.prompt_v))                            # [B, Hkv, C, d]
+                cache.append(k, v, positions=pos)
+                del k, v
+                probs = np.zeros((B * self.n_kv, self.group, cache.max_capacity))
+                if self.compressed[layer]:        # a kept window's policy does not read attention
+                    slot_pos = self._host_padded(layer, cache, cache.positions, -1)
+                    for u in np.unique(idx):
+                        summed = self._prompt_chunk_probs(layer, int(u), t0, stop)          # [Hkv, G, stop]
+                        for b in np.flatnonzero(idx == u):
+                            for h in range(self.n_kv):
+                                r = b * self.n_kv + h
+                                valid = slot_pos[r] >= 0
+                                probs[r][:, valid] = summed[h][:, slot_pos[r][valid]]
+                evicted |= self._policy_step(layer, stop - 1, cache, probs=probs)
             if evicted:
                 return stop
         return P
+
+    def _prompt_chunk_probs(self, layer: int, u: int, t0: int, stop: int) -> np.ndarray:
+        """[Hkv, G, stop] float64: the attention of prompt u's tokens t0..stop-1 on every key before stop, summed
+        over those queries (causal, and the layer's window), from the captured q/k by
+        ``traces.reference.causal_column_sums`` -- the simulator's sums for the same chunk."""
+        from traces.reference import causal_column_sums
+
+        return causal_column_sums(self.prompt_q[layer][u], self.prompt_k[layer][u], float(self.layer_scale[layer]),
+                                  start=t0, stop=stop, window=self.attn[layer].window or None)
 
     def _layer_attention(self) -> None:
         """Each layer's attention as its prompt call ran it, and which layers the rows' policies compress."""
@@ -695,6 +734,7 @@ def run_batch(model, jobs: Sequence[BatchJob], *, backend: str = "torch", max_ro
     groups: dict[tuple, list[int]] = {}
     for i, j in enumerate(jobs):
         groups.setdefault(j.batch_key, []).append(i)
+    kwargs.setdefault("prompt_memo", {})      # a prompt's captures serve every batch it appears in
     out: list[RunResult | None] = [None] * len(jobs)
     for idx in groups.values():
         idx.sort(key=lambda i: jobs[i].budget)   # similar budgets together: longer shared fast-forward

@@ -243,8 +243,10 @@ def _move_left(ck, cv, cpos, dirty, cst, i, j, dst):
 EngineConfig = namedtuple("EngineConfig", "params layer scale has_prefill metric_start budget head_adaptive bounded "
                                           "cap n_slot_fields head_init rec_start reads_attention window chunk")
 #: one layer of the trace: q [T,Hq,d], k/v [T,Hkv,d] float32; lse [T,Hq], o [T,Hq,d] the full-attention
-#: reference; vmax1 [T,Hkv] running max of ||v||_1 (for the Ada-KV bound)
-LayerData = namedtuple("LayerData", "q k v lse o vmax1")
+#: reference; vmax1 [T,Hkv] running max of ||v||_1 (for the Ada-KV bound); prompt_acc [Hkv,G,P] float64 the
+#: prompt's summed attention per key (``traces.reference.causal_column_sums``) when the whole prompt is one chunk
+#: of a streamed policy (the chunk's tokens are then appended without a per-token attention), else [0,0,0]
+LayerData = namedtuple("LayerData", "q k v lse o vmax1 prompt_acc")
 #: what a replay writes: metrics [T - metric_start, Hq, N_METRICS] float64, slots [T - metric_start, Hkv] held
 #: after eviction, kept [n_rec, Hkv, cap] kept positions (-1 padded) of steps rec_start.., info int64[3] the
 #: (step, head, value) of a contract failure
@@ -355,7 +357,7 @@ def replay_layer(kernels, cfg, data, out):
     step = kernels[0][0]
     prefill = kernels[1][0]
     logit_scale = kernels[2][0]
-    q, k, v, lse, o, vmax1 = data
+    q, k, v, lse, o, vmax1 = data.q, data.k, data.v, data.lse, data.o, data.vmax1
     params, budget, cap, info = cfg.params, cfg.budget, cfg.cap, out.info
     T, hq_n, d = q.shape
     hkv = k.shape[1]
@@ -407,6 +409,7 @@ def replay_layer(kernels, cfg, data, out):
         # decode step is one token
         t_next = min(P, t_first + cfg.chunk) if t_first < P else t_first + 1
         chunked = t_next - t_first > 1
+        given = chunked and t_first == 0 and t_next == P and data.prompt_acc.shape[2] == P
         for t in range(t_first, t_next):
             mult = logit_scale(params, t + 1)
             status = check_scale(mult, t, info)
@@ -427,7 +430,7 @@ def replay_layer(kernels, cfg, data, out):
                 for f in range(cfg.n_slot_fields):
                     cst[h, s, f] = 0.0
                 clen[h] = s + 1
-                if want or cfg.reads_attention:
+                if want or (cfg.reads_attention and not given):
                     _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, vmax1, cfg.scale, mult, ck, cv, cpos, dirty,
                                         probs, metric_row, want, dots, oacc, xs, ibuf, ebuf)
                     if chunked:                  # query t over the slots it sees, summed over the chunk
@@ -442,6 +445,8 @@ def replay_layer(kernels, cfg, data, out):
                         for m in range(N_METRICS):
                             out.metrics[t - P, hq, m] = metric_row[hq, m]
         t = t_next - 1
+        if given:
+            acc[:, :, :P] = data.prompt_acc
         step(params, cfg.layer, t, budget, clen, acc if chunked else probs, ck, cv, cpos, cst, hst, keep, merge_to,
              merge_w)
         if chunked:

@@ -37,7 +37,7 @@ from sim.metrics import N_METRICS, NAMES, summarise
 from sim.oracle import oracle_layer
 from sim.threads import KVSIM_THREADS, available_cores, blas_per_layer_thread
 from traces.format import LayerArrays, LayerAttention, ModelInfo, Trace
-from traces.reference import full_attention_reference
+from traces.reference import causal_column_sums, full_attention_reference
 
 #: bytes per cached element on the GPU the memory figures model (fp16/bf16 caches)
 KV_ELEMENT_BYTES = 2
@@ -463,7 +463,8 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
                            n_slot_fields=policy.slot_fields, head_init=np.ascontiguousarray(head_init, np.float64),
                            rec_start=rec_start, reads_attention=policy.reads_attention,
                            window=int(li.attention.window or 0), chunk=chunk)
-        status = replay_layer(kernels, cfg, LayerData(li.q, li.k, li.v, li.lse, li.o, li.vmax1), out)
+        status = replay_layer(kernels, cfg, LayerData(li.q, li.k, li.v, li.lse, li.o, li.vmax1,
+                                                      _whole_prompt_acc(inputs, li, layer, P, chunk, policy)), out)
         raise_on(policy, status, out.info, layer)
         return out.metrics, out.slots, out.kept
 
@@ -478,6 +479,24 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
         kept_steps=np.arange(rec_start, rec_start + n_rec) if n_rec else None,
         layers=np.asarray(layers, np.int64), held_elsewhere=held_elsewhere(trace, layers), sliding=sliding,
     )
+
+
+def _whole_prompt_acc(inputs: Sequence[LayerInputs], li: LayerInputs, layer: int, P: int, chunk: int,
+                      policy: Policy) -> np.ndarray:
+    """The prompt's summed attention per key (``traces.reference.causal_column_sums``) when ``policy`` streams the
+    whole prompt as one chunk and reads attention: trace-only work, computed once per layer and shared by every
+    replay of the prepared inputs (``PreparedLayers.stats``); else an empty array (the engine streams)."""
+    if policy.has_prefill or chunk < P or P < 2 or not policy.reads_attention:
+        return np.zeros((0, 0, 0))
+    window = int(li.attention.window or 0) or None
+    compute = lambda: causal_column_sums(li.q, li.k, float(li.attention.scale), stop=P, window=window)
+    stats = getattr(inputs, "stats", None)
+    if stats is None:
+        return compute()
+    key = ("whole_prompt_acc", layer, P, window, float(li.attention.scale))
+    if key not in stats:
+        stats[key] = compute()
+    return stats[key]
 
 
 def _replay_oracle_policy(trace: Trace, policy: Policy, budgets: Sequence[int], *,

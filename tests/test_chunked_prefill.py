@@ -104,3 +104,20 @@ def test_runner_prompt_forward_in_chunks_is_the_model(model_and_trace, monkeypat
     monkeypatch.setattr(runner, "PROMPT_CHUNK", 7)
     res = CompressedRunner(model, get_policy("full"), 8, keep_logits=True).run(ids[:40], continuation=ids[40:])
     np.testing.assert_allclose(res.logits, full_model_logits(model, ids)[39:59], rtol=1e-4, atol=1e-4)
+
+
+def test_whole_prompt_chunk_sums_are_computed_once_per_prepared_layer(monkeypatch):
+    import sim.replay as sr
+
+    trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=56,
+                                 n_prompt=40, seed=9)
+    inputs = load_layers(trace)
+    calls = []
+    real = sr.causal_column_sums
+    monkeypatch.setattr(sr, "causal_column_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = [replay(trace, get_policy(n), 12, inputs=inputs, chunk=40) for n in ("h2o", "tova")]
+    again = replay(trace, get_policy("h2o"), 16, inputs=inputs, chunk=40)
+    assert len(calls) == 2 and again.budget == 16                # one per layer, shared by policies and budgets
+    streamed = replay(trace, get_policy("h2o"), 12, chunk=40)      # no prepared inputs: computed, same result
+    np.testing.assert_array_equal(first[0].slots, streamed.slots)
+    np.testing.assert_allclose(first[0].metrics, streamed.metrics)

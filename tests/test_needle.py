@@ -21,13 +21,22 @@ TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards quietly
 
 
 class CharTok:
-    """Character tokenizer over a 101-token vocabulary (enough for the tiny model)."""
+    """Character tokenizer over a 101-token vocabulary (enough for the tiny model), with the parts of the HF call
+    interface the prompts use (offsets, special tokens: none) and a decoder."""
+
+    bos_token_id = None
 
     def encode(self, text):
         return [ord(c) % 101 for c in text]
 
-    def __call__(self, text, verbose=False):
-        return {"input_ids": self.encode(text)}
+    def __call__(self, text, verbose=False, add_special_tokens=True, return_offsets_mapping=False):
+        out = {"input_ids": self.encode(text)}
+        if return_offsets_mapping:
+            out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
+        return out
+
+    def decode(self, ids):
+        return "".join(chr(i) if 32 <= i < 101 else "?" for i in ids)
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +234,7 @@ def test_feature_store_resumes_and_recomputes_only_missing_cells(monkeypatch, tm
     prompts = make_grid(tok, TEXT, [280], [0.0, 1.0], [1])
     calls = []
 
-    def fake(model, prompt, configs, *, model_id="model"):
+    def fake(model, prompt, configs, *, model_id="model", chunk=1):
         calls.append((prompt.prompt_id, [(p.label(), b) for p, b in configs]))
         return [{f: b / 100 for f in FEATURES} for _, b in configs]
 

@@ -17,6 +17,16 @@ def _floats(text: str) -> list[float]:
     return values
 
 
+def _tasks(text: str) -> list[str]:
+    from gpu_validate.tasks import TASKS
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in TASKS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown task(s) {bad or text!r} (expected some of {sorted(TASKS)})")
+    return names
+
+
 DEFAULT_POLICIES = ("streaming_llm; h2o; tova; cascading; snapkv; pyramidkv; ada_snapkv; bumblebee; buzz; window; "
                     "random; d2o")
 #: kept in step with `gpu_validate.needle.FIT_OBJECTIVES` (not imported here: the command's module loads light)
@@ -40,6 +50,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lengths", type=int_list, default=[256, 512, 1024], help="context lengths in tokens")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--seeds", type=int_list, default=[1, 2, 3], help="seeds (>= 1): key and filler window")
+    p.add_argument("--tasks", type=_tasks, default=["passkey"],
+                   help="comma-separated retrieval tasks (RULER-style, gpu_validate/tasks.py): passkey (one pass "
+                        "key), multikey (four word->number lines, one asked), multivalue (one word, three numbers, "
+                        "all asked), vartrack (a two-hop chain of variable assignments, every name asked)")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="write each needle line this many times in a row (a small base model such as "
+                        "Gemma-3-270M retrieves a line written twice far more often than once)")
+    p.add_argument("--prompt-chunk", type=int, default=1, metavar="C",
+                   help="prompt tokens per policy step for policies without a prefill selector (chunked prefill); "
+                        "0 = the whole prompt in one step, compressed once after it as a prefill selector does "
+                        "(SnapKV's and Ada-KV's needle setting; the prompt then goes through the model once, not "
+                        "token by token)")
     add_policies_option(p, default=DEFAULT_POLICIES)
     add_budgets_option(p, default=[32, 64])
     p.add_argument("--store", default="results/needle", help="Parquet results store (resumable)")
@@ -53,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "cells fail, and agreement rewards predicting the commoner outcome) or agreement (as before)")
     p.add_argument("--sim-store", default=None,
                    help="Parquet store of the simulator's features (resumable; none: the --store path plus '-sim')")
+    p.add_argument("--min-full-accuracy", type=float, default=0.0, metavar="A",
+                   help="report only the (task, length) cells where the full cache retrieves at least A (the others "
+                        "are listed as dropped: a policy cannot be judged on a task the model fails anyway)")
     p.add_argument("--max-rows", type=positive_int, default=48, help="configurations per model batch")
     add_quiet_option(p)
     p.set_defaults(func=run)
@@ -65,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from gpu_validate.needle import (make_grid, plot_needle, prediction_report, run_needle, seed_reliability,
+    from gpu_validate.needle import (make_grid, passing_cells, plot_needle, prediction_table, prediction_report, run_needle, seed_reliability,
                                      stored_features, summarize)
     from gpu_validate.pages import needle_page, needle_tables, run_info
     from sim.commands._common import command_line
@@ -89,25 +114,47 @@ def run(args: argparse.Namespace) -> int:
     from traces.model import read_text
 
     text, text_id = read_text(args.text)
-    prompts = make_grid(tok, text, args.lengths, args.depths, args.seeds)
+    prompts = make_grid(tok, text, args.lengths, args.depths, args.seeds, tasks=args.tasks, repeats=args.repeats)
     print(f"{len(prompts)} prompts x {len(configs)} configurations (+ full cache) on {model_id}", flush=True)
     store = ResultStore(args.store)
-    df = run_needle(model, prompts, [(full, 1)] + configs, store, model_id=model_id, max_rows=args.max_rows,
-                    progress=not args.quiet)
     ids = {p.prompt_id for p in prompts}
-    df = df[(df.model == model_id) & df.prompt_id.isin(ids)
-            & df.label.isin({pol.label() for pol in policies} | {"full"})
-            & (df.budget.isin(args.budgets) | (df.policy == "full"))]
-    report = {"model": model_id, "backend": "torch", "device": "cpu", "lengths": args.lengths,
-              "depths": args.depths, "seeds": args.seeds, "policies": [p.label() for p in policies],
-              "budgets": args.budgets, "n_prompts": len(prompts), "text": text_id, "command": command_line(args),
-              **run_info(), **summarize(df)}
+
+    def run_cells(prompts_, configs_):
+        df = run_needle(model, prompts_, configs_, store, model_id=model_id, max_rows=args.max_rows,
+                        decode=tok.decode, chunk=args.prompt_chunk, progress=not args.quiet)
+        chunk = df.chunk.fillna(1).astype(int) if "chunk" in df.columns else 1
+        df = df[(df.model == model_id) & df.prompt_id.isin(ids) & (chunk == args.prompt_chunk)
+                & df.label.isin({pol.label() for pol in policies} | {"full"})
+                & (df.budget.isin(args.budgets) | (df.policy == "full"))]
+        return df if "task" in df.columns else df.assign(task="passkey")
+
+    if args.min_full_accuracy > 0:     # the full cache first: the policies run only where the model can do the task
+        _, _, dropped = passing_cells(run_cells(prompts, [(full, 1)]), args.min_full_accuracy)
+        run_cells([p for p in prompts if (p.task, p.length) not in dropped], configs)
+    df, kept_cells, dropped = passing_cells(run_cells(prompts, [(full, 1)] + configs if args.min_full_accuracy <= 0
+                                                      else []), args.min_full_accuracy)
+    if dropped:
+        print(f"dropped (task, length) cells where the full cache retrieves < {args.min_full_accuracy:g}: "
+              + ", ".join(f"{t}@{L} ({a:.2f})" for (t, L), a in dropped.items()), flush=True)
+    if df.empty:
+        print("no cell left to report: the full cache fails every (task, length) cell", flush=True)
+        return 1
+    report = {"model": model_id, "backend": "torch", "device": "cpu", "tasks": args.tasks, "lengths": args.lengths,
+              "depths": args.depths, "seeds": args.seeds, "repeats": args.repeats, "prompt_chunk": args.prompt_chunk,
+              "policies": [p.label() for p in policies], "budgets": args.budgets, "n_prompts": len(prompts),
+              "prompt_ids": sorted(ids),
+              "text": text_id, "command": command_line(args), **run_info(),
+              "min_full_accuracy": args.min_full_accuracy,
+              "full_accuracy_by_cell": {f"{t}@{L}": a for (t, L), a in {**kept_cells, **dropped}.items()},
+              "reported_cells": [f"{t}@{L}" for t, L in kept_cells],
+              "dropped_cells": [f"{t}@{L}" for t, L in dropped], **summarize(df),
+              "by_task": {t: summarize(part) for t, part in df.groupby("task")}}
     if args.predict:
         sim_store = ResultStore(args.sim_store or str(args.store).rstrip("/") + "-sim")
-        feats = stored_features(model, prompts, configs, sim_store, model_id=model_id, progress=not args.quiet)
-        full_ok = df[df.policy == "full"].set_index("prompt_id").success.rename("full_success")
-        merged = df[df.policy != "full"].merge(feats, on=["prompt_id", "label", "budget"])
-        merged = merged.join(full_ok, on="prompt_id")
+        prompts = [p for p in prompts if (p.task, p.length) not in dropped]
+        feats = stored_features(model, prompts, configs, sim_store, model_id=model_id, chunk=args.prompt_chunk,
+                                progress=not args.quiet)
+        merged = prediction_table(df, feats)
         train = args.train_seeds if args.train_seeds is not None else args.seeds[:max(1, len(args.seeds) // 2)]
         pred = prediction_report(merged, train, objective=args.fit_objective)
         report.update({"sim_agreement": pred["sim_agreement"], "base_rate": pred["base_rate"],
@@ -128,6 +175,11 @@ def run(args: argparse.Namespace) -> int:
     png = plot_needle(df, out.with_suffix(".png"), title=f"needle retrieval on {model_id} (closed loop, CPU, "
                       f"{len(args.seeds)} seeds per cell)")
     report["plot"] = str(png)
+    if len(args.tasks) > 1:
+        report["task_plots"] = {t: str(plot_needle(part, out.with_name(f"{out.stem}_{t}.png"),
+                                                   title=f"{t} retrieval on {model_id} (closed loop, CPU, "
+                                                         f"{len(args.seeds)} seeds per cell)"))
+                                for t, part in df.groupby("task")}
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=1, default=float))
     os.replace(tmp, out)

@@ -28,8 +28,12 @@ class TextError(ValueError):
 
 
 def read_text(spec: str | None) -> tuple[str, str]:
-    """(text, text id) of a shipped text's name (None = 'default'; see SHIPPED_TEXTS) or of a UTF-8 file."""
+    """(text, text id) of a shipped text's name (None = 'default'; see SHIPPED_TEXTS) or of a UTF-8 file; names
+    joined by '+' (``default+idle``) give the texts one after the other (a longer real filler)."""
     spec = spec or "default"
+    if "+" in spec and all(part in SHIPPED_TEXTS for part in spec.split("+")):
+        parts = [read_text(part) for part in spec.split("+")]
+        return "\n\n".join(t for t, _ in parts), "+".join(i for _, i in parts)
     if spec in SHIPPED_TEXTS:
         path, text_id = SHIPPED_TEXTS[spec]
         return path.read_text(encoding="utf-8"), text_id

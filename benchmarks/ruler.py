@@ -1,0 +1,105 @@
+"""RULER-style retrieval at length on the real models, closed loop on CPU, with the simulator's prediction.
+
+    python benchmarks/ruler.py --model gemma3-270m        # one model's grid (GRIDS): kvsim needle with 4 tasks
+    python benchmarks/ruler.py --transfer                 # the predictor fitted on one model, judged on the other
+
+Per model this is `kvsim needle --tasks passkey,multikey,multivalue,vartrack --prompt-chunk 0 --min-full-accuracy
+0.9 --predict` with the grid in `GRIDS` (lengths, depths, seeds, budgets, needle repeats chosen from a full-cache
+probe on this machine; see the README): every prompt goes through the model once, each policy compresses the cache
+once after the prompt (a prefill selector, or a policy without one taking the whole prompt as one chunk: SnapKV's
+and Ada-KV's needle setting), and greedy decoding is scored by the values it contains. (task, length) cells where
+the full cache retrieves < 0.9 are dropped and listed. Results: benchmarks/results/ruler_<model>.json, one heatmap
+per task beside it, an HTML page; the stores (results/ruler-<model>, -sim) are resumable.
+
+``--transfer`` reads both models' stores and fits the predictor (feature and threshold, by balanced accuracy) on
+all cells of one model, then judges it on the other model's held-out seeds, next to that model's own fit on its
+training seeds: benchmarks/results/ruler_transfer.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+POLICIES = ("streaming_llm;h2o;tova;snapkv;pyramidkv;ada_snapkv;bumblebee;buzz;d2o;expected_attention;knorm")
+TASKS = "passkey,multikey,multivalue,vartrack"
+#: per model: needle repeats, lengths, depths, seeds (the first is the training seed), budgets
+GRIDS = {
+    "smollm2-135m": {"repeats": 1, "lengths": "1024,4096", "depths": "0,0.25,0.5,0.75,1", "seeds": "1,2,3",
+                     "budgets": "128,512,1024"},
+    "gemma3-270m": {"repeats": 2, "lengths": "1024,4096", "depths": "0,0.25,0.5,0.75,1", "seeds": "1,2,3",
+                    "budgets": "128,512,1024"},
+}
+TRAIN_SEEDS = [1]
+
+
+def run_model(model: str, extra: list[str]) -> int:
+    from sim.cli import main as kvsim
+
+    g = GRIDS[model]
+    t0 = time.perf_counter()
+    rc = kvsim(["needle", "--model", model, "--text", "default+idle", "--tasks", TASKS, "--repeats", str(g["repeats"]),
+                "--lengths", g["lengths"], "--depths", g["depths"], "--seeds", g["seeds"], "--budgets", g["budgets"],
+                "--policies", POLICIES, "--prompt-chunk", "0", "--min-full-accuracy", "0.9", "--predict",
+                "--train-seeds", ",".join(map(str, TRAIN_SEEDS)), "--store", f"results/ruler-{model}",
+                "--out", f"benchmarks/results/ruler_{model}.json", *extra])
+    print(f"{model}: {time.perf_counter() - t0:.0f} s wall", flush=True)
+    return rc
+
+
+def transfer() -> int:
+    """Fit on one model, judge on the other's held-out seeds; beside each model's own held-out scores."""
+    import json
+
+    from benchmarks._util import RESULTS, machine, write_result
+    from gpu_validate.needle import FEATURES, prediction_table, split_report
+    from sim.store import ResultStore
+
+    tables = {}
+    for model in GRIDS:
+        report = json.loads((RESULTS / f"ruler_{model}.json").read_text())
+        df = ResultStore(f"results/ruler-{model}").load()
+        df = df[df.prompt_id.isin(set(report["prompt_ids"])) & (df.chunk.fillna(1).astype(int) == 0)]
+        df = df[[f"{t}@{L}" in report["reported_cells"] for t, L in zip(df.task, df.length)]]
+        feats = ResultStore(f"results/ruler-{model}-sim").load()
+        feats = feats[feats.prompt_id.isin(set(df.prompt_id))][["prompt_id", "label", "budget", *FEATURES]]
+        tables[model] = prediction_table(df, feats.drop_duplicates(["prompt_id", "label", "budget"]))
+    out = {"machine": machine(), "train_seeds": TRAIN_SEEDS, "directions": {}}
+    keys = ("feature", "threshold", "sim_agreement", "base_rate", "balanced_accuracy", "mcc", "confusion",
+            "n_test_cells")
+    for src in tables:
+        for dst in tables:
+            test = tables[dst][~tables[dst].seed.isin(TRAIN_SEEDS)]
+            train = tables[src] if src != dst else tables[src][tables[src].seed.isin(TRAIN_SEEDS)]
+            r = split_report(train, test)
+            out["directions"][f"{src}->{dst}"] = {k: r[k] for k in keys}
+    for dst in tables:
+        own, other = out["directions"][f"{dst}->{dst}"], [v for k, v in out["directions"].items()
+                                                          if k.endswith(f"->{dst}") and not k.startswith(dst)]
+        for v in other:
+            v["balanced_accuracy_minus_own"] = v["balanced_accuracy"] - own["balanced_accuracy"]
+            v["mcc_minus_own"] = v["mcc"] - own["mcc"]
+    path = write_result("ruler_transfer", out)
+    for k, v in out["directions"].items():
+        print(f"{k:34s} BA {v['balanced_accuracy']:.3f} MCC {v['mcc']:.3f} agreement {v['sim_agreement']:.3f} "
+              f"(base rate {v['base_rate']:.3f}, n {v['n_test_cells']}, {v['feature']} >= {v['threshold']:.3f})")
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    import torch  # noqa: F401  (loaded first, so the CLI's thread budgeting caps its pool too)
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(GRIDS))
+    ap.add_argument("--transfer", action="store_true")
+    args, extra = ap.parse_known_args(argv)
+    if args.transfer:
+        return transfer()
+    if not args.model:
+        ap.error("--model or --transfer")
+    return run_model(args.model, extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,136 @@
+"""RULER-style retrieval tasks: prompt construction (exact length, evidence positions, depth, wrap-around filler),
+the success check, the closed loop over several tasks, and the runner's shared prompt forward."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_validate.needle import make_grid, make_prompt, run_needle
+from gpu_validate.runner import BatchJob, ValidateError, run_batch
+from gpu_validate.tasks import TASKS, build_task, retrieved
+from policies.registry import get_policy
+from sim.store import ResultStore
+from tests.test_needle import TEXT, CharTok
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@settings(max_examples=30, deadline=None)
+@given(task=st.sampled_from(sorted(TASKS)), depth=st.floats(0.0, 1.0), seed=st.integers(0, 50),
+       repeats=st.integers(1, 2), length=st.integers(700, 1500))
+def test_every_task_prompt_has_exact_length_and_evidence(task, depth, seed, repeats, length):
+    tok = CharTok()
+    p = make_prompt(tok, tok.encode(TEXT[:500]), length, depth, seed, task=task, repeats=repeats)   # filler wraps
+    assert len(p.ids) == length and p.task == task and p.values
+    text = tok.decode(list(p.ids))
+    evidence = tok.decode([p.ids[i] for i in p.key_positions])
+    spec = build_task(task, np.random.default_rng(0), depth, repeats)
+    for v in p.values:
+        assert text.count(v) >= repeats and v in evidence           # every value sits in the prompt, as evidence
+    assert retrieved(tok.decode(list(p.answer)), p.values)          # the canonical answer passes the check
+    assert p.n_generate >= len(p.answer)
+    assert len(spec.needles) >= 1
+    assert p == make_prompt(tok, tok.encode(TEXT[:500]), length, depth, seed, task=task, repeats=repeats)
+
+
+def test_depth_places_the_queried_needle_and_prompt_ids_keep_the_old_grid():
+    tok = CharTok()
+    filler = tok.encode(TEXT)
+    for task in TASKS:
+        near = make_prompt(tok, filler, 900, 0.0, 1, task=task)
+        far = make_prompt(tok, filler, 900, 1.0, 1, task=task)
+        first = {p: tok.decode(list(p.ids)).find(p.key) for p in (near, far)}
+        assert first[near] < first[far]
+    assert make_prompt(tok, filler, 900, 0.5, 2).prompt_id == "L900-d0.5-s2"
+    assert make_prompt(tok, filler, 900, 0.5, 2, repeats=2).prompt_id == "passkeyx2-L900-d0.5-s2"
+    assert make_prompt(tok, filler, 900, 0.5, 2, task="vartrack").prompt_id == "vartrack-L900-d0.5-s2"
+    with pytest.raises(ValidateError, match="unknown task"):
+        make_prompt(tok, filler, 900, 0.5, 2, task="summarise")
+    with pytest.raises(ValidateError, match="repeats"):
+        make_prompt(tok, filler, 900, 0.5, 2, repeats=0)
+
+
+def test_retrieved_needs_every_value_as_a_whole_token_run():
+    assert retrieved(" 12345, 67890 and more", ("12345", "67890"))
+    assert not retrieved(" 12345", ("12345", "67890"))
+    assert not retrieved(" 123456", ("12345",)) and not retrieved("VAR ABCDEF", ("ABCDE",))
+    assert retrieved("VAR ABCDE, VAR QWERT.", ("ABCDE", "QWERT"))
+
+
+def test_multivalue_success_reads_the_decoded_generation(llama, tmp_path):
+    tok = CharTok()
+    prompts = make_grid(tok, TEXT, [700], [0.5], [0], tasks=["multivalue", "multikey"])
+    configs = [(get_policy("full"), 1), (get_policy("h2o"), 64), (get_policy("snapkv"), 64)]
+    store = ResultStore(tmp_path / "s")
+    df = run_needle(llama, prompts, configs, store, model_id="tiny", progress=False, decode=tok.decode, chunk=0,
+                    log=lambda s: None)
+    assert len(df) == 6 and set(df.task) == {"multivalue", "multikey"} and set(df.chunk) == {0}
+    for _, row in df.iterrows():
+        p = next(q for q in prompts if q.prompt_id == row.prompt_id)
+        import json
+        assert bool(row.success) == retrieved(tok.decode(json.loads(row.generated)[:p.n_generate]), p.values)
+
+
+def test_a_prompt_goes_through_the_model_once_for_streamed_and_prefilled_rows(llama, monkeypatch):
+    import gpu_validate.runner as runner
+
+    tok = CharTok()
+    p = make_prompt(tok, tok.encode(TEXT), 400, 0.5, 0)
+    jobs = [BatchJob(get_policy("h2o"), 64, p.ids, n_generate=6, chunk=400),
+            BatchJob(get_policy("snapkv"), 64, p.ids, n_generate=6),
+            BatchJob(get_policy("tova"), 32, p.ids, n_generate=6, chunk=400)]
+    alone = [run_batch(llama, [j])[0] for j in jobs]
+    calls = []
+    real = runner.forward_in_chunks
+
+    def counted(*a, **k):
+        calls.append(1)
+        yield from real(*a, **k)
+
+    monkeypatch.setattr(runner, "forward_in_chunks", counted)
+    together = run_batch(llama, jobs)
+    assert len(calls) == 1                       # two batches (streamed, prefilled), one prompt forward
+    for a, b in zip(alone, together):
+        assert a.generated == b.generated and np.array_equal(a.top1, b.top1)
+
+
+def test_needle_cli_runs_several_tasks_and_drops_cells_the_full_cache_fails(llama, tmp_path, capsys):
+    import json
+    import string
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from sim.cli import main
+
+    vocab = {c: i for i, c in enumerate(string.printable[:100])} | {"[UNK]": 100}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(tmp_path / "m")
+    llama.save_pretrained(tmp_path / "m")
+    (tmp_path / "text.txt").write_text(TEXT)
+    out = tmp_path / "r.json"
+    args = ["needle", "--model", str(tmp_path / "m"), "--text", str(tmp_path / "text.txt"), "--lengths", "700",
+            "--depths", "0,1", "--seeds", "1,2", "--tasks", "passkey,vartrack", "--repeats", "2",
+            "--policies", "h2o;snapkv", "--budgets", "64", "--prompt-chunk", "0", "--store", str(tmp_path / "s"),
+            "--out", str(out), "--quiet"]
+    assert main(args) == 0
+    rep = json.loads(out.read_text())
+    assert rep["tasks"] == ["passkey", "vartrack"] and set(rep["by_task"]) <= {"passkey", "vartrack"}
+    assert set(rep["full_accuracy_by_cell"]) == {"passkey@700", "vartrack@700"} and rep["prompt_chunk"] == 0
+    assert len(rep["prompt_ids"]) == 8 and set(rep["task_plots"]) == set(rep["by_task"])
+    assert "<h2" in (tmp_path / "r.html").read_text() and "Tasks" in (tmp_path / "r.html").read_text()
+    # a random-weight model fails every cell: with a 0.9 floor nothing is left to report, and it says so
+    assert main(args + ["--min-full-accuracy", "0.9"]) == 1
+    assert "the full cache fails every (task, length) cell" in capsys.readouterr().out
