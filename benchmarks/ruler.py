@@ -25,10 +25,10 @@ POLICIES = ("streaming_llm;h2o;tova;snapkv;pyramidkv;ada_snapkv;bumblebee;buzz;d
 TASKS = "passkey,multikey,multivalue,vartrack"
 #: per model: needle repeats, lengths, depths, seeds (the first is the training seed), budgets
 GRIDS = {
-    "smollm2-135m": {"repeats": 1, "lengths": "1024,4096", "depths": "0,0.25,0.5,0.75,1", "seeds": "1,2,3",
-                     "budgets": "128,512,1024"},
+    "smollm2-135m": {"repeats": 2, "lengths": "1024", "depths": "0,0.25,0.5,0.75,1", "seeds": "1,2,3",
+                     "budgets": "128,512,2048"},
     "gemma3-270m": {"repeats": 2, "lengths": "1024,4096", "depths": "0,0.25,0.5,0.75,1", "seeds": "1,2,3",
-                    "budgets": "128,512,1024"},
+                    "budgets": "128,512,2048"},
 }
 TRAIN_SEEDS = [1]
 

@@ -152,6 +152,13 @@ def config_key(prompt: NeedlePrompt, policy: Policy, budget: int, model_id: str,
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
+def fits(prompt: NeedlePrompt, policy: Policy, budget: int) -> bool:
+    """Whether a (prompt, policy, budget) cell is run: a lossy policy's budget must be below the prompt's length (at
+    or above it nothing is ever evicted and the cell is the full cache's), so one budget list serves several
+    context lengths."""
+    return policy.unbounded or int(budget) < len(prompt.ids)
+
+
 def prompt_chunk(prompt: NeedlePrompt, chunk: int) -> int:
     """The prompt chunk a streamed policy takes ``prompt`` with: ``chunk`` tokens per step, 0 = all of it."""
     return len(prompt.ids) if chunk == 0 else int(chunk)
@@ -173,10 +180,10 @@ def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[P
 
     chunk_arg = int(chunk)
     done = store.keys()
-    todo = [(p, pol, b) for p in prompts for pol, b in configs
-            if config_key(p, pol, b, model_id, chunk) not in done]
-    if len(todo) < len(prompts) * len(configs):
-        log(f"resuming: {len(prompts) * len(configs) - len(todo)} cells already in {store.root}")
+    cells = [(p, pol, b) for p in prompts for pol, b in configs if fits(p, pol, b)]
+    todo = [(p, pol, b) for p, pol, b in cells if config_key(p, pol, b, model_id, chunk) not in done]
+    if len(todo) < len(cells):
+        log(f"resuming: {len(cells) - len(todo)} cells already in {store.root}")
     # one prompt at a time: its streamed and prefilled batches share the prompt's forward (`run_batch`'s memo),
     # and every batch is stored as soon as it finishes
     by_prompt: dict[str, list] = {}
@@ -227,8 +234,14 @@ FEATURES = {
     "retained_share": "over all layers, query heads and answer steps",
     "retrieval_heads": "over the (layer, query head) pairs in the top 10% by attention on the key (retrieval heads)",
     "first_answer_step": "at the first answer token's step only",
-    "weakest_layer": "the lowest per-layer share",
+    "weakest_layer": "the lowest per-layer share (of the layers whose answer steps attend the key at all)",
 }
+
+
+#: bumped when a feature's definition changes, so stored features computed the old way are recomputed (2: each
+#: layer's own scale and window, a kept sliding window, the first answer step read from the prompt's own forward,
+#: the weakest layer among those that attend the key)
+FEATURES_VERSION = 2
 
 
 #: the retrieval columns of a needle result (header, label, direction, doc) for the page's tables and legend
@@ -256,12 +269,15 @@ def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy,
                      single_pass=True, progress=False, model_id=model_id)
         trace = load_trace(Path(tmp) / "t")
         inputs = load_layers(trace)
-        attn = _key_attention(inputs, trace.meta.softmax_scale, P, n_ans, np.asarray(prompt.key_positions))
+        key_pos = np.asarray(prompt.key_positions)
+        attn = _key_attention(inputs, P, n_ans, key_pos)
+        windows = [li.attention.window for li in inputs]
         out = []
         for policy, budget in configs:
-            res = replay(trace, policy, int(budget), inputs=inputs, record_kept=(P, n_ans), threads=1,
-                         chunk=prompt_chunk(prompt, chunk))
-            out.append(_features(attn, _held(res.kept, np.asarray(prompt.key_positions), attn.shape)))
+            C = prompt_chunk(prompt, chunk)
+            res = replay(trace, policy, int(budget), inputs=inputs, record_kept=(P, n_ans), threads=1, chunk=C)
+            first_full = policy.has_prefill or C >= P   # the first answer token comes from the prompt's own forward
+            out.append(_features(attn, _held(res, key_pos, attn.shape, windows, P, first_full)))
     return out
 
 
@@ -270,7 +286,8 @@ def feature_key(prompt: NeedlePrompt, policy: Policy, budget: int, model_id: str
     the closed-loop cell's coordinates plus a digest of the prompt's token ids (another filler text makes another
     prompt under the same id) and the names of the `FEATURES` (a new candidate makes the stored rows stale)."""
     ids = hashlib.sha256(json.dumps(list(prompt.ids)).encode()).hexdigest()[:16]
-    cell = [model_id, prompt.prompt_id, prompt.key, ids, policy.name, policy.params, int(budget), sorted(FEATURES)]
+    cell = [model_id, prompt.prompt_id, prompt.key, ids, policy.name, policy.params, int(budget), sorted(FEATURES),
+            FEATURES_VERSION]
     payload = json.dumps(cell if chunk == 1 else cell + [int(chunk)], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
@@ -288,10 +305,10 @@ def stored_features(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tu
 
     known = store.load()
     done = set(known.key) if len(known) else set()
-    todo = [(p, [(pol, b) for pol, b in configs if feature_key(p, pol, b, model_id, chunk) not in done])
-            for p in prompts]
+    todo = [(p, [(pol, b) for pol, b in configs if fits(p, pol, b)
+                 and feature_key(p, pol, b, model_id, chunk) not in done]) for p in prompts]
     todo = [(p, cfgs) for p, cfgs in todo if cfgs]
-    n_done = len(prompts) * len(configs) - sum(len(c) for _, c in todo)
+    n_done = sum(fits(p, pol, b) for p in prompts for pol, b in configs) - sum(len(c) for _, c in todo)
     if n_done:
         log(f"simulator features: {n_done} cells already in {store.root}")
     for p, cfgs in tqdm(todo, desc="predict", unit="prompt", disable=not progress):
@@ -301,7 +318,8 @@ def stored_features(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tu
                    for (pol, b), x in zip(cfgs, feats)])
     if todo:
         known = store.load()
-    want = pd.DataFrame([{"key": feature_key(p, pol, b, model_id, chunk)} for p in prompts for pol, b in configs])
+    want = pd.DataFrame([{"key": feature_key(p, pol, b, model_id, chunk)} for p in prompts for pol, b in configs
+                         if fits(p, pol, b)])
     rows = want.merge(known, on="key", how="left")
     return rows[["prompt_id", "label", "budget", *[f for f in FEATURES if f in rows.columns]]]
 
@@ -314,19 +332,22 @@ def prediction_table(df, features) -> "Any":
     return merged.join(full_ok, on="prompt_id")
 
 
-def _key_attention(inputs, scale: float, P: int, n_ans: int, key_pos: np.ndarray) -> np.ndarray:
+def _key_attention(inputs, P: int, n_ans: int, key_pos: np.ndarray) -> np.ndarray:
     """Full-cache attention [L, n_ans, Hq, n_key] of the answer-step queries (positions P-1 .. P+n_ans-2,
-    those that predict the answer's tokens) on the key's token positions."""
+    those that predict the answer's tokens) on the key's token positions, with each layer's own scale and window."""
     out = []
     for li in inputs:
         q = np.asarray(li.q[P - 1:P + n_ans - 1], np.float64)                 # [A, Hq, d]
         k = np.asarray(li.k[:P + n_ans - 1], np.float64)                      # [T, Hkv, d]
         g = q.shape[1] // k.shape[1]
         kk = np.repeat(k, g, axis=1)                                          # [T, Hq, d]
-        logits = np.einsum("ahd,thd->aht", q, kk) * scale
+        logits = np.einsum("ahd,thd->aht", q, kk) * float(li.attention.scale)
         T = kk.shape[0]
-        causal = np.arange(T)[None, :] <= (P - 1 + np.arange(q.shape[0]))[:, None]
-        logits = np.where(causal[:, None, :], logits, -np.inf)
+        qpos = (P - 1 + np.arange(q.shape[0]))[:, None]
+        seen = np.arange(T)[None, :] <= qpos
+        if li.attention.window:
+            seen &= np.arange(T)[None, :] > qpos - li.attention.window
+        logits = np.where(seen[:, None, :], logits, -np.inf)
         logits -= logits.max(-1, keepdims=True)
         p = np.exp(logits)
         p /= p.sum(-1, keepdims=True)
@@ -334,19 +355,29 @@ def _key_attention(inputs, scale: float, P: int, n_ans: int, key_pos: np.ndarray
     return np.stack(out)
 
 
-def _held(kept: np.ndarray, key_pos: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """[L, A, Hq, n_key] True where the policy holds that key token for that query. kept [L, >= A-1, Hkv, W] are
-    the positions cached after decode steps P, P+1, ...; the query at P-1 (first answer token) reads the cache
-    the prompt left, approximated by the state after step P (the prompt's cache plus one token)."""
+def _held(res, key_pos: np.ndarray, shape: tuple[int, ...], windows: Sequence[int | None], P: int,
+          first_full: bool) -> np.ndarray:
+    """[L, A, Hq, n_key] True where the replay ``res`` holds that key token for that answer-step query.
+    ``res.kept`` [replayed layers, >= A-1, Hkv, W] are the positions cached after decode steps P, P+1, ...; the
+    query at P-1 (first answer token) reads the whole prompt when ``first_full`` (a prefill selector, or the
+    prompt as one chunk: the model's own prompt forward predicts it), else the cache the prompt left,
+    approximated by the state after step P. A layer the replay left alone (a sliding layer kept) holds its
+    window."""
     L, A, Hq, _ = shape
+    kept = res.kept
     Hkv = kept.shape[2]
     g = Hq // Hkv
     held = np.zeros(shape, bool)
-    for a in range(A):
-        r = max(0, a - 1)
-        for h in range(Hkv):
-            for l in range(L):
-                held[l, a, h * g:(h + 1) * g] = np.isin(key_pos, kept[l, r, h])[None, :]
+    replayed = {int(layer): j for j, layer in enumerate(res.layer_index)}
+    for l in range(L):
+        for a in range(A):
+            if a == 0 and first_full:
+                held[l, a] = True
+            elif l not in replayed:
+                held[l, a] = (key_pos > P - 1 + a - windows[l])[None, :] if windows[l] else True
+            else:
+                for h in range(Hkv):
+                    held[l, a, h * g:(h + 1) * g] = np.isin(key_pos, kept[replayed[l], max(0, a - 1), h])[None, :]
     return held
 
 
@@ -359,11 +390,11 @@ def _features(attn: np.ndarray, held: np.ndarray) -> dict[str, float]:
     """Every `FEATURES` value of one replay (``attn`` [L, A, Hq, n_key] full-cache attention on the key)."""
     per_head = attn.sum(axis=(1, 3))                                          # [L, Hq]
     top = per_head >= np.quantile(per_head, 0.9)
-    per_layer = [_share(attn[l], held[l]) for l in range(attn.shape[0])]
+    per_layer = [_share(attn[l], held[l]) for l in range(attn.shape[0]) if attn[l].sum() > 0]
     return {"retained_share": _share(attn, held),
             "retrieval_heads": _share(attn * top[:, None, :, None], held),
             "first_answer_step": _share(attn[:, :1], held[:, :1]),
-            "weakest_layer": float(min(per_layer))}
+            "weakest_layer": float(min(per_layer, default=0.0))}
 
 
 # ----- scoring a yes/no prediction -----

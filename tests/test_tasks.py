@@ -71,7 +71,8 @@ def test_retrieved_needs_every_value_as_a_whole_token_run():
 def test_multivalue_success_reads_the_decoded_generation(llama, tmp_path):
     tok = CharTok()
     prompts = make_grid(tok, TEXT, [700], [0.5], [0], tasks=["multivalue", "multikey"])
-    configs = [(get_policy("full"), 1), (get_policy("h2o"), 64), (get_policy("snapkv"), 64)]
+    configs = [(get_policy("full"), 1), (get_policy("h2o"), 64), (get_policy("snapkv"), 64),
+               (get_policy("snapkv"), 700)]                   # a budget >= the context is the full cache: not run
     store = ResultStore(tmp_path / "s")
     df = run_needle(llama, prompts, configs, store, model_id="tiny", progress=False, decode=tok.decode, chunk=0,
                     log=lambda s: None)
