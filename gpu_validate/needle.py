@@ -559,6 +559,32 @@ def split_report(train, test, features: Sequence[str] | None = None, *,
             "per_length": per_length, "per_task": per_task, "rho_accuracy": rho_acc, "candidates": candidates}
 
 
+def wrong_calls(df, prompts: Sequence[NeedlePrompt], feature: str, threshold: float,
+                decode: Callable[[list[int]], str] | None = None) -> list[dict[str, Any]]:
+    """The cells of ``df`` (closed-loop rows with their ``feature``) where the call ``feature >= threshold``
+    differs from the model's outcome, each with what the model wrote and the first answer step where its tokens
+    leave the canonical answer's (None: it wrote the answer; the step a retrieval goes wrong, or a call that
+    missed a success). Sorted by how far the feature sits from the threshold, the confident errors first."""
+    by_id = {p.prompt_id: p for p in prompts}
+    out = []
+    for _, row in df.iterrows():
+        called = bool(row[feature] >= threshold)
+        if called == bool(row.success):
+            continue
+        gen = json.loads(row.generated)
+        p = by_id.get(row.prompt_id)
+        step = None
+        if p is not None:
+            step = next((i for i, (a, b) in enumerate(zip(gen, p.answer)) if a != b), None)
+        out.append({"prompt_id": row.prompt_id, "task": row.get("task", "passkey"), "length": int(row.length),
+                    "depth": float(row.depth), "label": row.label, "budget": int(row.budget),
+                    "model_retrieved": bool(row.success), "simulator_called": called,
+                    feature: float(row[feature]), "distance_to_threshold": float(abs(row[feature] - threshold)),
+                    "first_wrong_answer_step": step,
+                    "generated": decode(gen) if decode is not None else gen})
+    return sorted(out, key=lambda r: -r["distance_to_threshold"])
+
+
 def summarize(df) -> dict[str, Any]:
     """Accuracy per (policy label, budget), per (label, budget, length), and the full cache's."""
     full = df[df.policy == "full"]

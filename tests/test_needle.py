@@ -300,6 +300,10 @@ def test_needle_cli_on_tiny_local_model(llama, tmp_path, capsys, monkeypatch):
         assert k in rep
     assert rep["base_rate"] == rep["prediction"]["base_rate"] and rep["mcc"] == rep["prediction"]["mcc"]
     assert rep["fit_objective"] == rep["prediction"]["objective"] == "balanced_accuracy"
+    c = rep["prediction"]["confusion"]
+    assert len(rep["wrong_calls"]) == c["model_ok_pred_fail"] + c["model_fail_pred_ok"]   # every wrong call named
+    assert all({"prompt_id", "label", "budget", "first_wrong_answer_step", "generated"} <= set(w)
+               for w in rep["wrong_calls"])
     assert "balanced accuracy" in printed and "MCC" in printed and "balanced accuracy" in page
     assert len(ResultStore(tmp_path / "store-sim").load()) == 8              # the features, stored
     # a second run re-fits from the stored features (no trace recorded) with the other objective

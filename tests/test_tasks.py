@@ -135,3 +135,21 @@ def test_needle_cli_runs_several_tasks_and_drops_cells_the_full_cache_fails(llam
     # a random-weight model fails every cell: with a 0.9 floor nothing is left to report, and it says so
     assert main(args + ["--min-full-accuracy", "0.9"]) == 1
     assert "the full cache fails every (task, length) cell" in capsys.readouterr().out
+
+
+def test_held_reads_replayed_layers_kept_windows_and_the_prompt_forward():
+    from types import SimpleNamespace
+
+    from gpu_validate.needle import _held
+
+    P, A, key = 20, 3, np.array([5, 17])
+    kept = np.full((1, A, 1, 4), -1, np.int32)          # the one replayed layer (stored layer 1), one KV head
+    kept[0, :, 0, :2] = [5, 19]                           # holds key token 5, not 17
+    res = SimpleNamespace(kept=kept, layer_index=np.array([1]))
+    held = _held(res, key, (2, A, 2, 2), windows=[4, None], P=P, first_full=True)
+    assert held[:, 0].all()                               # first answer step: the prompt's own forward
+    assert (held[1, 1:, :, 0]).all() and not held[1, 1:, :, 1].any()      # replayed: its kept set
+    assert not held[0, 1:, :, 0].any() and held[0, 1, :, 1].all()         # sliding layer kept: its window of 4
+    assert not held[0, 2, :, 1].any()                     # (query 21 sees 18..21: token 17 has left the window)
+    streamed = _held(res, key, (2, A, 2, 2), windows=[4, None], P=P, first_full=False)
+    assert not streamed[1, 0, :, 1].any()                 # token by token: the cache the prompt left

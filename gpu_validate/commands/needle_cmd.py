@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from gpu_validate.needle import (make_grid, passing_cells, plot_needle, prediction_table, prediction_report, run_needle, seed_reliability,
-                                     stored_features, summarize)
+    from gpu_validate.needle import (make_grid, passing_cells, plot_needle, prediction_report, prediction_table,
+                                     run_needle, seed_reliability, stored_features, summarize, wrong_calls)
     from gpu_validate.pages import needle_page, needle_tables, run_info
     from sim.commands._common import command_line
     from sim.table import print_tables
@@ -157,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
         merged = prediction_table(df, feats)
         train = args.train_seeds if args.train_seeds is not None else args.seeds[:max(1, len(args.seeds) // 2)]
         pred = prediction_report(merged, train, objective=args.fit_objective)
+        held_out = merged[~merged.seed.isin(train)]
+        report["wrong_calls"] = wrong_calls(held_out, prompts, pred["feature"], pred["threshold"], tok.decode)
         report.update({"sim_agreement": pred["sim_agreement"], "base_rate": pred["base_rate"],
                        "balanced_accuracy": pred["balanced_accuracy"], "mcc": pred["mcc"],
                        "fit_objective": pred["objective"], "sim_store": str(sim_store.root), "prediction": pred,
