@@ -132,6 +132,14 @@ def test_needle_cli_runs_several_tasks_and_drops_cells_the_full_cache_fails(llam
     assert set(rep["full_accuracy_by_cell"]) == {"passkey@700", "vartrack@700"} and rep["prompt_chunk"] == 0
     assert len(rep["prompt_ids"]) == 8 and set(rep["task_plots"]) == set(rep["by_task"])
     assert "<h2" in (tmp_path / "r.html").read_text() and "Tasks" in (tmp_path / "r.html").read_text()
+    # judged on the prompts the full cache retrieves only: there the full cache scores 1 in every cell
+    rc = main(args + ["--solved-only"])
+    if rep["full_accuracy"] == 0:                     # nothing solved: nothing to judge, said so
+        assert rc == 1
+    else:
+        rep = json.loads(out.read_text())
+        assert rc == 0 and rep["solved_only"] and rep["full_accuracy"] == 1.0
+        assert len(rep["prompt_ids"]) == rep["n_solved_prompts"] < rep["n_prompts"] + 1
     # a random-weight model fails every cell: with a 0.9 floor nothing is left to report, and it says so
     assert main(args + ["--min-full-accuracy", "0.9"]) == 1
     assert "the full cache fails every (task, length) cell" in capsys.readouterr().out

@@ -78,6 +78,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-full-accuracy", type=float, default=0.0, metavar="A",
                    help="report only the (task, length) cells where the full cache retrieves at least A (the others "
                         "are listed as dropped: a policy cannot be judged on a task the model fails anyway)")
+    p.add_argument("--solved-only", action="store_true",
+                   help="run and judge the policies only on the prompts the full cache retrieves (the full cache "
+                        "goes first; its accuracy on all prompts stays in the report per cell): every judged cell "
+                        "then has a full-cache accuracy of 1, and a policy's accuracy is the share of the model's "
+                        "own successes it keeps")
     p.add_argument("--max-rows", type=positive_int, default=48, help="configurations per model batch")
     add_quiet_option(p)
     p.set_defaults(func=run)
@@ -128,11 +133,21 @@ def run(args: argparse.Namespace) -> int:
                 & (df.budget.isin(args.budgets) | (df.policy == "full"))]
         return df if "task" in df.columns else df.assign(task="passkey")
 
-    if args.min_full_accuracy > 0:     # the full cache first: the policies run only where the model can do the task
-        _, _, dropped = passing_cells(run_cells(prompts, [(full, 1)]), args.min_full_accuracy)
-        run_cells([p for p in prompts if (p.task, p.length) not in dropped], configs)
-    df, kept_cells, dropped = passing_cells(run_cells(prompts, [(full, 1)] + configs if args.min_full_accuracy <= 0
-                                                      else []), args.min_full_accuracy)
+    gate = args.min_full_accuracy > 0 or args.solved_only
+    solved = None
+    if gate:      # the full cache first: the policies run only where the model itself can do the task
+        first = run_cells(prompts, [(full, 1)])
+        _, _, dropped = passing_cells(first, args.min_full_accuracy)
+        if args.solved_only:
+            solved = set(first[(first.policy == "full") & first.success.astype(bool)].prompt_id)
+        run_cells([p for p in prompts if (p.task, p.length) not in dropped
+                   and (solved is None or p.prompt_id in solved)], configs)
+    df, kept_cells, dropped = passing_cells(run_cells(prompts, [] if gate else [(full, 1)] + configs),
+                                            args.min_full_accuracy)
+    if solved is not None:
+        df = df[df.prompt_id.isin(solved)]
+        prompts = [p for p in prompts if p.prompt_id in solved]
+        print(f"{len(prompts)} prompts the full cache retrieves: the policies are judged on those", flush=True)
     if dropped:
         print(f"dropped (task, length) cells where the full cache retrieves < {args.min_full_accuracy:g}: "
               + ", ".join(f"{t}@{L} ({a:.2f})" for (t, L), a in dropped.items()), flush=True)
@@ -141,10 +156,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     report = {"model": model_id, "backend": "torch", "device": "cpu", "tasks": args.tasks, "lengths": args.lengths,
               "depths": args.depths, "seeds": args.seeds, "repeats": args.repeats, "prompt_chunk": args.prompt_chunk,
-              "policies": [p.label() for p in policies], "budgets": args.budgets, "n_prompts": len(prompts),
-              "prompt_ids": sorted(ids),
+              "policies": [p.label() for p in policies], "budgets": args.budgets, "n_prompts": len(ids),
+              "prompt_ids": sorted(p.prompt_id for p in prompts),
               "text": text_id, "command": command_line(args), **run_info(),
-              "min_full_accuracy": args.min_full_accuracy,
+              "min_full_accuracy": args.min_full_accuracy, "solved_only": bool(args.solved_only),
+              "n_solved_prompts": None if solved is None else len(prompts),
               "full_accuracy_by_cell": {f"{t}@{L}": a for (t, L), a in {**kept_cells, **dropped}.items()},
               "reported_cells": [f"{t}@{L}" for t, L in kept_cells],
               "dropped_cells": [f"{t}@{L}" for t, L in dropped], **summarize(df),
