@@ -146,8 +146,9 @@ def run(args: argparse.Namespace) -> int:
                                             args.min_full_accuracy)
     if solved is not None:
         df = df[df.prompt_id.isin(solved)]
-        prompts = [p for p in prompts if p.prompt_id in solved]
-        print(f"{len(prompts)} prompts the full cache retrieves: the policies are judged on those", flush=True)
+        prompts = [p for p in prompts if p.prompt_id in solved and (p.task, p.length) not in dropped]
+        print(f"{len(prompts)} prompts of the reported cells the full cache retrieves: the policies are judged on "
+              "those", flush=True)
     if dropped:
         print(f"dropped (task, length) cells where the full cache retrieves < {args.min_full_accuracy:g}: "
               + ", ".join(f"{t}@{L} ({a:.2f})" for (t, L), a in dropped.items()), flush=True)
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
               "by_task": {t: summarize(part) for t, part in df.groupby("task")}}
     if args.predict:
         sim_store = ResultStore(args.sim_store or str(args.store).rstrip("/") + "-sim")
-        prompts = [p for p in prompts if (p.task, p.length) not in dropped]
+        prompts = [p for p in prompts if (p.task, p.length) not in dropped]    # (already so with --solved-only)
         feats = stored_features(model, prompts, configs, sim_store, model_id=model_id, chunk=args.prompt_chunk,
                                 progress=not args.quiet)
         merged = prediction_table(df, feats)
