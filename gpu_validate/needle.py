@@ -50,13 +50,15 @@ class NeedlePrompt:
     values: tuple[str, ...] = ()
     n_generate: int = 0
     repeats: int = 1
+    shots: int = 0
 
     @property
     def prompt_id(self) -> str:
         base = f"L{self.length}-d{self.depth:g}-s{self.seed}"
-        if self.task == "passkey" and self.repeats == 1:
+        if self.task == "passkey" and self.repeats == 1 and not self.shots:
             return base                      # the original needle grid's ids (stores written before the tasks)
-        return f"{self.task}{'' if self.repeats == 1 else f'x{self.repeats}'}-{base}"
+        fmt = ('' if self.repeats == 1 else f'x{self.repeats}') + (f'k{self.shots}' if self.shots else '')
+        return f"{self.task}{fmt}-{base}"
 
     def success(self, generated: Sequence[int], decode: Callable[[list[int]], str] | None = None) -> bool:
         """Whether greedy decoding retrieved: every value in the decoded generation (``decode``), or, without a
@@ -80,14 +82,17 @@ def _bos(tokenizer) -> list[int]:
 
 
 def make_prompt(tokenizer, filler_ids: Sequence[int], length: int, depth: float, seed: int, *,
-                task: str = "passkey", repeats: int = 1) -> NeedlePrompt:
+                task: str = "passkey", repeats: int = 1, shots: int = 0) -> NeedlePrompt:
     """The ``task`` prompt (`gpu_validate.tasks`) of exactly ``length`` tokens for (depth, seed): the task's values
     and the filler window are drawn from ``seed`` (and the length, depth and task, so every grid cell has its own).
-    The filler window wraps around the end of the text when the prompt needs more filler than the text has."""
+    The filler window wraps around the end of the text when the prompt needs more filler than the text has.
+    ``shots`` worked examples go between the instruction and the haystack (`gpu_validate.tasks.with_examples`);
+    such a prompt's generation runs ``ANSWER_SLACK`` tokens past its answer (a model that writes " a 12345" or
+    "12345." still answers), as a multi-value answer's always does."""
     try:
         seed_text = f"{length}/{depth:g}/{seed}" if task == "passkey" else f"{task}/{length}/{depth:g}/{seed}"
         h = int(hashlib.sha256(seed_text.encode()).hexdigest()[:8], 16)
-        spec = build_task(task, np.random.default_rng([seed, h]), depth, repeats)
+        spec = build_task(task, np.random.default_rng([seed, h]), depth, repeats, shots)
     except TaskError as exc:
         raise ValidateError(str(exc)) from None
     rng = np.random.default_rng([seed, h, 1]) if task != "passkey" else None
@@ -123,9 +128,14 @@ def make_prompt(tokenizer, filler_ids: Sequence[int], length: int, depth: float,
     if len(ids) != length or not evidence:
         raise ValidateError(f"{task} prompt construction failed (got {len(ids)} tokens, {len(evidence)} evidence "
                             "tokens)")
-    n_gen = len(answer) + (0 if len(spec.values) == 1 else 4)   # room for a list written a little differently
+    n_gen = len(answer) + (0 if len(spec.values) == 1 and not shots else ANSWER_SLACK)
     return NeedlePrompt(length, float(depth), int(seed), spec.key, tuple(ids), tuple(answer), tuple(sorted(evidence)),
-                        task, spec.values, n_gen, int(repeats))
+                        task, spec.values, n_gen, int(repeats), int(shots))
+
+
+#: tokens generated past the canonical answer where the answer may be written a little differently (a list of
+#: values; any prompt with worked examples): the generation succeeds when it contains every value
+ANSWER_SLACK = 4
 
 
 def _passkey_offset(seed: int, h: int, n_filler: int, n_fill: int) -> int:
@@ -136,10 +146,11 @@ def _passkey_offset(seed: int, h: int, n_filler: int, n_fill: int) -> int:
 
 
 def make_grid(tokenizer, filler_text: str, lengths: Sequence[int], depths: Sequence[float],
-              seeds: Sequence[int], *, tasks: Sequence[str] = ("passkey",), repeats: int = 1) -> list[NeedlePrompt]:
+              seeds: Sequence[int], *, tasks: Sequence[str] = ("passkey",), repeats: int = 1,
+              shots: int = 0) -> list[NeedlePrompt]:
     """Every (task, length, depth, seed) prompt of the grid."""
     filler = tokenizer(filler_text, add_special_tokens=False, verbose=False)["input_ids"]
-    return [make_prompt(tokenizer, filler, L, d, s, task=t, repeats=repeats)
+    return [make_prompt(tokenizer, filler, L, d, s, task=t, repeats=repeats, shots=shots)
             for t in tasks for L in lengths for d in depths for s in seeds]
 
 

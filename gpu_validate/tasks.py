@@ -153,15 +153,49 @@ TASKS: dict[str, Callable[..., TaskSpec]] = {"passkey": passkey, "multikey": mul
                                              "vartrack": vartrack}
 
 
-def build_task(task: str, rng: np.random.Generator, depth: float, repeats: int = 1) -> TaskSpec:
-    """The `TaskSpec` of ``task`` at ``depth`` (in [0, 1]) with each needle line written ``repeats`` times."""
+def build_task(task: str, rng: np.random.Generator, depth: float, repeats: int = 1, shots: int = 0) -> TaskSpec:
+    """The `TaskSpec` of ``task`` at ``depth`` (in [0, 1]) with each needle line written ``repeats`` times and
+    ``shots`` worked examples (`with_examples`) after the instruction."""
     if task not in TASKS:
         raise TaskError(f"unknown task {task!r} (expected one of {sorted(TASKS)})")
     if not 0.0 <= depth <= 1.0:
         raise TaskError(f"needle depth must lie in [0, 1], got {depth}")
     if repeats < 1:
         raise TaskError(f"needle repeats must be >= 1, got {repeats}")
-    return TASKS[task](rng, float(depth), int(repeats))
+    if shots < 0:
+        raise TaskError(f"worked examples (shots) must be >= 0, got {shots}")
+    spec = TASKS[task](rng, float(depth), int(repeats))
+    return with_examples(spec, rng, int(shots)) if shots else spec
+
+
+def _identifiers(spec: TaskSpec) -> set[str]:
+    """What tells a spec's needles apart from another draw's: its numbers, key words and variable names (what a
+    worked example must not share with the prompt it precedes)."""
+    text = " ".join(line for line, _ in spec.needles) + spec.question
+    return {w for w in re.findall(r"[0-9A-Za-z]+", text) if w.isdigit() or w in WORDS or re.fullmatch("[A-Z]{5}", w)}
+
+
+def with_examples(spec: TaskSpec, rng: np.random.Generator, shots: int) -> TaskSpec:
+    """``spec`` with ``shots`` worked examples of its own task between the instruction and the haystack: each is
+    the task's needle lines without filler, its question and its answer, with fresh values, keys and variable names
+    that the real prompt does not use (so an example can never answer the question). A small base model given the
+    instruction alone often continues the question with prose ("The pass key is the key that is used to ...");
+    an example shows it the form of the answer, as few-shot prompting does in lm-eval. The examples are drawn after
+    the prompt's own values, so the prompt's needles, question and answer are those of ``shots=0``."""
+    taken = _identifiers(spec)
+    examples: list[str] = []
+    for _ in range(shots):
+        for _attempt in range(100):
+            ex = TASKS[spec.task](rng, 0.5, 1)
+            words = _identifiers(ex)
+            if not (words & taken):
+                break
+        else:                                   # 40 words and 90 000 numbers: practically unreachable
+            raise TaskError(f"could not draw a {spec.task} example disjoint from the prompt")
+        taken |= words
+        examples.append("".join(line for line, _ in ex.needles).strip() + ex.question + ex.answer + ".\n")
+    head = spec.head + "".join(f"Example {i + 1}: {ex}" for i, ex in enumerate(examples)) + "Now the text:\n"
+    return TaskSpec(spec.task, head, spec.needles, spec.question, spec.answer, spec.values, spec.evidence)
 
 
 def retrieved(text: str, values: tuple[str, ...]) -> bool:
