@@ -50,15 +50,13 @@ class NeedlePrompt:
     values: tuple[str, ...] = ()
     n_generate: int = 0
     repeats: int = 1
-    shots: int = 0
 
     @property
     def prompt_id(self) -> str:
         base = f"L{self.length}-d{self.depth:g}-s{self.seed}"
-        if self.task == "passkey" and self.repeats == 1 and not self.shots:
+        if self.task == "passkey" and self.repeats == 1:
             return base                      # the original needle grid's ids (stores written before the tasks)
-        fmt = ('' if self.repeats == 1 else f'x{self.repeats}') + (f'k{self.shots}' if self.shots else '')
-        return f"{self.task}{fmt}-{base}"
+        return f"{self.task}{'' if self.repeats == 1 else f'x{self.repeats}'}-{base}"
 
     def success(self, generated: Sequence[int], decode: Callable[[list[int]], str] | None = None) -> bool:
         """Whether greedy decoding retrieved: every value in the decoded generation (``decode``), or, without a
@@ -82,17 +80,16 @@ def _bos(tokenizer) -> list[int]:
 
 
 def make_prompt(tokenizer, filler_ids: Sequence[int], length: int, depth: float, seed: int, *,
-                task: str = "passkey", repeats: int = 1, shots: int = 0) -> NeedlePrompt:
+                task: str = "passkey", repeats: int = 1) -> NeedlePrompt:
     """The ``task`` prompt (`gpu_validate.tasks`) of exactly ``length`` tokens for (depth, seed): the task's values
     and the filler window are drawn from ``seed`` (and the length, depth and task, so every grid cell has its own).
     The filler window wraps around the end of the text when the prompt needs more filler than the text has.
-    ``shots`` worked examples go between the instruction and the haystack (`gpu_validate.tasks.with_examples`);
-    such a prompt's generation runs ``ANSWER_SLACK`` tokens past its answer (a model that writes " a 12345" or
-    "12345." still answers), as a multi-value answer's always does."""
+    The generation runs ``ANSWER_SLACK`` tokens past the canonical answer (a model that writes " a 12345" still
+    answers), except in the original pass-key grid (one needle line), whose stored cells were scored without."""
     try:
         seed_text = f"{length}/{depth:g}/{seed}" if task == "passkey" else f"{task}/{length}/{depth:g}/{seed}"
         h = int(hashlib.sha256(seed_text.encode()).hexdigest()[:8], 16)
-        spec = build_task(task, np.random.default_rng([seed, h]), depth, repeats, shots)
+        spec = build_task(task, np.random.default_rng([seed, h]), depth, repeats)
     except TaskError as exc:
         raise ValidateError(str(exc)) from None
     rng = np.random.default_rng([seed, h, 1]) if task != "passkey" else None
@@ -128,13 +125,14 @@ def make_prompt(tokenizer, filler_ids: Sequence[int], length: int, depth: float,
     if len(ids) != length or not evidence:
         raise ValidateError(f"{task} prompt construction failed (got {len(ids)} tokens, {len(evidence)} evidence "
                             "tokens)")
-    n_gen = len(answer) + (0 if len(spec.values) == 1 and not shots else ANSWER_SLACK)
+    legacy = task == "passkey" and repeats == 1
+    n_gen = len(answer) + (0 if legacy else ANSWER_SLACK)
     return NeedlePrompt(length, float(depth), int(seed), spec.key, tuple(ids), tuple(answer), tuple(sorted(evidence)),
-                        task, spec.values, n_gen, int(repeats), int(shots))
+                        task, spec.values, n_gen, int(repeats))
 
 
-#: tokens generated past the canonical answer where the answer may be written a little differently (a list of
-#: values; any prompt with worked examples): the generation succeeds when it contains every value
+#: tokens generated past the canonical answer (the answer may be written a little differently: " a 12345", a list
+#: with other separators); the generation succeeds when it contains every value
 ANSWER_SLACK = 4
 
 
@@ -146,11 +144,10 @@ def _passkey_offset(seed: int, h: int, n_filler: int, n_fill: int) -> int:
 
 
 def make_grid(tokenizer, filler_text: str, lengths: Sequence[int], depths: Sequence[float],
-              seeds: Sequence[int], *, tasks: Sequence[str] = ("passkey",), repeats: int = 1,
-              shots: int = 0) -> list[NeedlePrompt]:
+              seeds: Sequence[int], *, tasks: Sequence[str] = ("passkey",), repeats: int = 1) -> list[NeedlePrompt]:
     """Every (task, length, depth, seed) prompt of the grid."""
     filler = tokenizer(filler_text, add_special_tokens=False, verbose=False)["input_ids"]
-    return [make_prompt(tokenizer, filler, L, d, s, task=t, repeats=repeats, shots=shots)
+    return [make_prompt(tokenizer, filler, L, d, s, task=t, repeats=repeats)
             for t in tasks for L in lengths for d in depths for s in seeds]
 
 
@@ -159,7 +156,10 @@ def config_key(prompt: NeedlePrompt, policy: Policy, budget: int, model_id: str,
     the whole prompt in one step; 1, token by token, is left out of the key so the cells stored before chunking
     keep theirs)."""
     cell = [model_id, prompt.prompt_id, prompt.key, policy.name, policy.params, int(budget)]
-    payload = json.dumps(cell if chunk == 1 else cell + [int(chunk)], sort_keys=True, default=str)
+    cell = cell if chunk == 1 else cell + [int(chunk)]
+    if prompt.n_generate and prompt.n_generate != len(prompt.answer):    # stores before the slack keep their keys
+        cell.append({"generate": int(prompt.n_generate)})
+    payload = json.dumps(cell, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
@@ -246,13 +246,17 @@ FEATURES = {
     "retrieval_heads": "over the (layer, query head) pairs in the top 10% by attention on the key (retrieval heads)",
     "first_answer_step": "at the first answer token's step only",
     "weakest_layer": "the lowest per-layer share (of the layers whose answer steps attend the key at all)",
+    "weakest_answer_step": "the lowest per-answer-step share (one lost digit breaks the answer, however well the "
+                           "others are held)",
+    "copy_target": "the lowest per-answer-step share on the evidence tokens that hold the token being written (the "
+                   "copy an induction head reads), over the steps whose token occurs in the evidence",
 }
 
 
 #: bumped when a feature's definition changes, so stored features computed the old way are recomputed (2: each
 #: layer's own scale and window, a kept sliding window, the first answer step read from the prompt's own forward,
-#: the weakest layer among those that attend the key)
-FEATURES_VERSION = 2
+#: the weakest layer among those that attend the key; 3: the per-step features)
+FEATURES_VERSION = 3
 
 
 #: the retrieval columns of a needle result (header, label, direction, doc) for the page's tables and legend
@@ -282,13 +286,14 @@ def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy,
         inputs = load_layers(trace)
         key_pos = np.asarray(prompt.key_positions)
         attn = _key_attention(inputs, P, n_ans, key_pos)
+        targets = np.asarray(ids)[key_pos][None, :] == np.asarray(prompt.answer)[:, None]     # [A, n_key]
         windows = [li.attention.window for li in inputs]
         out = []
         for policy, budget in configs:
             C = prompt_chunk(prompt, chunk)
             res = replay(trace, policy, int(budget), inputs=inputs, record_kept=(P, n_ans), threads=1, chunk=C)
             first_full = policy.has_prefill or C >= P   # the first answer token comes from the prompt's own forward
-            out.append(_features(attn, _held(res, key_pos, attn.shape, windows, P, first_full)))
+            out.append(_features(attn, _held(res, key_pos, attn.shape, windows, P, first_full), targets))
     return out
 
 
@@ -397,15 +402,25 @@ def _share(attn: np.ndarray, held: np.ndarray) -> float:
     return float((attn * held).sum() / total) if total > 0 else 0.0
 
 
-def _features(attn: np.ndarray, held: np.ndarray) -> dict[str, float]:
-    """Every `FEATURES` value of one replay (``attn`` [L, A, Hq, n_key] full-cache attention on the key)."""
+def _features(attn: np.ndarray, held: np.ndarray, targets: np.ndarray | None = None) -> dict[str, float]:
+    """Every `FEATURES` value of one replay (``attn`` [L, A, Hq, n_key] full-cache attention on the key, ``held``
+    the same shape; ``targets`` [A, n_key] marks the evidence tokens equal to each answer step's token: without
+    it, `copy_target` is the `weakest_answer_step`)."""
     per_head = attn.sum(axis=(1, 3))                                          # [L, Hq]
     top = per_head >= np.quantile(per_head, 0.9)
     per_layer = [_share(attn[l], held[l]) for l in range(attn.shape[0]) if attn[l].sum() > 0]
+    steps = range(attn.shape[1])
+    per_step = [_share(attn[:, a], held[:, a]) for a in steps if attn[:, a].sum() > 0]
+    if targets is None:
+        targets = np.ones(attn.shape[1::2], bool)
+    on_target = [_share(attn[:, a] * targets[a], held[:, a]) for a in steps
+                 if targets[a].any() and (attn[:, a] * targets[a]).sum() > 0]
     return {"retained_share": _share(attn, held),
             "retrieval_heads": _share(attn * top[:, None, :, None], held),
             "first_answer_step": _share(attn[:, :1], held[:, :1]),
-            "weakest_layer": float(min(per_layer, default=0.0))}
+            "weakest_layer": float(min(per_layer, default=0.0)),
+            "weakest_answer_step": float(min(per_step, default=0.0)),
+            "copy_target": float(min(on_target, default=min(per_step, default=0.0)))}
 
 
 # ----- scoring a yes/no prediction -----

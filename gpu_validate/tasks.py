@@ -8,21 +8,26 @@ lays a spec into exactly ``length`` tokens of real filler text.
 The four tasks follow RULER (Hsieh et al., 2024) in kind, written as completions ("... The pass key is"), which a
 small base model continues with the answer far more reliably than it follows an instruction to answer:
 
-- ``passkey``: one 5-digit pass key (the kvpress / RULER single-needle passkey);
+- ``passkey``: one 5-digit pass key (the kvpress single-needle passkey);
+- ``single``: the same single needle in RULER's words, "the special magic number" (see `single` for why);
 - ``multikey``: four word -> 5-digit number lines; the question asks for one word's number, the other three are
   distractors at seed-drawn depths (RULER's multi-key needle);
 - ``multivalue``: one word with three numbers at different depths, called its first, second and third; the
   answer must contain all three (RULER's multi-value needle, with ordinals);
-- ``vartrack``: variable tracking, one chain of two hops ``VAR A = n``, ``VAR B = VAR A``, ``VAR C = VAR B``
-  in order; the question asks for the value of C, which is written nowhere next to C (RULER's variable tracking
-  with one chain, asked the other way round).
+- ``vartrack``: variable tracking, one chain ``VAR A = n``, ``VAR B = VAR A`` (one hop by default) in order; the
+  question asks for the value of B, which is written nowhere next to B (RULER's variable tracking with one chain,
+  asked the other way round).
 
-The formats of the last two are the ones that worked best on this machine's small models among those tried, with
-the full cache at 2 048 tokens, 5 prompts each (Gemma-3-270M / SmolLM2-135M, needle lines written twice):
-RULER's own multi-value question without ordinals ("what are all the numbers for w") 0/5 and 0/5 (both models
-repeat one number); with ordinals 1/5 and 0/5. RULER's variable-tracking question ("which variables hold n",
-every name asked) 0/5 and 0/5 (both write prose); the value of the chain's end 3/5 and 1/5. Cells where the full
-cache cannot do the task are dropped from the policy grid (``kvsim needle --min-full-accuracy``), not tuned.
+The formats are the ones that worked best on this machine's small models among those tried with the full cache
+(needle lines written twice; Gemma-3-270M / SmolLM2-135M). At 1 024 tokens, RULER's own multi-value question
+without ordinals ("what are all the numbers for w") 0/5 and 0/5 at 2 048 tokens (both models repeat one number);
+with ordinals 3/15 and 1/15; with two values instead of three 1/5 on Gemma-3 (it writes "n and n+1"). RULER's
+variable-tracking question ("which variables hold n", every name asked) 0/5 and 0/5 (both write prose); the value
+of the chain's end after two hops 8/15 and 1/15, after one hop 9/10 on Gemma-3. Worked examples of the task before
+the haystack (few-shot) made the pass key worse on Gemma-3 at 1 024 tokens (3/6 against 13/15 without): the
+example's question is the prompt's question word for word, and the model copies the example's answer. Cells where
+the full cache cannot do the task are dropped from the policy grid (``kvsim needle --min-full-accuracy``), not
+tuned.
 
 ``depth`` places the needle the question is about (passkey's line, multikey's queried line, one of multivalue's
 values -- the three go in order, so the first is the shallowest --, vartrack's assignment of the number); the other
@@ -95,6 +100,20 @@ def passkey(rng: np.random.Generator, depth: float, repeats: int = 1) -> TaskSpe
                     _lines(line, depth, repeats), "\nWhat is the pass key? The pass key is", f" {key}", (key,), (key,))
 
 
+def single(rng: np.random.Generator, depth: float, repeats: int = 1) -> TaskSpec:
+    """RULER's single needle in its own words ("the special magic number"): the passkey task with another name for
+    the key. The shipped filler is Python documentation, where "key" is everywhere (key bindings, dict keys): asked
+    for "the pass key", Gemma-3-270M at 4 096 tokens continues with prose about keys in 3 of 10 prompts ("the key
+    that is used to ..."); asked for "the special magic number", 10 of 10 answer (`benchmarks/ruler_probe.py`)."""
+    key = _number(rng)
+    line = f" The special magic number is {key}. Remember it. {key} is the special magic number. "
+    return TaskSpec("single",
+                    "A special magic number is hidden inside a lot of irrelevant text. Find it and memorize it. "
+                    "I will quiz you about the special magic number.\n",
+                    _lines(line, depth, repeats), "\nWhat is the special magic number? The special magic number is",
+                    f" {key}", (key,), (key,))
+
+
 def multikey(rng: np.random.Generator, depth: float, repeats: int = 1, n_keys: int = 4) -> TaskSpec:
     words = [str(w) for w in rng.choice(WORDS, size=n_keys, replace=False)]
     numbers = _distinct_numbers(rng, n_keys)
@@ -129,7 +148,7 @@ def multivalue(rng: np.random.Generator, depth: float, repeats: int = 1, n_value
                     tuple(numbers), tuple(numbers))
 
 
-def vartrack(rng: np.random.Generator, depth: float, repeats: int = 1, hops: int = 2) -> TaskSpec:
+def vartrack(rng: np.random.Generator, depth: float, repeats: int = 1, hops: int = 1) -> TaskSpec:
     letters = np.array(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
     names: list[str] = []
     while len(names) < hops + 1:
@@ -149,53 +168,19 @@ def vartrack(rng: np.random.Generator, depth: float, repeats: int = 1, hops: int
 
 
 #: task name -> builder(rng, depth, repeats) -> TaskSpec
-TASKS: dict[str, Callable[..., TaskSpec]] = {"passkey": passkey, "multikey": multikey, "multivalue": multivalue,
-                                             "vartrack": vartrack}
+TASKS: dict[str, Callable[..., TaskSpec]] = {"passkey": passkey, "single": single, "multikey": multikey,
+                                             "multivalue": multivalue, "vartrack": vartrack}
 
 
-def build_task(task: str, rng: np.random.Generator, depth: float, repeats: int = 1, shots: int = 0) -> TaskSpec:
-    """The `TaskSpec` of ``task`` at ``depth`` (in [0, 1]) with each needle line written ``repeats`` times and
-    ``shots`` worked examples (`with_examples`) after the instruction."""
+def build_task(task: str, rng: np.random.Generator, depth: float, repeats: int = 1) -> TaskSpec:
+    """The `TaskSpec` of ``task`` at ``depth`` (in [0, 1]) with each needle line written ``repeats`` times."""
     if task not in TASKS:
         raise TaskError(f"unknown task {task!r} (expected one of {sorted(TASKS)})")
     if not 0.0 <= depth <= 1.0:
         raise TaskError(f"needle depth must lie in [0, 1], got {depth}")
     if repeats < 1:
         raise TaskError(f"needle repeats must be >= 1, got {repeats}")
-    if shots < 0:
-        raise TaskError(f"worked examples (shots) must be >= 0, got {shots}")
-    spec = TASKS[task](rng, float(depth), int(repeats))
-    return with_examples(spec, rng, int(shots)) if shots else spec
-
-
-def _identifiers(spec: TaskSpec) -> set[str]:
-    """What tells a spec's needles apart from another draw's: its numbers, key words and variable names (what a
-    worked example must not share with the prompt it precedes)."""
-    text = " ".join(line for line, _ in spec.needles) + spec.question
-    return {w for w in re.findall(r"[0-9A-Za-z]+", text) if w.isdigit() or w in WORDS or re.fullmatch("[A-Z]{5}", w)}
-
-
-def with_examples(spec: TaskSpec, rng: np.random.Generator, shots: int) -> TaskSpec:
-    """``spec`` with ``shots`` worked examples of its own task between the instruction and the haystack: each is
-    the task's needle lines without filler, its question and its answer, with fresh values, keys and variable names
-    that the real prompt does not use (so an example can never answer the question). A small base model given the
-    instruction alone often continues the question with prose ("The pass key is the key that is used to ...");
-    an example shows it the form of the answer, as few-shot prompting does in lm-eval. The examples are drawn after
-    the prompt's own values, so the prompt's needles, question and answer are those of ``shots=0``."""
-    taken = _identifiers(spec)
-    examples: list[str] = []
-    for _ in range(shots):
-        for _attempt in range(100):
-            ex = TASKS[spec.task](rng, 0.5, 1)
-            words = _identifiers(ex)
-            if not (words & taken):
-                break
-        else:                                   # 40 words and 90 000 numbers: practically unreachable
-            raise TaskError(f"could not draw a {spec.task} example disjoint from the prompt")
-        taken |= words
-        examples.append("".join(line for line, _ in ex.needles).strip() + ex.question + ex.answer + ".\n")
-    head = spec.head + "".join(f"Example {i + 1}: {ex}" for i, ex in enumerate(examples)) + "Now the text:\n"
-    return TaskSpec(spec.task, head, spec.needles, spec.question, spec.answer, spec.values, spec.evidence)
+    return TASKS[task](rng, float(depth), int(repeats))
 
 
 def retrieved(text: str, values: tuple[str, ...]) -> bool:

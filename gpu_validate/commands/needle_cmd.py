@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 
 from sim.commands._common import (add_budgets_option, add_model_option, add_out_option, add_policies_option,
-                                  add_quiet_option, add_text_option, int_list, non_negative_int,
-                                  positive_int)
+                                  add_quiet_option, add_text_option, int_list, positive_int)
 
 
 def _floats(text: str) -> list[float]:
@@ -53,15 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", type=int_list, default=[1, 2, 3], help="seeds (>= 1): key and filler window")
     p.add_argument("--tasks", type=_tasks, default=["passkey"],
                    help="comma-separated retrieval tasks (RULER-style, gpu_validate/tasks.py): passkey (one pass "
-                        "key), multikey (four word->number lines, one asked), multivalue (one word, three numbers, "
+                        "key), single (one 'special magic number', RULER's wording), multikey (four word->number lines, one asked), multivalue (one word, three numbers, "
                         "all asked), vartrack (a two-hop chain of variable assignments, every name asked)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="write each needle line this many times in a row (a small base model such as "
                         "Gemma-3-270M retrieves a line written twice far more often than once)")
-    p.add_argument("--shots", type=non_negative_int, default=0, metavar="K",
-                   help="worked examples of the task (fresh values, no filler) between the instruction and the "
-                        "haystack: a small base model then answers in the example's form instead of writing prose; "
-                        "the generation runs a few tokens past the answer")
     p.add_argument("--prompt-chunk", type=int, default=1, metavar="C",
                    help="prompt tokens per policy step for policies without a prefill selector (chunked prefill); "
                         "0 = the whole prompt in one step, compressed once after it as a prefill selector does "
@@ -124,8 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from traces.model import read_text
 
     text, text_id = read_text(args.text)
-    prompts = make_grid(tok, text, args.lengths, args.depths, args.seeds, tasks=args.tasks, repeats=args.repeats,
-                        shots=args.shots)
+    prompts = make_grid(tok, text, args.lengths, args.depths, args.seeds, tasks=args.tasks, repeats=args.repeats)
     print(f"{len(prompts)} prompts x {len(configs)} configurations (+ full cache) on {model_id}", flush=True)
     store = ResultStore(args.store)
     ids = {p.prompt_id for p in prompts}
@@ -162,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         print("no cell left to report: the full cache fails every (task, length) cell", flush=True)
         return 1
     report = {"model": model_id, "backend": "torch", "device": "cpu", "tasks": args.tasks, "lengths": args.lengths,
-              "depths": args.depths, "seeds": args.seeds, "repeats": args.repeats, "shots": args.shots, "prompt_chunk": args.prompt_chunk,
+              "depths": args.depths, "seeds": args.seeds, "repeats": args.repeats, "prompt_chunk": args.prompt_chunk,
               "policies": [p.label() for p in policies], "budgets": args.budgets, "n_prompts": len(ids),
               "prompt_ids": sorted(p.prompt_id for p in prompts),
               "text": text_id, "command": command_line(args), **run_info(),

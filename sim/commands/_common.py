@@ -47,17 +47,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def non_negative_int(text: str) -> int:
-    """An integer >= 0 (counts where none is a choice)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
 def int_list(text: str) -> list[int]:
     """``32,64,128`` -> [32, 64, 128]."""
     try:
