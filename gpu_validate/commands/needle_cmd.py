@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 
 from sim.commands._common import (add_budgets_option, add_model_option, add_out_option, add_policies_option,
-                                  add_quiet_option, add_text_option, int_list, positive_int)
+                                  add_quiet_option, add_text_option, add_threads_option, apply_threads, int_list,
+                                  positive_int)
 
 
 def _floats(text: str) -> list[float]:
@@ -84,6 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "then has a full-cache accuracy of 1, and a policy's accuracy is the share of the model's "
                         "own successes it keeps")
     p.add_argument("--max-rows", type=positive_int, default=48, help="configurations per model batch")
+    add_threads_option(p)
     add_quiet_option(p)
     p.set_defaults(func=run)
 
@@ -107,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from traces.models import load_model, model_id as name_of
 
     torch.set_grad_enabled(False)
+    apply_threads(args)
     policies = parse_policy_list(args.policies, exclude=("oracle",))
     configs = []
     for pol in policies:

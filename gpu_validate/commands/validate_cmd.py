@@ -6,7 +6,8 @@ import json
 import sys
 
 from sim.commands._common import (add_budget_option, add_chunk_option, add_model_option, add_policy_option,
-                                 add_sliding_option, add_text_option, positive_int)
+                                 add_sliding_option, add_text_option, add_threads_option, apply_threads,
+                                 positive_int)
 
 
 def _floats(text: str) -> list[float]:
@@ -30,15 +31,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=128, help="teacher-forced continuation tokens scored")
     add_sliding_option(p)
     add_chunk_option(p)
+    add_threads_option(p)
 
 
 def load_model_and_ids(args: argparse.Namespace):
-    """(model, tokenizer, token ids of the text, device, backend) from the shared arguments."""
-    from pathlib import Path
-
+    """(model, tokenizer, token ids of the text, device, backend) from the shared arguments (their --threads cap
+    applied to this process)."""
     import torch
 
     from traces.models import load_model
+
+    apply_threads(args)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = args.backend or ("triton" if device.startswith("cuda") else "torch")

@@ -159,6 +159,22 @@ def add_split_option(p: argparse.ArgumentParser, *, extra: str = "") -> None:
                         "here and shipped with each group; results are identical to N = 1" + extra)
 
 
+def add_threads_option(p: argparse.ArgumentParser) -> None:
+    """``--threads N`` for a command that runs a model in this process: caps its numba, BLAS and torch pools."""
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="cap this process's numba, BLAS and torch thread pools at N (default: every core). Set it "
+                        "below the core count when other heavy work shares the machine: torch's OpenMP threads "
+                        "wait on each other, and one sharing a core with a busy process slows every step")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Cap this process's pools at ``args.threads`` (`add_threads_option`) when it is given."""
+    if getattr(args, "threads", None):
+        from sim.threads import limit_threads
+
+        limit_threads(args.threads)
+
+
 def add_quiet_option(p: argparse.ArgumentParser) -> None:
     """``--quiet``: no progress bar."""
     p.add_argument("--quiet", action="store_true", help="no progress bar")
