@@ -177,7 +177,7 @@ def prompt_chunk(prompt: NeedlePrompt, chunk: int) -> int:
 
 def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[Policy, int]], store, *,
                model_id: str, backend: str = "torch", max_rows: int = 48, progress: bool = True,
-               decode: Callable[[list[int]], str] | None = None, chunk: int = 1,
+               decode: Callable[[list[int]], str] | None = None, chunk: int = 1, solved_only: bool = False,
                log: Callable[[str], None] = print) -> "Any":
     """Closed-loop retrieval of every prompt × (policy, budget) not yet in ``store`` (a `sim.store.ResultStore`);
     each finished batch is written as its own part file (resumable). Returns the store's table.
@@ -186,7 +186,9 @@ def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[P
     it the answer's tokens must come back exactly. ``chunk``: prompt tokens per policy step for a policy without a
     prefill selector (chunked prefill, `BatchJob.chunk`; 0 = the whole prompt in one step, which compresses once
     after the prompt as a prefill selector does -- the setting of SnapKV's and Ada-KV's needle tests -- and lets
-    the batch take the prompt from the model's own forward instead of streaming it)."""
+    the batch take the prompt from the model's own forward instead of streaming it). ``solved_only``: a prompt's
+    lossy cells run only when its full-cache cell (a ``full`` policy among ``configs``) retrieves; that cell goes
+    first and its prompt forward serves the others, so a prompt goes through the model once either way."""
     from tqdm.auto import tqdm
 
     chunk_arg = int(chunk)
@@ -195,16 +197,28 @@ def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[P
     todo = [(p, pol, b) for p, pol, b in cells if config_key(p, pol, b, model_id, chunk) not in done]
     if len(todo) < len(cells):
         log(f"resuming: {len(cells) - len(todo)} cells already in {store.root}")
+    full_done: dict[str, bool] = {}
+    if solved_only:
+        if not any(pol.name == "full" for pol, _ in configs):
+            raise ValidateError("solved_only needs the full cache among the configurations")
+        known = store.load()
+        if len(known):
+            ok = dict(zip(known.key, known.success.astype(bool)))
+            full_done = {p.prompt_id: ok[k] for p, pol, b in cells if pol.name == "full"
+                         and (k := config_key(p, pol, b, model_id, chunk)) in ok}
     # one prompt at a time: its streamed and prefilled batches share the prompt's forward (`run_batch`'s memo),
     # and every batch is stored as soon as it finishes
     by_prompt: dict[str, list] = {}
     for c in todo:
         by_prompt.setdefault(c[0].prompt_id, []).append(c)
     n_layers, _, n_kv, head_dim = model_geometry(model)
+    skipped = 0
     with tqdm(total=len(todo), desc="needle", unit="cell", disable=not progress) as bar:
-        for cells in sorted(by_prompt.values(), key=lambda cs: (cs[0][0].length, cs[0][0].task, cs[0][0].prompt_id)):
+
+        def run_cells(cells: list, memo: dict) -> list[dict[str, Any]]:
+            """The cells of one prompt, prefilled rows then streamed ones, stored batch by batch."""
             p = cells[0][0]
-            memo: dict = {}
+            out: list[dict[str, Any]] = []
             for streams in (False, True):
                 part = [c for c in cells if BatchJob(c[1], c[2], p.ids).streams == streams]
                 # a streamed row's cache holds its budget plus a prompt chunk: cap the rows at ~4 GB of cache
@@ -229,10 +243,29 @@ def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[P
 
                     run_batch(model, jobs, backend=backend, max_rows=rows_cap, on_result=finished, prompt_memo=memo)
                     store.add(rows)
+                    out += rows
                     acc = np.mean([r["success"] for r in rows])
                     bar.write(f"{p.prompt_id} ({'streamed' if streams else 'prefilled'}): {len(rows)} cells, "
                               f"accuracy {acc:.2f}")
                     sys.stdout.flush()
+            return out
+
+        for cells in sorted(by_prompt.values(), key=lambda cs: (cs[0][0].length, cs[0][0].task, cs[0][0].prompt_id)):
+            memo: dict = {}
+            if solved_only:
+                first = [c for c in cells if c[1].name == "full"]
+                rest = [c for c in cells if c[1].name != "full"]
+                got = run_cells(first, memo) if first else []
+                pid = cells[0][0].prompt_id
+                if not (any(r["success"] for r in got) if got else full_done.get(pid, False)):
+                    skipped += len(rest)
+                    bar.update(len(rest))
+                    continue
+                cells = rest
+            if cells:
+                run_cells(cells, memo)
+    if skipped:
+        log(f"{skipped} cells not run: their prompt is one the full cache does not retrieve")
     return store.load()
 
 

@@ -106,6 +106,38 @@ def test_a_prompt_goes_through_the_model_once_for_streamed_and_prefilled_rows(ll
         assert a.generated == b.generated and np.array_equal(a.top1, b.top1)
 
 
+def test_solved_only_runs_a_prompts_policies_only_where_the_full_cache_retrieves(llama, monkeypatch, tmp_path):
+    import gpu_validate.needle as needle
+    import gpu_validate.runner as runner
+
+    tok = CharTok()
+    prompts = make_grid(tok, TEXT, [400], [0.5], [1, 2], tasks=["single"])
+    monkeypatch.setattr(needle.NeedlePrompt, "success", lambda self, generated, decode=None: self.seed == 1)
+    calls = []
+    real = runner.forward_in_chunks
+
+    def counted(*a, **k):
+        calls.append(1)
+        yield from real(*a, **k)
+
+    monkeypatch.setattr(runner, "forward_in_chunks", counted)
+    configs = [(get_policy("full"), 1), (get_policy("h2o"), 64), (get_policy("snapkv"), 64)]
+    store = ResultStore(tmp_path / "s")
+    logs = []
+    df = run_needle(llama, prompts, configs, store, model_id="tiny", progress=False, chunk=0, solved_only=True,
+                    log=logs.append)
+    assert len(calls) == 2                                # one prompt forward per prompt, full cache included
+    assert sorted(df[df.seed == 1].policy) == ["full", "h2o", "snapkv"]
+    assert list(df[df.seed == 2].policy) == ["full"]     # the full cache fails it: its policies are not run
+    assert any("2 cells not run" in m for m in logs)
+    calls.clear()
+    again = run_needle(llama, prompts, configs, store, model_id="tiny", progress=False, chunk=0, solved_only=True,
+                       log=logs.append)                   # resumed: the stored full-cache outcome gates
+    assert calls == [] and len(again) == len(df)
+    with pytest.raises(ValidateError, match="full cache"):
+        run_needle(llama, prompts, configs[1:], store, model_id="tiny", progress=False, solved_only=True)
+
+
 def test_needle_cli_runs_several_tasks_and_drops_cells_the_full_cache_fails(llama, tmp_path, capsys):
     import json
     import string

@@ -80,8 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="report only the (task, length) cells where the full cache retrieves at least A (the others "
                         "are listed as dropped: a policy cannot be judged on a task the model fails anyway)")
     p.add_argument("--solved-only", action="store_true",
-                   help="run and judge the policies only on the prompts the full cache retrieves (the full cache "
-                        "goes first; its accuracy on all prompts stays in the report per cell): every judged cell "
+                   help="run and judge the policies only on the prompts the full cache retrieves (each prompt's "
+                        "full cache goes first and its prompt forward serves the policies; the full cache's "
+                        "accuracy on all prompts stays in the report per cell): every judged cell "
                         "then has a full-cache accuracy of 1, and a policy's accuracy is the share of the model's "
                         "own successes it keeps")
     p.add_argument("--max-rows", type=positive_int, default=48, help="configurations per model batch")
@@ -127,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
     store = ResultStore(args.store)
     ids = {p.prompt_id for p in prompts}
 
-    def run_cells(prompts_, configs_):
+    def run_cells(prompts_, configs_, solved_only=False):
         df = run_needle(model, prompts_, configs_, store, model_id=model_id, max_rows=args.max_rows,
-                        decode=tok.decode, chunk=args.prompt_chunk, progress=not args.quiet)
+                        decode=tok.decode, chunk=args.prompt_chunk, progress=not args.quiet, solved_only=solved_only)
         chunk = df.chunk.fillna(1).astype(int) if "chunk" in df.columns else 1
         df = df[(df.model == model_id) & df.prompt_id.isin(ids) & (chunk == args.prompt_chunk)
                 & df.label.isin({pol.label() for pol in policies} | {"full"})
@@ -138,13 +139,13 @@ def run(args: argparse.Namespace) -> int:
 
     gate = args.min_full_accuracy > 0 or args.solved_only
     solved = None
-    if gate:      # the full cache first: the policies run only where the model itself can do the task
+    if args.solved_only:    # one pass: each prompt's full cache first, its policies only where that retrieves
+        first = run_cells(prompts, [(full, 1)] + configs, solved_only=True)
+        solved = set(first[(first.policy == "full") & first.success.astype(bool)].prompt_id)
+    elif gate:              # the full cache first: the policies run only where the model itself can do the task
         first = run_cells(prompts, [(full, 1)])
         _, _, dropped = passing_cells(first, args.min_full_accuracy)
-        if args.solved_only:
-            solved = set(first[(first.policy == "full") & first.success.astype(bool)].prompt_id)
-        run_cells([p for p in prompts if (p.task, p.length) not in dropped
-                   and (solved is None or p.prompt_id in solved)], configs)
+        run_cells([p for p in prompts if (p.task, p.length) not in dropped], configs)
     df, kept_cells, dropped = passing_cells(run_cells(prompts, [] if gate else [(full, 1)] + configs),
                                             args.min_full_accuracy)
     if solved is not None:
