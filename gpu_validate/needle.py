@@ -286,6 +286,12 @@ FEATURES = {
 }
 
 
+#: where a replay loses the key, stored beside the features (not predictors): the model layer with the lowest
+#: retained share among those that attend the key, and the answer step with the lowest share (0 = the first
+#: answer token); `wrong_calls` names them for every wrong call
+DIAGNOSTICS = ("weakest_layer_index", "weakest_step_index")
+
+
 #: bumped when a feature's definition changes, so stored features computed the old way are recomputed (2: each
 #: layer's own scale and window, a kept sliding window, the first answer step read from the prompt's own forward,
 #: the weakest layer among those that attend the key; 3: the per-step features)
@@ -321,12 +327,14 @@ def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy,
         attn = _key_attention(inputs, P, n_ans, key_pos)
         targets = np.asarray(ids)[key_pos][None, :] == np.asarray(prompt.answer)[:, None]     # [A, n_key]
         windows = [li.attention.window for li in inputs]
+        layer_ids = [int(x) for x in trace.meta.model.layer_ids]
         out = []
         for policy, budget in configs:
             C = prompt_chunk(prompt, chunk)
             res = replay(trace, policy, int(budget), inputs=inputs, record_kept=(P, n_ans), threads=1, chunk=C)
             first_full = policy.has_prefill or C >= P   # the first answer token comes from the prompt's own forward
-            out.append(_features(attn, _held(res, key_pos, attn.shape, windows, P, first_full), targets))
+            held = _held(res, key_pos, attn.shape, windows, P, first_full)
+            out.append({**_features(attn, held, targets), **_diagnostics(attn, held, layer_ids)})
     return out
 
 
@@ -370,7 +378,7 @@ def stored_features(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tu
     want = pd.DataFrame([{"key": feature_key(p, pol, b, model_id, chunk)} for p in prompts for pol, b in configs
                          if fits(p, pol, b)])
     rows = want.merge(known, on="key", how="left")
-    return rows[["prompt_id", "label", "budget", *[f for f in FEATURES if f in rows.columns]]]
+    return rows[["prompt_id", "label", "budget", *[f for f in (*FEATURES, *DIAGNOSTICS) if f in rows.columns]]]
 
 
 def prediction_table(df, features) -> "Any":
@@ -433,6 +441,15 @@ def _held(res, key_pos: np.ndarray, shape: tuple[int, ...], windows: Sequence[in
 def _share(attn: np.ndarray, held: np.ndarray) -> float:
     total = attn.sum()
     return float((attn * held).sum() / total) if total > 0 else 0.0
+
+
+def _diagnostics(attn: np.ndarray, held: np.ndarray, layer_ids: Sequence[int]) -> dict[str, int]:
+    """`DIAGNOSTICS` of one replay: the model layer and the answer step where the least of the key's attention is
+    held (-1 when no layer or step attends the key)."""
+    layers = [(_share(attn[l], held[l]), l) for l in range(attn.shape[0]) if attn[l].sum() > 0]
+    steps = [(_share(attn[:, a], held[:, a]), a) for a in range(attn.shape[1]) if attn[:, a].sum() > 0]
+    return {"weakest_layer_index": int(layer_ids[min(layers)[1]]) if layers else -1,
+            "weakest_step_index": int(min(steps)[1]) if steps else -1}
 
 
 def _features(attn: np.ndarray, held: np.ndarray, targets: np.ndarray | None = None) -> dict[str, float]:
@@ -621,9 +638,10 @@ def split_report(train, test, features: Sequence[str] | None = None, *,
 def wrong_calls(df, prompts: Sequence[NeedlePrompt], feature: str, threshold: float,
                 decode: Callable[[list[int]], str] | None = None) -> list[dict[str, Any]]:
     """The cells of ``df`` (closed-loop rows with their ``feature``) where the call ``feature >= threshold``
-    differs from the model's outcome, each with what the model wrote and the first answer step where its tokens
+    differs from the model's outcome, each with what the model wrote, the first answer step where its tokens
     leave the canonical answer's (None: it wrote the answer; the step a retrieval goes wrong, or a call that
-    missed a success). Sorted by how far the feature sits from the threshold, the confident errors first."""
+    missed a success) and, where stored, the layer and answer step where the replay held least of the key's
+    attention (`DIAGNOSTICS`). Sorted by how far the feature sits from the threshold, the confident errors first."""
     by_id = {p.prompt_id: p for p in prompts}
     out = []
     for _, row in df.iterrows():
@@ -640,6 +658,7 @@ def wrong_calls(df, prompts: Sequence[NeedlePrompt], feature: str, threshold: fl
                     "model_retrieved": bool(row.success), "simulator_called": called,
                     feature: float(row[feature]), "distance_to_threshold": float(abs(row[feature] - threshold)),
                     "first_wrong_answer_step": step,
+                    **{d: int(row[d]) for d in DIAGNOSTICS if d in row and np.isfinite(row[d])},
                     "generated": decode(gen) if decode is not None else gen})
     return sorted(out, key=lambda r: -r["distance_to_threshold"])
 

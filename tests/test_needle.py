@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_validate import needle
-from gpu_validate.needle import (FEATURES, FIT_OBJECTIVES, binary_scores, confusion_scores, fit_threshold, make_grid,
+from gpu_validate.needle import (DIAGNOSTICS, FEATURES, FIT_OBJECTIVES, binary_scores, confusion_scores, fit_threshold, make_grid,
                                  make_prompt, needle_features, plot_needle, prediction_report, run_needle,
                                  stored_features, summarize)
 from gpu_validate.runner import ValidateError
@@ -93,8 +93,10 @@ def test_features_full_budget_retains_everything_and_small_budget_less(llama):
     tok = CharTok()
     p = make_prompt(tok, tok.encode(TEXT), 280, 0.5, 0)
     f = needle_features(llama, p, [(get_policy("streaming_llm"), 286), (get_policy("streaming_llm", n_sinks=4), 8)])
-    assert set(f[0]) == set(FEATURES)
-    assert all(v == pytest.approx(1.0) for v in f[0].values())
+    assert set(f[0]) == set(FEATURES) | set(DIAGNOSTICS)
+    assert all(f[0][k] == pytest.approx(1.0) for k in FEATURES)
+    assert f[1]["weakest_layer_index"] in (0, 1) and 0 <= f[1]["weakest_step_index"] < len(p.answer)
+    assert f[1]["weakest_answer_step"] <= f[1]["retained_share"] and 0.0 <= f[1]["copy_target"] <= 1.0
     assert 0.0 <= f[1]["retained_share"] < 1.0 and 0.0 <= f[1]["weakest_layer"] <= f[1]["retained_share"]
 
 
@@ -302,7 +304,7 @@ def test_needle_cli_on_tiny_local_model(llama, tmp_path, capsys, monkeypatch):
     assert rep["fit_objective"] == rep["prediction"]["objective"] == "balanced_accuracy"
     c = rep["prediction"]["confusion"]
     assert len(rep["wrong_calls"]) == c["model_ok_pred_fail"] + c["model_fail_pred_ok"]   # every wrong call named
-    assert all({"prompt_id", "label", "budget", "first_wrong_answer_step", "generated"} <= set(w)
+    assert all({"prompt_id", "label", "budget", "first_wrong_answer_step", "generated", *DIAGNOSTICS} <= set(w)
                for w in rep["wrong_calls"])
     assert "balanced accuracy" in printed and "MCC" in printed and "balanced accuracy" in page
     assert len(ResultStore(tmp_path / "store-sim").load()) == 8              # the features, stored
