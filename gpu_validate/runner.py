@@ -738,14 +738,28 @@ def run_batch(model, jobs: Sequence[BatchJob], *, backend: str = "torch", max_ro
     out: list[RunResult | None] = [None] * len(jobs)
     for idx in groups.values():
         idx.sort(key=lambda i: jobs[i].budget)   # similar budgets together: longer shared fast-forward
-        for c in range(0, len(idx), max_rows):
-            chunk = idx[c:c + max_rows]
+        for chunk in _budget_tiers(idx, [jobs[i].budget for i in idx], max_rows):
             res = BatchRunner(model, [jobs[i] for i in chunk], backend=backend, **kwargs).run()
             for i, r in zip(chunk, res):
                 out[i] = r
                 if on_result is not None:
                     on_result(i, r)
     return out  # type: ignore[return-value]
+
+
+def _budget_tiers(idx: list[int], budgets: list[int], max_rows: int, spread: float = 2.0) -> list[list[int]]:
+    """``idx`` (sorted by budget) cut into batches of at most ``max_rows`` rows whose budgets lie within a factor
+    ``spread`` of the batch's smallest: every head of a batch is padded to the batch's largest cache, so budgets 128
+    and 2 048 in one batch would make the 128-slot rows attend over 2 048 padded slots at every step."""
+    out: list[list[int]] = []
+    smallest = 0
+    for i, b in zip(idx, budgets):
+        if out and len(out[-1]) < max_rows and b <= spread * max(1, smallest):
+            out[-1].append(i)
+        else:
+            out.append([i])
+            smallest = b
+    return out
 
 
 class CompressedRunner:

@@ -144,3 +144,12 @@ def test_torch_backend_matches_the_per_head_references():
     for i in range(4):
         s = slice(int(cache.start[i]), int(cache.start[i] + cache.length[i]))
         assert torch.equal(cache.k[s], ref.k[s]) and torch.equal(cache.positions[s], ref.positions[s])
+
+
+def test_batches_hold_budgets_of_one_tier_so_small_caches_are_not_padded_to_large_ones():
+    from gpu_validate.runner import _budget_tiers
+
+    budgets = [128, 128, 200, 512, 600, 2048]
+    assert _budget_tiers(list(range(6)), budgets, 48) == [[0, 1, 2], [3, 4], [5]]
+    assert _budget_tiers(list(range(6)), budgets, 2) == [[0, 1], [2], [3, 4], [5]]
+    assert _budget_tiers([], [], 4) == []
