@@ -108,8 +108,8 @@ def single(rng: np.random.Generator, depth: float, repeats: int = 1) -> TaskSpec
     key = _number(rng)
     line = f" The special magic number is {key}. Remember it. {key} is the special magic number. "
     return TaskSpec("single",
-                    "A special magic number is hidden inside a lot of irrelevant text. Find it and memorize it. "
-                    "I will quiz you about the special magic number.\n",
+                    "There is a special magic number hidden inside a lot of irrelevant text. Find it and memorize "
+                    "it. I will quiz you about the special magic number.\n",
                     _lines(line, depth, repeats), "\nWhat is the special magic number? The special magic number is",
                     f" {key}", (key,), (key,))
 
