@@ -22,6 +22,7 @@ import json
 import re
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -178,7 +179,7 @@ def prompt_chunk(prompt: NeedlePrompt, chunk: int) -> int:
 def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[Policy, int]], store, *,
                model_id: str, backend: str = "torch", max_rows: int = 48, progress: bool = True,
                decode: Callable[[list[int]], str] | None = None, chunk: int = 1, solved_only: bool = False,
-               log: Callable[[str], None] = print) -> "Any":
+               min_full_accuracy: float = 0.0, log: Callable[[str], None] = print) -> "Any":
     """Closed-loop retrieval of every prompt × (policy, budget) not yet in ``store`` (a `sim.store.ResultStore`);
     each finished batch is written as its own part file (resumable). Returns the store's table.
 
@@ -188,7 +189,9 @@ def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[P
     after the prompt as a prefill selector does -- the setting of SnapKV's and Ada-KV's needle tests -- and lets
     the batch take the prompt from the model's own forward instead of streaming it). ``solved_only``: a prompt's
     lossy cells run only when its full-cache cell (a ``full`` policy among ``configs``) retrieves; that cell goes
-    first and its prompt forward serves the others, so a prompt goes through the model once either way."""
+    first and its prompt forward serves the others, so a prompt goes through the model once either way. With
+    ``min_full_accuracy`` as well, a (task, length) cell's policies stop once its full-cache failures put that
+    accuracy out of reach (the cell will be dropped); its full-cache cells still run, for the report."""
     from tqdm.auto import tqdm
 
     chunk_arg = int(chunk)
@@ -250,14 +253,22 @@ def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[P
                     sys.stdout.flush()
             return out
 
+        def cell(p: NeedlePrompt) -> tuple[str, int]:
+            return p.task, p.length
+
+        size = Counter(cell(p) for p in prompts)
+        allowed = {c: int(np.floor((1.0 - min_full_accuracy) * n + 1e-9)) for c, n in size.items()}
+        failures = Counter(cell(p) for p in prompts if full_done.get(p.prompt_id) is False)
         for cells in sorted(by_prompt.values(), key=lambda cs: (cs[0][0].length, cs[0][0].task, cs[0][0].prompt_id)):
             memo: dict = {}
             if solved_only:
+                p = cells[0][0]
                 first = [c for c in cells if c[1].name == "full"]
                 rest = [c for c in cells if c[1].name != "full"]
                 got = run_cells(first, memo) if first else []
-                pid = cells[0][0].prompt_id
-                if not (any(r["success"] for r in got) if got else full_done.get(pid, False)):
+                ok = any(r["success"] for r in got) if got else full_done.get(p.prompt_id, False)
+                failures[cell(p)] += bool(got) and not ok
+                if not ok or failures[cell(p)] > allowed[cell(p)]:
                     skipped += len(rest)
                     bar.update(len(rest))
                     continue
@@ -265,7 +276,8 @@ def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[P
             if cells:
                 run_cells(cells, memo)
     if skipped:
-        log(f"{skipped} cells not run: their prompt is one the full cache does not retrieve")
+        log(f"{skipped} cells not run: the full cache does not retrieve their prompt, or fails its (task, length) "
+            "cell too often for it to be reported")
     return store.load()
 
 

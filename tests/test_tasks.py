@@ -136,6 +136,12 @@ def test_solved_only_runs_a_prompts_policies_only_where_the_full_cache_retrieves
     assert calls == [] and len(again) == len(df)
     with pytest.raises(ValidateError, match="full cache"):
         run_needle(llama, prompts, configs[1:], store, model_id="tiny", progress=False, solved_only=True)
+    # a cell that cannot reach the bar stops running policies: 3 prompts, 0.9 allows no failure
+    grid = make_grid(tok, TEXT, [420], [0.0, 0.5, 1.0], [1, 2], tasks=["single"])  # run by id: d0-s1, d0-s2, ...
+    df = run_needle(llama, grid, configs, ResultStore(tmp_path / "t"), model_id="tiny", progress=False, chunk=0,
+                    solved_only=True, min_full_accuracy=0.9, log=lambda s: None)
+    assert len(df[df.policy == "full"]) == 6                     # the full cache on every prompt, for the report
+    assert set(df[df.policy != "full"].prompt_id) == {"single-L420-d0-s1"}   # none after d0-s2's failure
 
 
 def test_needle_cli_runs_several_tasks_and_drops_cells_the_full_cache_fails(llama, tmp_path, capsys):

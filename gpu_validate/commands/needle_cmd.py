@@ -130,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
 
     def run_cells(prompts_, configs_, solved_only=False):
         df = run_needle(model, prompts_, configs_, store, model_id=model_id, max_rows=args.max_rows,
-                        decode=tok.decode, chunk=args.prompt_chunk, progress=not args.quiet, solved_only=solved_only)
+                        decode=tok.decode, chunk=args.prompt_chunk, progress=not args.quiet, solved_only=solved_only,
+                        min_full_accuracy=args.min_full_accuracy)
         chunk = df.chunk.fillna(1).astype(int) if "chunk" in df.columns else 1
         df = df[(df.model == model_id) & df.prompt_id.isin(ids) & (chunk == args.prompt_chunk)
                 & df.label.isin({pol.label() for pol in policies} | {"full"})
