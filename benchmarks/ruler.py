@@ -86,7 +86,8 @@ def short_cells(store: str, model_id: str) -> dict[str, float]:
 
 
 def transfer() -> int:
-    """Fit on one model, judge on the other's held-out seeds; beside each model's own held-out scores."""
+    """Fit on one model, judge on the other's held-out seeds, beside each model's own held-out scores; and within a
+    model, fit on one task, judge on the others."""
     import json
 
     from benchmarks._util import RESULTS, machine, write_result
@@ -117,8 +118,17 @@ def transfer() -> int:
         for v in other:
             v["balanced_accuracy_minus_own"] = v["balanced_accuracy"] - own["balanced_accuracy"]
             v["mcc_minus_own"] = v["mcc"] - own["mcc"]
+    # across tasks, within a model: fitted on one task's training seeds, judged on the other tasks' held-out seeds
+    out["tasks"] = {}
+    for model, t in tables.items():
+        for task in sorted(set(t.task)):
+            train = t[(t.task == task) & t.seed.isin(TRAIN_SEEDS)]
+            test = t[(t.task != task) & ~t.seed.isin(TRAIN_SEEDS)]
+            if len(train) and len(test) and train.success.nunique() == 2:
+                r = split_report(train, test)
+                out["tasks"][f"{model}: {task}->others"] = {k: r[k] for k in keys}
     path = write_result("ruler_transfer", out)
-    for k, v in out["directions"].items():
+    for k, v in [*out["directions"].items(), *out["tasks"].items()]:
         print(f"{k:34s} BA {v['balanced_accuracy']:.3f} MCC {v['mcc']:.3f} agreement {v['sim_agreement']:.3f} "
               f"(base rate {v['base_rate']:.3f}, n {v['n_test_cells']}, {v['feature']} >= {v['threshold']:.3f})")
     print(f"wrote {path}")
