@@ -181,6 +181,15 @@ def test_needle_cli_runs_several_tasks_and_drops_cells_the_full_cache_fails(llam
     # a random-weight model fails every cell: with a 0.9 floor nothing is left to report, and it says so
     assert main(args + ["--min-full-accuracy", "0.9"]) == 1
     assert "the full cache fails every (task, length) cell" in capsys.readouterr().out
+    # NAME:MAXLEN keeps a task to the lengths up to MAXLEN
+    capped = [x if x != "passkey,vartrack" else "passkey,vartrack:600" for x in args]
+    capped[capped.index("700")] = "600,700"
+    assert main(capped) == 0
+    rep = json.loads(out.read_text())
+    assert set(rep["full_accuracy_by_cell"]) == {"passkey@600", "passkey@700", "vartrack@600"}
+    assert rep["task_max_length"] == {"vartrack": 600}
+    with pytest.raises(SystemExit):
+        main([*args[:args.index("--tasks") + 1], "vartrack:many", *args[args.index("--tasks") + 2:]])
 
 
 def test_held_reads_replayed_layers_kept_windows_and_the_prompt_forward():

@@ -18,14 +18,22 @@ def _floats(text: str) -> list[float]:
     return values
 
 
-def _tasks(text: str) -> list[str]:
+def _tasks(text: str) -> dict[str, int | None]:
+    """``NAME[:MAXLEN],...`` -> {task: the longest context it runs at, None for every length}."""
     from gpu_validate.tasks import TASKS
 
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in names if t not in TASKS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"unknown task(s) {bad or text!r} (expected some of {sorted(TASKS)})")
-    return names
+    out: dict[str, int | None] = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        name, _, cap = item.partition(":")
+        if name not in TASKS:
+            raise argparse.ArgumentTypeError(f"unknown task {name!r} (expected some of {sorted(TASKS)})")
+        try:
+            out[name] = int(cap) if cap else None
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a task's length cap must be an integer, got {item!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"no task in {text!r}")
+    return out
 
 
 DEFAULT_POLICIES = ("streaming_llm; h2o; tova; cascading; snapkv; pyramidkv; ada_snapkv; bumblebee; buzz; window; "
@@ -51,10 +59,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lengths", type=int_list, default=[256, 512, 1024], help="context lengths in tokens")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--seeds", type=int_list, default=[1, 2, 3], help="seeds (>= 1): key and filler window")
-    p.add_argument("--tasks", type=_tasks, default=["passkey"],
+    p.add_argument("--tasks", type=_tasks, default={"passkey": None},
                    help="comma-separated retrieval tasks (RULER-style, gpu_validate/tasks.py): passkey (one pass "
-                        "key), single (one 'special magic number', RULER's wording), multikey (four word->number lines, one asked), multivalue (one word, three numbers, "
-                        "all asked), vartrack (a two-hop chain of variable assignments, every name asked)")
+                        "key), single (one 'special magic number', RULER's wording), multikey (four word->number "
+                        "lines, one asked), multivalue (one word, three numbers, all asked), vartrack (a one-hop chain "
+                        "of variable assignments, the last one's value asked); NAME:MAXLEN runs a task only at the "
+                        "--lengths up to MAXLEN (one the model fails at shorter lengths need not spend the longest "
+                        "prompts)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="write each needle line this many times in a row (a small base model such as "
                         "Gemma-3-270M retrieves a line written twice far more often than once)")
@@ -123,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
     from traces.model import read_text
 
     text, text_id = read_text(args.text)
-    prompts = make_grid(tok, text, args.lengths, args.depths, args.seeds, tasks=args.tasks, repeats=args.repeats)
+    prompts = [p for p in make_grid(tok, text, args.lengths, args.depths, args.seeds, tasks=list(args.tasks),
+                                    repeats=args.repeats)
+               if args.tasks[p.task] is None or p.length <= args.tasks[p.task]]
     print(f"{len(prompts)} prompts x {len(configs)} configurations (+ full cache) on {model_id}", flush=True)
     store = ResultStore(args.store)
     ids = {p.prompt_id for p in prompts}
@@ -160,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     if df.empty:
         print("no cell left to report: the full cache fails every (task, length) cell", flush=True)
         return 1
-    report = {"model": model_id, "backend": "torch", "device": "cpu", "tasks": args.tasks, "lengths": args.lengths,
+    report = {"model": model_id, "backend": "torch", "device": "cpu", "tasks": list(args.tasks),
+              "task_max_length": {t: c for t, c in args.tasks.items() if c is not None}, "lengths": args.lengths,
               "depths": args.depths, "seeds": args.seeds, "repeats": args.repeats, "prompt_chunk": args.prompt_chunk,
               "policies": [p.label() for p in policies], "budgets": args.budgets, "n_prompts": len(ids),
               "prompt_ids": sorted(p.prompt_id for p in prompts),
