@@ -632,11 +632,18 @@ class BatchRunner:
     def _prompt_chunk_probs(self, layer: int, u: int, t0: int, stop: int) -> np.ndarray:
         """[Hkv, G, stop] float64: the attention of prompt u's tokens t0..stop-1 on every key before stop, summed
         over those queries (causal, and the layer's window), from the captured q/k by
-        ``traces.reference.causal_column_sums`` -- the simulator's sums for the same chunk."""
+        ``traces.reference.causal_column_sums`` -- the simulator's sums for the same chunk; kept in the prompt memo,
+        so the batches of one prompt (prefilled, streamed, each budget tier) compute them once."""
         from traces.reference import causal_column_sums
 
-        return causal_column_sums(self.prompt_q[layer][u], self.prompt_k[layer][u], float(self.layer_scale[layer]),
+        memo, key = self.prompt_memo, ("column_sums", layer, u, t0, stop)    # every batch of a prompt needs them
+        if memo is not None and key in memo:
+            return memo[key]
+        sums = causal_column_sums(self.prompt_q[layer][u], self.prompt_k[layer][u], float(self.layer_scale[layer]),
                                   start=t0, stop=stop, window=self.attn[layer].window or None)
+        if memo is not None:
+            memo[key] = sums
+        return sums
 
     def _layer_attention(self) -> None:
         """Each layer's attention as its prompt call ran it, and which layers the rows' policies compress."""
