@@ -2,6 +2,7 @@
 
     python benchmarks/ruler.py --model gemma3-270m        # one model's grid (GRIDS): kvsim needle with 3 tasks
     python benchmarks/ruler.py --transfer                 # the predictor fitted on one model, judged on the other
+    python benchmarks/ruler.py --model gemma3-270m --bumblebee   # BumbleBee vs H2O and SnapKV at 5-30 % of the context
 
 Per model this is `kvsim needle --tasks single,multikey,vartrack --prompt-chunk 0 --min-full-accuracy 0.9
 --solved-only --predict` with the grid in `GRIDS` (lengths, depths, seeds, budgets, needle repeats and task formats
@@ -25,7 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python benchmarks/ruler.py` from the repo root
 
-POLICIES = ("streaming_llm;h2o;tova;snapkv;pyramidkv;ada_snapkv;bumblebee;buzz;d2o;expected_attention;knorm")
+#: ten policies; BumbleBee is not among them: its prompt selection costs O(P^2) per layer, head and budget (35 s
+#: for one layer of Gemma-3 at 8 k here, five minutes of every 8 k prompt), so it runs in its own, smaller grid
+#: (`BUMBLEBEE`)
+POLICIES = "streaming_llm;h2o;tova;snapkv;pyramidkv;ada_snapkv;buzz;d2o;expected_attention;knorm"
 #: per model: tasks (NAME:MAXLEN caps a task's lengths), needle repeats, lengths, depths, seeds (the first is the training seed), budgets; lengths up to
 #: the model's positions (SmolLM2: 8 192, less the answer) and to what this machine can run (Gemma-3: 16 k, see the
 #: README for the wall times)
@@ -42,6 +46,11 @@ GRIDS = {
 #: tasks measured with the full cache at the shortest length only: neither model writes three values right
 #: (gpu_validate/tasks.py), so the longer lengths would spend an hour of full-cache runs on a dropped cell
 SHORT_ONLY = {"tasks": "multivalue", "lengths": "1024"}
+#: BumbleBee against H2O and SnapKV at 5-30 % of the context (its paper's range), the single needle at one length per
+#: model: 4 k on Gemma-3 (three global layers: ~1.6 min of BumbleBee selections per prompt here), 1 k on SmolLM2 (its
+#: 30 layers x 3 KV heads at 4 k cost ~40 min per prompt)
+BUMBLEBEE = {"policies": "bumblebee;h2o;snapkv", "fractions": (0.05, 0.1, 0.2, 0.3), "tasks": "single",
+             "lengths": {"gemma3-270m": 4096, "smollm2-135m": 1024}}
 TRAIN_SEEDS = [1]
 #: (task, length) cells where the full cache retrieves less are dropped (the issue's bar); inside the others the
 #: policies are judged on the prompts the full cache retrieves (--solved-only)
@@ -74,6 +83,31 @@ def run_model(model: str, extra: list[str]) -> int:
         report["dropped_cells"] = sorted({*report["dropped_cells"], *(c for c, a in
                                           report["full_accuracy_by_cell"].items() if a < MIN_FULL)})
         write_result(f"ruler_{model}", {**report, "wall_seconds_this_run": round(wall, 1)})
+    return rc
+
+
+def run_bumblebee(model: str, extra: list[str]) -> int:
+    """The `BUMBLEBEE` grid: kvsim needle into the model's store, its own JSON (no prediction)."""
+    from sim.cli import main as kvsim
+
+    g, L = GRIDS[model], BUMBLEBEE["lengths"][model]
+    budgets = ",".join(str(int(round(f * L))) for f in BUMBLEBEE["fractions"])
+    t0 = time.perf_counter()
+    rc = kvsim(["needle", "--model", model, "--text", "default+idle", "--repeats", str(g["repeats"]), "--depths",
+                g["depths"], "--seeds", g["seeds"], "--tasks", BUMBLEBEE["tasks"], "--lengths", str(L), "--budgets",
+                budgets, "--policies", BUMBLEBEE["policies"], "--prompt-chunk", "0", "--min-full-accuracy",
+                str(MIN_FULL), "--solved-only", "--store", f"results/ruler-{model}",
+                "--out", f"benchmarks/results/ruler_bumblebee_{model}.json", *extra])
+    wall = time.perf_counter() - t0
+    print(f"{model} BumbleBee grid: {wall:.0f} s wall", flush=True)
+    if rc == 0:
+        import json
+
+        from benchmarks._util import RESULTS, write_result
+
+        report = json.loads((RESULTS / f"ruler_bumblebee_{model}.json").read_text())
+        write_result(f"ruler_bumblebee_{model}", {**report, "budget_fractions": list(BUMBLEBEE["fractions"]),
+                                                   "wall_seconds_this_run": round(wall, 1)})
     return rc
 
 
@@ -143,11 +177,14 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(GRIDS))
     ap.add_argument("--transfer", action="store_true")
+    ap.add_argument("--bumblebee", action="store_true", help="the BumbleBee grid of --model (BUMBLEBEE)")
     args, extra = ap.parse_known_args(argv)
     if args.transfer:
         return transfer()
     if not args.model:
         ap.error("--model or --transfer")
+    if args.bumblebee:
+        return run_bumblebee(args.model, extra)
     return run_model(args.model, extra)
 
 
