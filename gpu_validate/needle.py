@@ -332,7 +332,7 @@ def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy,
     P, n_ans = len(prompt.ids), len(prompt.answer)
     with tempfile.TemporaryDirectory(prefix="kvsim-needle-") as tmp:
         record_trace(model, ids, Path(tmp) / "t", n_prompt=P, n_decode=n_ans, teacher_forced=True,
-                     single_pass=True, progress=False, model_id=model_id)
+                     single_pass=True, progress=False, model_id=model_id, prompt_scores=False)
         trace = load_trace(Path(tmp) / "t")
         inputs = load_layers(trace)
         key_pos = np.asarray(prompt.key_positions)

@@ -245,3 +245,20 @@ def test_chunked_prefill_records_what_one_forward_records(llama, ids, tmp_path, 
     np.testing.assert_allclose(one.tokens.nll.to_numpy(), chunked.tokens.nll.to_numpy(), rtol=1e-4, atol=1e-5)
     assert (one.tokens.top1_id == chunked.tokens.top1_id).all()
     assert chunked.tokens.nll.isna().sum() == 1                     # position 0 only
+
+
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_without_prompt_scores_only_decoded_positions_are_scored(llama, ids, tmp_path, single_pass):
+    """prompt_scores=False: the same arrays and decode NLL; the prompt positions' NLL and top-1 are left out."""
+    kw = dict(n_prompt=40, n_decode=24, teacher_forced=True, single_pass=single_pass, progress=False, chunk=7)
+    record_trace(llama, ids, tmp_path / "all", **kw)
+    record_trace(llama, ids, tmp_path / "dec", prompt_scores=False, **kw)
+    full, dec = load_trace(tmp_path / "all"), load_trace(tmp_path / "dec")
+    for i in range(full.n_layers):
+        for a, b in zip(full.layer(i), dec.layer(i)):
+            if a is not None:
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert dec.tokens.nll[:40].isna().all() and (dec.tokens.top1_id[:40] == -1).all()
+    np.testing.assert_allclose(dec.tokens.nll[40:], full.tokens.nll[40:], rtol=1e-5, atol=1e-6)
+    assert (dec.tokens.top1_id[40:] == full.tokens.top1_id[40:]).all()
+    assert dec.meta.source["mean_nll_decode"] == pytest.approx(full.meta.source["mean_nll_decode"], rel=1e-5)

@@ -59,7 +59,8 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
                  tokenizer: Any = None, layers: Sequence[int] | None = None, kv_heads: Sequence[int] | None = None,
                  dtype: str = "float32", teacher_forced: bool = False, model_id: str | None = None,
                  source: dict | None = None, progress: bool = True, overwrite: bool = False,
-                 tol: float | None = None, single_pass: bool = False, chunk: int | None = None) -> RecordResult:
+                 tol: float | None = None, single_pass: bool = False, chunk: int | None = None,
+                 prompt_scores: bool = True) -> RecordResult:
     """Run prefill + decode, capture q/k/v of the chosen layers and KV heads, check and write a trace.
 
     token_ids: the text; the first n_prompt are the prompt; with teacher_forced the next n_decode are fed
@@ -68,7 +69,9 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
     all tokens causally in chunks instead of the decoded ones token by token: the same attention, several times
     faster. The prompt always goes through in chunks of ``chunk`` tokens (``DEFAULT_CHUNK``) with the model's own
     cache, and every captured array lives in memory-mapped buffers until its layer is checked and written, so
-    memory stays bounded at any length the model supports.
+    memory stays bounded at any length the model supports. ``prompt_scores=False`` leaves the prompt positions'
+    next-token NLL and top-1 out of the tokens table (NaN and -1, as position 0's): the LM head then runs only on
+    the positions that predict decoded tokens (Gemma-3's 262 k-token head is most of its forward's FLOPs).
     """
     import torch
 
@@ -106,7 +109,7 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
             with torch.no_grad(), capturing(model, cap):
                 fed, nll, top1, used_chunk = _run_model(model, ids, n_prompt=n_prompt, total=total,
                                                         teacher_forced=teacher_forced, single_pass=single_pass,
-                                                        chunk=chunk, progress=progress)
+                                                        chunk=chunk, progress=progress, prompt_scores=prompt_scores)
             meta, tokens = _describe(model, cap, shape, layer_ids, kv, group, fed, nll, top1, n_prompt=n_prompt,
                                      dtype=dtype, model_id=model_id, source=source, teacher_forced=teacher_forced,
                                      single_pass=single_pass, chunk=used_chunk, tokenizer=tokenizer)
@@ -120,9 +123,11 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
 
 
 def _run_model(model, ids: list[int], *, n_prompt: int, total: int, teacher_forced: bool, single_pass: bool,
-               chunk: int | None, progress: bool) -> tuple[list[int], list[float], list[int], int]:
+               chunk: int | None, progress: bool, prompt_scores: bool = True
+               ) -> tuple[list[int], list[float], list[int], int]:
     """Feed the prompt (with ``single_pass`` the whole teacher-forced text) in chunks, then decode token by
-    token; returns the fed tokens, each position's NLL and top-1 (NaN / -1 at position 0) and the chunk used."""
+    token; returns the fed tokens, each position's NLL and top-1 (NaN / -1 at position 0, and at every prompt
+    position without ``prompt_scores``) and the chunk used."""
     from tqdm.auto import tqdm
 
     feeder = ChunkedFeeder(model, chunk)
@@ -132,7 +137,8 @@ def _run_model(model, ids: list[int], *, n_prompt: int, total: int, teacher_forc
         first = total if single_pass else n_prompt
         for c0 in range(0, first, feeder.chunk):
             c1 = min(first, c0 + feeder.chunk)
-            got_nll, got_top1 = feeder.feed(ids[c0:c1], ids[c0 + 1:min(c1 + 1, first)])
+            skip = 0 if prompt_scores else max(0, min(c1, n_prompt - 1) - c0)   # rows predicting prompt tokens
+            got_nll, got_top1 = feeder.feed(ids[c0:c1], ids[c0 + 1:min(c1 + 1, first)], skip=skip)
             fed.extend(ids[c0:c1])
             nll.extend(got_nll)
             top1.extend(got_top1)
@@ -180,7 +186,8 @@ def _describe(model, cap: Capture, shape, layer_ids: tuple[int, ...], kv: tuple[
         "model_n_kv_heads": shape.n_kv_heads,
         "device": str(next(model.parameters()).device),
         "model_dtype": str(next(model.parameters()).dtype),
-        "mean_nll_prompt": float(np.nanmean(nll[:n_prompt])) if n_prompt > 1 else math.nan,
+        "mean_nll_prompt": (float(np.nanmean(nll[:n_prompt])) if np.isfinite(nll[:n_prompt]).any()
+                            else math.nan),    # none: one prompt token, or prompt_scores off
         "mean_nll_decode": float(np.mean(decode_nll)) if decode_nll else math.nan,
     }
     src = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in src.items()}
@@ -242,19 +249,23 @@ class ChunkedFeeder:
         self.last: Any = None
         self._torch = torch
 
-    def feed(self, ids: Sequence[int], targets: Sequence[int]) -> tuple[list[float], list[int]]:
+    def feed(self, ids: Sequence[int], targets: Sequence[int], skip: int = 0) -> tuple[list[float], list[int]]:
         """Run ``ids`` (one chunk) through the model; for the first ``len(targets)`` of them return the NLL of
-        ``targets[i]`` (the token at the next position) and the argmax of their prediction."""
+        ``targets[i]`` (the token at the next position) and the argmax of their prediction. The first ``skip``
+        rows get none (NaN, -1); the LM head runs only on the rows read (and the last, for ``last``)."""
         torch = self._torch
         kw = {self.kw: self.past} if self.past is not None else {}
-        out = self.model(input_ids=torch.tensor([list(ids)], device=self.device), use_cache=True, **kw)
+        skip = min(max(0, int(skip)), len(targets))
+        first = skip if len(targets) > skip else len(ids) - 1     # the first row whose logits are read
+        out = self.model(input_ids=torch.tensor([list(ids)], device=self.device), use_cache=True,
+                         logits_to_keep=len(ids) - first, **kw)
         self.past = returned_cache(out)
-        logits = out.logits[0]
-        nll: list[float] = []
-        top1: list[int] = []
-        for r0 in range(0, len(targets), self.ROWS):
+        logits = out.logits[0]                                   # rows first .. len(ids) - 1
+        nll: list[float] = [math.nan] * skip
+        top1: list[int] = [-1] * skip
+        for r0 in range(skip, len(targets), self.ROWS):
             r1 = min(len(targets), r0 + self.ROWS)
-            lp = torch.log_softmax(logits[r0:r1].float(), dim=-1)
+            lp = torch.log_softmax(logits[r0 - first:r1 - first].float(), dim=-1)
             tgt = torch.tensor(list(targets[r0:r1]), device=lp.device)
             nll.extend((-lp.gather(1, tgt[:, None])[:, 0]).tolist())
             top1.extend(lp.argmax(-1).tolist())
