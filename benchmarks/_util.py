@@ -62,6 +62,33 @@ def add_real_trace_args(ap: Any, *, layers: str = "0,10,20,29") -> None:
                          "registry, 512 prompt + 512 teacher-forced tokens of the shipped held-out text)")
     ap.add_argument("--layers", default=layers,
                     help=f"comma-separated layers of the real trace to evaluate, or 'all' (default {layers})")
+    ap.add_argument("--real-only", action="store_true",
+                    help="evaluate the real trace alone (no synthetic traces) and name the result after it: "
+                         "<name>_<model>_<context>k.json (a long trace's run beside the default one)")
+
+
+def model_name(trace: Any) -> str:
+    """The registry name of a trace's model (``smollm2-135m``), else its recorded model id."""
+    from traces.models import MODELS
+
+    mid = trace.meta.model.model_id
+    return next((m.name for m in MODELS.values() if mid in (m.name, m.title)), mid)
+
+
+def trace_fields(trace: Any) -> dict[str, Any]:
+    """Top-level fields of a result measured on ``trace``: model, context tokens, its prompt/decode split and the
+    layers evaluated."""
+    meta = trace.meta
+    return {"model": model_name(trace), "context_tokens": int(meta.n_tokens), "n_prompt": int(meta.n_prompt),
+            "n_decode": int(meta.n_tokens - meta.n_prompt), "layers": [int(x) for x in meta.model.layer_ids]}
+
+
+def result_name(base: str, trace: Any, real_only: bool) -> str:
+    """``base``, or with ``--real-only`` ``base_<model>_<context>k`` (eval_d2o_smollm2-135m_8k), so a run on a long
+    trace never overwrites the default one."""
+    if not real_only:
+        return base
+    return f"{base}_{model_name(trace)}_{max(1, round(trace.meta.n_tokens / 1024))}k"
 
 
 def real_model_trace(args: Any, tmp: Path, *, n_prompt: int = 512, n_decode: int = 512):
@@ -85,7 +112,9 @@ def real_model_trace(args: Any, tmp: Path, *, n_prompt: int = 512, n_decode: int
         raise ValueError(f"--layers {missing} not in the trace {args.trace} (it has layers {ids})")
     import dataclasses
 
-    model = dataclasses.replace(trace.meta.model, layer_ids=tuple(wanted))
+    attn = trace.meta.model.attention
+    model = dataclasses.replace(trace.meta.model, layer_ids=tuple(wanted),
+                                attention=tuple(attn[ids.index(w)] for w in wanted))
     meta = dataclasses.replace(trace.meta, model=model, source={**trace.meta.source, "layers_evaluated": wanted})
     return InMemoryTrace(meta, [trace.layer(ids.index(w)) for w in wanted], trace.tokens)
 

@@ -6,7 +6,9 @@ Each (trace, policy, budget) is replayed over the decode steps after the prompt;
 the retained attention mass, plus the layer-scope oracle at the same memory. Writes
 benchmarks/results/eval_adakv.json and .png.
 
-    PYTHONPATH=. python benchmarks/eval_adakv.py [--trace DIR] [--quick]
+    PYTHONPATH=. python benchmarks/eval_adakv.py [--trace DIR] [--quick] [--real-only]
+
+(--real-only: the real trace alone, written to eval_adakv_<model>_<context>k.json.)
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._util import add_real_trace_args, real_model_trace
+from benchmarks._util import add_real_trace_args, machine, real_model_trace, result_name, trace_fields
 from policies import get_policy
 from sim.replay import load_layers, replay, replay_oracle
 from sim.threads import limit_threads
@@ -153,9 +155,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small traces, for a smoke run")
     args = ap.parse_args()
     limit_threads(1)   # one thread, through the API sweep workers use (torch too, if a replay loads it)
+    t_start = time.perf_counter()
     budgets = [128, 256, 512, 1024, 2048]
     T, P = (640, 512) if args.quick else (2432, 2176)
-    traces: dict[str, Trace] = {
+    traces: dict[str, Trace] = {} if args.real_only else {
         "synthetic-hetero": hetero_trace(3, 4, 2, 32, T, P, seed=0),
         "synthetic-mixed": make_synthetic_trace("mixed", n_layers=3, n_q_heads=8, n_kv_heads=4, head_dim=32,
                                                 n_tokens=T, n_prompt=P, seed=0),
@@ -174,8 +177,10 @@ def main() -> None:
               f"bound {100 * r['bound_change']:+6.1f}%  err {100 * r['err_change']:+6.1f}%  "
               f"mass {r['mass_uniform']:.3f} -> {r['mass_ada']:.3f} (oracle {r['mass_oracle']:.3f})")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "eval_adakv.json"
-    payload = dict(budgets=budgets, traces={k: dict(n_tokens=v.meta.n_tokens, n_prompt=v.meta.n_prompt,
+    name = result_name("eval_adakv", real, args.real_only)
+    out = RESULTS / f"{name}.json"
+    payload = dict(**trace_fields(real), machine=machine(), seconds=round(time.perf_counter() - t_start, 1),
+                   budgets=budgets, traces={k: dict(n_tokens=v.meta.n_tokens, n_prompt=v.meta.n_prompt,
                                                     model=v.meta.model.model_id, n_layers=v.n_layers,
                                                     layers=list(v.meta.model.layer_ids),
                                                     n_kv_heads=v.meta.model.n_kv_heads) for k, v in traces.items()},
@@ -183,7 +188,7 @@ def main() -> None:
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=1))
     os.replace(tmp, out)
-    plot(rows, table, RESULTS / "eval_adakv.png")
+    plot(rows, table, RESULTS / f"{name}.png")
     print(f"wrote {out}")
 
 

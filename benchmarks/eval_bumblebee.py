@@ -3,6 +3,8 @@ model registry, or --trace DIR, on a subset of layers: --layers) and on syntheti
 in a variant with near-duplicate keys (runs of jittered copies of one token's key and value).
 
 Run: PYTHONPATH=. python benchmarks/eval_bumblebee.py -> benchmarks/results/eval_bumblebee.{json,png}
+(--trace DIR --real-only: the real trace alone, to eval_bumblebee_<model>_<context>k.{json,png}. The prompt's
+exact greedy holds a P x P similarity per layer being replayed: 12 B x P^2, 1.9 GB at P = 8 k, 12.7 GB at 32 k.)
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._util import RESULTS, add_real_trace_args, machine, real_model_trace, write_result
+from benchmarks._util import (RESULTS, add_real_trace_args, machine, real_model_trace, result_name, trace_fields,
+                              write_result)
 from policies import get_policy, list_policies
 from sim.replay import load_layers, replay, replay_oracle
 from traces.format import InMemoryTrace, LayerArrays, Trace
@@ -102,17 +105,20 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     add_real_trace_args(ap)
     a = ap.parse_args()
+    t0 = time.perf_counter()
     tmp = tempfile.TemporaryDirectory(prefix="eval_bumblebee_")
     real = real_model_trace(a, Path(tmp.name), n_prompt=a.prompt, n_decode=a.tokens - a.prompt)
     traces: dict[str, Trace] = {f"real:{real.meta.model.model_id}": real}
-    for kind in ("mixed", "recall"):
+    for kind in () if a.real_only else ("mixed", "recall"):
         base = make_synthetic_trace(kind, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=32, n_tokens=a.tokens,
                                     n_prompt=a.prompt, seed=0)
         traces[kind] = base
         traces[f"{kind}+near-dup"] = with_near_duplicates(base)
     rows = evaluate(traces)
-    plot(rows, RESULTS / "eval_bumblebee.png")
-    write_result("eval_bumblebee", {"machine": machine(), "tokens": a.tokens, "prompt": a.prompt,
+    name = result_name("eval_bumblebee", real, a.real_only)
+    plot(rows, RESULTS / f"{name}.png")
+    write_result(name, {**trace_fields(real), "machine": machine(), "seconds": round(time.perf_counter() - t0, 1),
+                                    "tokens": a.tokens, "prompt": a.prompt,
                                     "real_trace": {"T": real.meta.n_tokens, "P": real.meta.n_prompt,
                                                    "layers": list(real.meta.model.layer_ids)},
                                     "rows": rows})

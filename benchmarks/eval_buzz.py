@@ -3,6 +3,8 @@
 
 Writes benchmarks/results/eval_buzz.json and eval_buzz.png. Run: PYTHONPATH=. python benchmarks/eval_buzz.py
 (--quick for a smoke run). Real-model part: SmolLM2-135M through the model registry (or --trace DIR), on the layers given by --layers.
+At length: --trace DIR --real-only --fractions 0.1,0.2,0.4 (budgets as the paper's "cache budget": fractions of the
+full cache's mean size over the decode steps) writes eval_buzz_<model>_<context>k.json, the real trace alone.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._util import add_real_trace_args, real_model_trace
+from benchmarks._util import add_real_trace_args, machine, real_model_trace, result_name, trace_fields
 from policies._buzz_model import held_trajectory, old_sequence, predicted_ratio
 from policies.registry import get_policy
 from sim.replay import load_layers, replay, replay_oracle
@@ -176,6 +178,9 @@ def plot(cmp_rows: list[dict], sweep: list[dict], fp: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small traces and one budget (smoke run)")
+    ap.add_argument("--fractions", default=None,
+                    help="comparison budgets as fractions of the full cache's mean size over the real trace's decode "
+                         "steps (the paper's 'cache budget'), e.g. 0.1,0.2,0.4 (default: 32,64,128,256 slots)")
     add_real_trace_args(ap)
     args = ap.parse_args()
     limit_threads(1)   # one thread per replay, through the API sweep workers use
@@ -185,8 +190,13 @@ def main() -> None:
     sweep_budget = 200
     with tempfile.TemporaryDirectory() as tmp:
         real = real_model_trace(args, Path(tmp)) if not args.quick else None
-        cmp_traces = {k: synthetic(k, n_cmp, p) for k in KINDS}
-        sweep_traces = {f"{k}/seed{sd}": synthetic(k, n_sweep, p, seed=sd) for k in KINDS for sd in SWEEP_SEEDS}
+        if args.fractions and real is not None:
+            mean_full = real.meta.n_prompt + (real.meta.n_tokens - real.meta.n_prompt + 1) / 2
+            budgets = [int(round(float(f) * mean_full)) for f in args.fractions.split(",")]
+        synth = not (args.real_only and real is not None)
+        cmp_traces = {k: synthetic(k, n_cmp, p) for k in KINDS} if synth else {}
+        sweep_traces = ({f"{k}/seed{sd}": synthetic(k, n_sweep, p, seed=sd) for k in KINDS for sd in SWEEP_SEEDS}
+                        if synth else {})
         if real is not None:
             cmp_traces["real"] = real
             sweep_traces["real"] = real
@@ -201,9 +211,11 @@ def main() -> None:
           "h2o / streaming_llm": [min(t + 1, fp_budget) if t >= p else min(p, fp_budget) for t in range(n_cmp)],
           "budget_line": [fp_budget] * n_cmp}
     result = {
+        **(trace_fields(real) if real is not None else {}),
+        "machine": machine(),
         "setup": {"compare_traces": {n: [tr.meta.n_tokens, tr.meta.n_prompt] for n, tr in cmp_traces.items()},
                   "sweep_traces": {n: [tr.meta.n_tokens, tr.meta.n_prompt] for n, tr in sweep_traces.items()},
-                  "budgets": budgets, "sweep_budget": sweep_budget, "stride": 5, "real_model_trace": None if real is None else {
+                  "budgets": budgets, "fractions": args.fractions, "sweep_budget": sweep_budget, "stride": 5, "real_model_trace": None if real is None else {
                       "model": real.meta.model.model_id, "T": real.meta.n_tokens, "P": real.meta.n_prompt,
                       "layers": list(real.meta.model.layer_ids)},
                   "buzz_window_threshold": {b: get_policy("buzz").window_threshold(b) for b in budgets}},
@@ -215,7 +227,7 @@ def main() -> None:
         "seconds": round(time.time() - t0, 1),
     }
     OUT.mkdir(parents=True, exist_ok=True)
-    name = "eval_buzz_quick" if args.quick else "eval_buzz"
+    name = "eval_buzz_quick" if args.quick else result_name("eval_buzz", real, args.real_only)
     tmp_json = OUT / f"{name}.json.tmp"
     tmp_json.write_text(json.dumps(result, indent=1))
     os.replace(tmp_json, OUT / f"{name}.json")

@@ -8,7 +8,10 @@ merging reduce the attention-output error ||o_full - o_cache|| / ||o_full|| comp
 tokens, and does the layer allocation help? Writes benchmarks/results/eval_d2o.json and .png, and the per-layer
 budgets of each allocation reading to d2o_layer_budgets.png.
 
-    PYTHONPATH=. python benchmarks/eval_d2o.py [--trace DIR] [--budgets 64,128,256] [--quick]
+    PYTHONPATH=. python benchmarks/eval_d2o.py [--trace DIR] [--layers all] [--budgets 64,128,256 | --rhos 0.2,0.4,0.8]
+        [--betas 0.5,0.6,0.7,0.8,0.9 | --betas ''] [--real-only] [--quick]
+
+(--real-only: the real trace alone, written to eval_d2o_<model>_<context>k.json.)
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks._util import add_real_trace_args, machine, real_model_trace, result_name, trace_fields
 from policies import get_policy
 from policies.d2o import UNCOMPRESSED
 from sim.replay import load_layers, replay
@@ -46,11 +50,13 @@ BETAS = (0.5, 0.6, 0.7, 0.8, 0.9)
 RHOS = (0.05, 0.2, 0.4, 0.8)
 
 
-def evaluate(name: str, trace: Trace, budgets: list[int] | None = None) -> tuple[list[dict], list[dict]]:
-    """Rows for every variant and budget, and the beta grid per budget (merging on, paper defaults otherwise)."""
+def evaluate(name: str, trace: Trace, budgets: list[int] | None = None, rhos=RHOS,
+             betas=BETAS) -> tuple[list[dict], list[dict]]:
+    """Rows for every variant and budget (default: the ratios ``rhos`` of the prompt), and the beta grid per budget
+    (merging on, paper defaults otherwise)."""
     inputs = load_layers(trace)
     P = trace.meta.n_prompt
-    budgets = budgets or sorted({max(8, int(round(r * P))) for r in RHOS})
+    budgets = budgets or sorted({max(8, int(round(r * P))) for r in rhos})
     rows, grid = [], []
     for b in budgets:
         for var, (pname, params) in VARIANTS.items():
@@ -64,7 +70,7 @@ def evaluate(name: str, trace: Trace, budgets: list[int] | None = None) -> tuple
             print(f"{name:>22} B={b:>4} {var:>22} err {s['err_mean']:.4f} mass {s['mass_mean']:.4f} "
                   f"kl {s['kl_mean']:.4f}", flush=True)
         for layer_alloc in (True, False):
-            for beta in BETAS:
+            for beta in betas:
                 res = replay(trace, get_policy("d2o", beta=beta, layer_alloc=layer_alloc), b, inputs=inputs)
                 s = res.summary()
                 grid.append(dict(trace=name, budget=b, layer_alloc=layer_alloc, beta=beta, err=s["err_mean"],
@@ -147,32 +153,39 @@ def plot_layer_budgets(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", help="a recorded real-model trace directory (default: the shipped model's, if any)")
+    add_real_trace_args(ap, layers="all")
     ap.add_argument("--budgets", help="comma-separated budgets for the real trace (default: the rho grid)")
+    ap.add_argument("--rhos", default=",".join(map(str, RHOS)),
+                    help="the real trace's budgets as the paper's ratios rho = budget / prompt length (default %(default)s)")
+    ap.add_argument("--betas", default=",".join(map(str, BETAS)),
+                    help="EMA betas of the grid, comma-separated ('' skips the grid; default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="shorter synthetic trace")
     args = ap.parse_args()
     t0 = time.time()
     T, P = (768, 512) if args.quick else (1536, 1024)
-    traces: dict[str, Trace] = {
+    traces: dict[str, Trace] = {} if args.real_only else {
         "synthetic-mixed": make_synthetic_trace("mixed", n_layers=4, n_q_heads=8, n_kv_heads=2, head_dim=32,
                                                 n_tokens=T, n_prompt=P, seed=0),
     }
-    real = args.trace
-    tmpdir = None
-    if real is None:
+    tmpdir = tempfile.TemporaryDirectory()
+    tr = None
+    if args.trace is not None:
+        tr = real_model_trace(args, Path(tmpdir.name))
+    else:
         try:
             from traces.model import record_default_trace  # type: ignore[import-not-found]
-            tmpdir = tempfile.TemporaryDirectory()
-            real = str(record_default_trace(Path(tmpdir.name) / "trace", n_prompt=P, n_decode=T - P))
+            tr = load_trace(record_default_trace(Path(tmpdir.name) / "trace", n_prompt=P, n_decode=T - P))
         except ImportError as e:
             print(f"no real-model trace ({e}); synthetic traces only")
-    if real:
-        tr = load_trace(real)
+    if tr is not None:
         traces["real:" + tr.meta.model.model_id] = tr
     rows, grid = [], []
     real_budgets = [int(x) for x in args.budgets.split(",")] if args.budgets else None
-    for name, tr in traces.items():
-        r, g = evaluate(name, tr, real_budgets if name.startswith("real:") else None)
+    rhos = tuple(float(x) for x in args.rhos.split(","))
+    betas = tuple(float(x) for x in args.betas.split(",") if x.strip())
+    for name, trace in traces.items():
+        real = name.startswith("real:")
+        r, g = evaluate(name, trace, real_budgets if real else None, rhos if real else RHOS, betas)
         rows += r
         grid += g
     best = best_betas(grid)
@@ -180,19 +193,20 @@ def main() -> None:
         print(f"{b['trace']:>22} B={b['budget']:>4} layer_alloc={b['layer_alloc']!s:>5} best beta {b['best_beta']} "
               f"err {b['best_err']:.4f} (spread over grid {b['spread']:.2e})")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = dict(traces={n: dict(n_tokens=t.meta.n_tokens, n_prompt=t.meta.n_prompt, model=t.meta.model.model_id,
+    name = result_name("eval_d2o", tr, args.real_only) if tr is not None else "eval_d2o"
+    payload = dict(**(trace_fields(tr) if tr is not None else {}), machine=machine(),
+                   traces={n: dict(n_tokens=t.meta.n_tokens, n_prompt=t.meta.n_prompt, model=t.meta.model.model_id,
                                    n_layers=t.n_layers, n_kv_heads=t.meta.model.n_kv_heads) for n, t in traces.items()},
-                   variants={k: dict(policy=p, params=q) for k, (p, q) in VARIANTS.items()}, betas=BETAS, rows=rows,
+                   variants={k: dict(policy=p, params=q) for k, (p, q) in VARIANTS.items()}, betas=betas, rows=rows,
                    beta_grid=grid, best_beta=best, seconds=time.time() - t0)
-    out = RESULTS / "eval_d2o.json"
+    out = RESULTS / f"{name}.json"
     with tempfile.NamedTemporaryFile("w", dir=RESULTS, delete=False, suffix=".tmp") as f:
         json.dump(payload, f, indent=1)
     os.replace(f.name, out)
-    plot(rows, grid, RESULTS / "eval_d2o.png")
-    plot_layer_budgets(rows, RESULTS / "d2o_layer_budgets.png")
+    plot(rows, grid, RESULTS / f"{name}.png")
+    plot_layer_budgets(rows, RESULTS / ("d2o_layer_budgets.png" if name == "eval_d2o" else f"{name}_layer_budgets.png"))
     print(f"wrote {out} in {time.time() - t0:.0f} s")
-    if tmpdir is not None:
-        tmpdir.cleanup()
+    tmpdir.cleanup()
 
 
 if __name__ == "__main__":
