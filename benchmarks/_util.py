@@ -83,12 +83,15 @@ def trace_fields(trace: Any) -> dict[str, Any]:
             "n_decode": int(meta.n_tokens - meta.n_prompt), "layers": [int(x) for x in meta.model.layer_ids]}
 
 
+def length_result_name(base: str, model: str, n_tokens: int) -> str:
+    """``base_<model>_<context>k`` (eval_d2o_smollm2-135m_8k): the name of a result measured at one context length."""
+    return f"{base}_{model}_{max(1, round(n_tokens / 1024))}k"
+
+
 def result_name(base: str, trace: Any, real_only: bool) -> str:
-    """``base``, or with ``--real-only`` ``base_<model>_<context>k`` (eval_d2o_smollm2-135m_8k), so a run on a long
-    trace never overwrites the default one."""
-    if not real_only:
-        return base
-    return f"{base}_{model_name(trace)}_{max(1, round(trace.meta.n_tokens / 1024))}k"
+    """``base``, or with ``--real-only`` `length_result_name` of the trace, so a run on a long trace never overwrites
+    the default one."""
+    return length_result_name(base, model_name(trace), trace.meta.n_tokens) if real_only else base
 
 
 def real_model_trace(args: Any, tmp: Path, *, n_prompt: int = 512, n_decode: int = 512):

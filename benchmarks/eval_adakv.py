@@ -13,7 +13,6 @@ benchmarks/results/eval_adakv.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._util import add_real_trace_args, machine, real_model_trace, result_name, trace_fields
+from benchmarks._util import add_real_trace_args, machine, real_model_trace, result_name, trace_fields, write_result
 from policies import get_policy
 from sim.replay import load_layers, replay, replay_oracle
 from sim.threads import limit_threads
@@ -176,18 +175,14 @@ def main() -> None:
         print(f"{r['trace']:>24} {r['family']:>10} B={r['budget']:>5}  loss {100 * r['l1_change']:+6.1f}%  "
               f"bound {100 * r['bound_change']:+6.1f}%  err {100 * r['err_change']:+6.1f}%  "
               f"mass {r['mass_uniform']:.3f} -> {r['mass_ada']:.3f} (oracle {r['mass_oracle']:.3f})")
-    RESULTS.mkdir(parents=True, exist_ok=True)
     name = result_name("eval_adakv", real, args.real_only)
-    out = RESULTS / f"{name}.json"
     payload = dict(**trace_fields(real), machine=machine(), seconds=round(time.perf_counter() - t_start, 1),
                    budgets=budgets, traces={k: dict(n_tokens=v.meta.n_tokens, n_prompt=v.meta.n_prompt,
                                                     model=v.meta.model.model_id, n_layers=v.n_layers,
                                                     layers=list(v.meta.model.layer_ids),
                                                     n_kv_heads=v.meta.model.n_kv_heads) for k, v in traces.items()},
                    rows=rows, improvement=table)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, out)
+    out = write_result(name, payload)
     plot(rows, table, RESULTS / f"{name}.png")
     print(f"wrote {out}")
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._util import add_real_trace_args, machine, real_model_trace, result_name, trace_fields
+from benchmarks._util import (RESULTS, add_real_trace_args, machine, real_model_trace, result_name, trace_fields,
+                              write_result)
 from policies._buzz_model import held_trajectory, old_sequence, predicted_ratio
 from policies.registry import get_policy
 from sim.replay import load_layers, replay, replay_oracle
@@ -25,7 +26,6 @@ from sim.threads import limit_threads
 from traces.format import Trace
 from traces.synthetic import make_synthetic_trace
 
-OUT = Path(__file__).resolve().parent / "results"
 KINDS = ("mixed", "recall", "topic_shift", "zipf")
 BASELINES = ("h2o", "streaming_llm")
 RATIOS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 10 / 3, 3.5, 4.0, 13 / 3, 4.5, 5.0, 5.5, 6.5, 8.0)
@@ -226,12 +226,9 @@ def main() -> None:
         "best_ratio_kl": best_ratios(sweep, "kl"),
         "seconds": round(time.time() - t0, 1),
     }
-    OUT.mkdir(parents=True, exist_ok=True)
     name = "eval_buzz_quick" if args.quick else result_name("eval_buzz", real, args.real_only)
-    tmp_json = OUT / f"{name}.json.tmp"
-    tmp_json.write_text(json.dumps(result, indent=1))
-    os.replace(tmp_json, OUT / f"{name}.json")
-    plot(cmp_rows, sweep, fp, OUT / f"{name}.png")
+    write_result(name, result)
+    plot(cmp_rows, sweep, fp, RESULTS / f"{name}.png")
     print(json.dumps({k: result[k] for k in ("best_ratio_err", "seconds")}, indent=1))
 
 

@@ -16,7 +16,6 @@ budgets of each allocation reading to d2o_layer_budgets.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._util import add_real_trace_args, machine, real_model_trace, result_name, trace_fields
+from benchmarks._util import add_real_trace_args, machine, real_model_trace, result_name, trace_fields, write_result
 from policies import get_policy
 from policies.d2o import UNCOMPRESSED
 from sim.replay import load_layers, replay
@@ -156,7 +155,8 @@ def main() -> None:
     add_real_trace_args(ap, layers="all")
     ap.add_argument("--budgets", help="comma-separated budgets for the real trace (default: the rho grid)")
     ap.add_argument("--rhos", default=",".join(map(str, RHOS)),
-                    help="the real trace's budgets as the paper's ratios rho = budget / prompt length (default %(default)s)")
+                    help="the real trace's budgets as the paper's ratios rho = budget / prompt length "
+                         "(default %(default)s)")
     ap.add_argument("--betas", default=",".join(map(str, BETAS)),
                     help="EMA betas of the grid, comma-separated ('' skips the grid; default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="shorter synthetic trace")
@@ -192,17 +192,13 @@ def main() -> None:
     for b in best:
         print(f"{b['trace']:>22} B={b['budget']:>4} layer_alloc={b['layer_alloc']!s:>5} best beta {b['best_beta']} "
               f"err {b['best_err']:.4f} (spread over grid {b['spread']:.2e})")
-    RESULTS.mkdir(parents=True, exist_ok=True)
     name = result_name("eval_d2o", tr, args.real_only) if tr is not None else "eval_d2o"
     payload = dict(**(trace_fields(tr) if tr is not None else {}), machine=machine(),
                    traces={n: dict(n_tokens=t.meta.n_tokens, n_prompt=t.meta.n_prompt, model=t.meta.model.model_id,
                                    n_layers=t.n_layers, n_kv_heads=t.meta.model.n_kv_heads) for n, t in traces.items()},
                    variants={k: dict(policy=p, params=q) for k, (p, q) in VARIANTS.items()}, betas=betas, rows=rows,
                    beta_grid=grid, best_beta=best, seconds=time.time() - t0)
-    out = RESULTS / f"{name}.json"
-    with tempfile.NamedTemporaryFile("w", dir=RESULTS, delete=False, suffix=".tmp") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(f.name, out)
+    out = write_result(name, payload)
     plot(rows, grid, RESULTS / f"{name}.png")
     plot_layer_budgets(rows, RESULTS / ("d2o_layer_budgets.png" if name == "eval_d2o" else f"{name}_layer_budgets.png"))
     print(f"wrote {out} in {time.time() - t0:.0f} s")

@@ -31,7 +31,7 @@ POLICIES = ("cascading", "streaming_llm", "h2o", "buzz")
 def main(argv: list[str]) -> int:
     import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
 
-    from benchmarks._util import machine, write_result
+    from benchmarks._util import length_result_name, machine, write_result
     from gpu_validate.evaluate import metrics_of_run
     from gpu_validate.runner import BatchJob, full_model_logits, run_batch
     from sim.specs import parse_policy
@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
 
     run_batch(model, jobs, max_rows=len(jobs), on_result=done)
     model_id = args.model.rstrip("/").split("/")[-1]
-    name = args.out or f"eval_long_ppl_{model_id}_{max(1, round(n / 1024))}k"
+    name = args.out or length_result_name("eval_long_ppl", model_id, n)
     path = write_result(name, {
         "model": model_id, "context_tokens": n, "n_prompt": args.prompt, "n_decode": args.decode,
         "text": args.text, "layers": "all", "policies": specs, "budgets": budgets, "threads": args.threads,

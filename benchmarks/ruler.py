@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python benchma
 #: for one layer of Gemma-3 at 8 k here, five minutes of every 8 k prompt), so it runs in its own, smaller grid
 #: (`BUMBLEBEE`)
 POLICIES = "streaming_llm;h2o;tova;snapkv;pyramidkv;ada_snapkv;buzz;d2o;expected_attention;knorm"
-#: per model: tasks (NAME:MAXLEN caps a task's lengths), needle repeats, lengths, depths, seeds (the first is the training seed), budgets; lengths up to
-#: the model's positions (SmolLM2: 8 192, less the answer) and to what this machine can run (Gemma-3: 16 k, see the
-#: README for the wall times)
+#: per model: tasks (NAME:MAXLEN caps a task's lengths), needle repeats, lengths, depths, seeds (the first is the
+#: training seed), budgets; lengths up to the model's positions (SmolLM2: 8 192, less the answer) and to what this
+#: machine can run (Gemma-3: 16 k, see the README for the wall times)
 GRIDS = {
     # variable tracking at 1 k only (the full cache scored 0.67 there) and multi-key to 4 k (0.93 / 0.87 at 1 k / 4 k);
     # the single needle at 8 000 scored 0.73, so its policies stop early (--solved-only with --min-full-accuracy)
@@ -57,6 +57,15 @@ TRAIN_SEEDS = [1]
 MIN_FULL = 0.9
 
 
+def needle_argv(model: str, budgets: str, policies: str, extra: list[str]) -> list[str]:
+    """The `kvsim needle` arguments every grid of ``model`` shares (its `GRIDS` prompts, one pass per prompt into
+    the model's store, cells below `MIN_FULL` dropped); tasks, lengths and output are the caller's."""
+    g = GRIDS[model]
+    return ["needle", "--model", model, "--text", "default+idle", "--repeats", str(g["repeats"]), "--depths",
+            g["depths"], "--seeds", g["seeds"], "--budgets", budgets, "--policies", policies, "--prompt-chunk", "0",
+            "--min-full-accuracy", str(MIN_FULL), "--solved-only", "--store", f"results/ruler-{model}", *extra]
+
+
 def run_model(model: str, extra: list[str]) -> int:
     import json
     import tempfile
@@ -66,9 +75,7 @@ def run_model(model: str, extra: list[str]) -> int:
 
     g = GRIDS[model]
     store = f"results/ruler-{model}"
-    common = ["needle", "--model", model, "--text", "default+idle", "--repeats", str(g["repeats"]), "--depths",
-              g["depths"], "--seeds", g["seeds"], "--budgets", g["budgets"], "--policies", g.get("policies", POLICIES),
-              "--prompt-chunk", "0", "--min-full-accuracy", str(MIN_FULL), "--solved-only", "--store", store, *extra]
+    common = needle_argv(model, g["budgets"], POLICIES, extra)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:      # its cells join the main report below
         kvsim([*common, "--tasks", SHORT_ONLY["tasks"], "--lengths", SHORT_ONLY["lengths"],
@@ -90,14 +97,11 @@ def run_bumblebee(model: str, extra: list[str]) -> int:
     """The `BUMBLEBEE` grid: kvsim needle into the model's store, its own JSON (no prediction)."""
     from sim.cli import main as kvsim
 
-    g, L = GRIDS[model], BUMBLEBEE["lengths"][model]
+    L = BUMBLEBEE["lengths"][model]
     budgets = ",".join(str(int(round(f * L))) for f in BUMBLEBEE["fractions"])
     t0 = time.perf_counter()
-    rc = kvsim(["needle", "--model", model, "--text", "default+idle", "--repeats", str(g["repeats"]), "--depths",
-                g["depths"], "--seeds", g["seeds"], "--tasks", BUMBLEBEE["tasks"], "--lengths", str(L), "--budgets",
-                budgets, "--policies", BUMBLEBEE["policies"], "--prompt-chunk", "0", "--min-full-accuracy",
-                str(MIN_FULL), "--solved-only", "--store", f"results/ruler-{model}",
-                "--out", f"benchmarks/results/ruler_bumblebee_{model}.json", *extra])
+    rc = kvsim([*needle_argv(model, budgets, BUMBLEBEE["policies"], extra), "--tasks", BUMBLEBEE["tasks"],
+                "--lengths", str(L), "--out", f"benchmarks/results/ruler_bumblebee_{model}.json"])
     wall = time.perf_counter() - t0
     print(f"{model} BumbleBee grid: {wall:.0f} s wall", flush=True)
     if rc == 0:
