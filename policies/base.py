@@ -25,6 +25,8 @@ from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 import numpy as np
 from numba import njit, types
 
+from policies.errors import PolicyError
+
 _f8v = types.float64[::1]
 _i8v = types.int64[::1]
 _f8m = types.float64[:, ::1]
@@ -45,13 +47,69 @@ PREFILL_SIG = types.void(_f8v, types.int64, _i8v, _f4t, _f4t, _f4t, types.float6
 LOGIT_SCALE_SIG = types.float64(_f8v, types.int64)
 
 
-@njit(LOGIT_SCALE_SIG, cache=True)
+class Kernel:
+    """A policy kernel compiled for one fixed signature when it first runs, not when its module is imported.
+
+    Why: importing every policy used to compile (or load from numba's disk cache) every kernel of every policy,
+    which made ``kvsim policies`` and every command that lists policies wait for all of them, and a cold first run
+    compile kernels nothing would call. A ``Kernel`` is what ``@kernel(SIG)`` makes of a function (or what a
+    composed scorer makes of its generated source, ``build``): ``dispatcher`` compiles it with ``njit(SIG,
+    cache=True)`` the first time it is asked for, so numba types it as a first-class function of that signature
+    and the engine stays compiled once for all policies. Calling it runs the compiled kernel; ``py_func`` is the
+    Python source, as on a numba dispatcher.
+    """
+
+    __slots__ = ("signature", "py_func", "_build", "_dispatcher")
+
+    def __init__(self, signature: Any, py_func: Callable | None = None,
+                 build: Callable[[], Any] | None = None) -> None:
+        if (py_func is None) == (build is None):
+            raise TypeError("Kernel takes either py_func or build")
+        self.signature = signature
+        self.py_func = py_func
+        self._build = build
+        self._dispatcher = None
+
+    @property
+    def dispatcher(self) -> Any:
+        """The numba dispatcher compiled for ``signature`` (compiled or loaded from the disk cache on first use)."""
+        if self._dispatcher is None:
+            self._dispatcher = self._build() if self._build is not None else njit(self.signature, cache=True)(
+                self.py_func)
+        return self._dispatcher
+
+    def __call__(self, *args: Any) -> Any:
+        return self.dispatcher(*args)
+
+    def __repr__(self) -> str:
+        state = "compiled" if self._dispatcher is not None else "not compiled yet"
+        name = getattr(self.py_func, "__qualname__", "composed")
+        return f"<kernel {name} ({state})>"
+
+
+def kernel(signature: Any) -> Callable[[Callable], Kernel]:
+    """Decorator: ``@kernel(STEP_SIG)`` makes ``fn`` a ``Kernel`` compiled for ``signature`` on first use.
+
+    Equivalent to ``@njit(STEP_SIG, cache=True)`` in what runs; it only moves the compilation from import time
+    to the first replay that needs it. A plain ``@njit(SIG, cache=True)`` function is accepted wherever a kernel
+    is (plug-ins written that way keep working), it is just compiled at import."""
+    def wrap(fn: Callable) -> Kernel:
+        return Kernel(signature, py_func=fn)
+    return wrap
+
+
+def compiled(fn: Any) -> Any:
+    """The numba dispatcher behind ``fn``: a ``Kernel``'s (compiling it now), or ``fn`` itself (already jitted)."""
+    return fn.dispatcher if isinstance(fn, Kernel) else fn
+
+
+@kernel(LOGIT_SCALE_SIG)
 def unit_logit_scale(params, n):
     """Default attention-logit multiplier: attention is left unchanged."""
     return 1.0
 
 
-@njit(PREFILL_SIG, cache=True)
+@kernel(PREFILL_SIG)
 def stream_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
     """Placeholder prefill for streaming policies; the engine streams the prompt through ``step`` instead."""
     return
@@ -68,10 +126,6 @@ def prompt_memo(prompt_layers: Any, key: tuple, compute: Callable[[], Any]) -> A
     if key not in cache:
         cache[key] = compute()
     return cache[key]
-
-
-class PolicyError(ValueError):
-    """Unknown policy or parameter, a value out of range, or a broken policy contract."""
 
 
 #: the value of a ``from_layer`` parameter that means "the layer's own" (read from the trace or the model)
@@ -256,11 +310,13 @@ class Policy:
         return np.zeros((n_kv_heads, self.head_fields))
 
     def kernels(self) -> tuple[Callable, Callable, Callable]:
-        """The (step, prefill, logit_scale) kernels handed to the replay engine."""
+        """The (step, prefill, logit_scale) numba dispatchers handed to the replay engine, compiled (or loaded from
+        numba's disk cache) here, on first use, not when the policy's module was imported."""
         cls = type(self)   # via the class: a numba dispatcher read off an instance becomes a bound method
         if cls.step_fn is None:
             raise PolicyError(f"{self.name}: no step kernel")
-        return (cls.step_fn, cls.prefill_fn or stream_prefill, cls.logit_scale_fn or unit_logit_scale)
+        return (compiled(cls.step_fn), compiled(cls.prefill_fn or stream_prefill),
+                compiled(cls.logit_scale_fn or unit_logit_scale))
 
     @property
     def has_prefill(self) -> bool:

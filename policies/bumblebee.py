@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, param_indices
+from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, kernel, param_indices
 from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
 from policies.scorer import recent_slots
 from policies.registry import register
@@ -311,7 +311,7 @@ def prompt_importance(q, k, scale, h, mode):
     return acc
 
 
-@njit(PREFILL_SIG, cache=True)
+@kernel(PREFILL_SIG)
 def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
     lam = params[P.lam]
     kind = int(params[P.concave])
@@ -362,7 +362,7 @@ def _nearest(keys, slot_state, positions, keep, h, i, n, mode):
     return best, best_pos
 
 
-@njit(STEP_SIG, cache=True)
+@kernel(STEP_SIG)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
     lam = params[P.lam]

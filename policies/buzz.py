@@ -14,7 +14,7 @@ from numba import njit
 from policies._buzz_model import CountRule, held_after_prefill, held_trajectory
 from typing import Sequence
 
-from policies.base import (LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError,
+from policies.base import (LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError, kernel,
                            param_indices)
 from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
 from policies.registry import register
@@ -190,7 +190,7 @@ def _init_heads(params, budget, head_state):
             head_state[h, _HINIT] = 1.0
 
 
-@njit(STEP_SIG, cache=True)
+@kernel(STEP_SIG)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
     hkv = lengths.shape[0]
@@ -239,7 +239,7 @@ def _prompt_scores(q, k, scale, mode):
     return out
 
 
-@njit(PREFILL_SIG, cache=True)
+@kernel(PREFILL_SIG)
 def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
     """Remark 2: sample the prompt's middle until it fits in T (+ k + w): one local-max pass with stride s,
     then interval passes with s_hat over the survivors (they are old tokens by then). ``prefill=one_pass``
@@ -276,7 +276,7 @@ def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state
             slot_state[h, idx[j], _OLD] = 1.0
 
 
-@njit(LOGIT_SCALE_SIG, cache=True)
+@kernel(LOGIT_SCALE_SIG)
 def _logn_scale(params, n):
     # n = 1 attends a single token, where any positive multiplier is exact; log(1) = 0 would be rejected
     m = np.log(max(n, 2)) / np.log(params[PL.logn_base])

@@ -71,8 +71,8 @@ import math
 import numpy as np
 from numba import njit
 
-
-from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, param_indices, stream_prefill
+from policies.base import (PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, compiled, kernel, param_indices,
+                           stream_prefill)
 from policies.registry import register
 
 HEAD_REDUCE = ("mean", "max", "median")
@@ -206,7 +206,7 @@ def _assign_full(params, sizes, n, tags):
                 j -= 1
 
 
-@njit(PREFILL_SIG, cache=True)
+@kernel(PREFILL_SIG)
 def _window_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
     n_prompt = k.shape[0]
     n_sinks = int(params[P.n_sinks])
@@ -285,7 +285,7 @@ def _place(params, head_state, u, budget, t, tags, ema, n):
     return item
 
 
-@njit(STEP_SIG, cache=True)
+@kernel(STEP_SIG)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
     hkv = lengths.shape[0]
@@ -370,7 +370,7 @@ class Cascading(Policy):
 
     def kernels(self) -> tuple:
         step, _, scale = super().kernels()
-        return step, (_window_prefill if self.has_prefill else stream_prefill), scale
+        return step, compiled(_window_prefill if self.has_prefill else stream_prefill), scale
 
     def _p(self, name: str):
         return self.params[name]

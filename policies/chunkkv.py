@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit
 
 from policies.kernels import group_rows_scores
-from policies.base import Param, param_indices
+from policies.base import Param, kernel, param_indices
 from policies.kernels import group_score
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
@@ -42,7 +42,7 @@ def chunk_sums(base, positions, n, chunk, out):
         i0 = i1
 
 
-@njit(SCORE_PROMPT_SIG, cache=True)
+@kernel(SCORE_PROMPT_SIG)
 def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     n = k.shape[0]
     w = min(int(params[P.window_size]), n)
@@ -56,7 +56,7 @@ def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_sta
         chunk_sums(raw, pos, n, int(params[P.chunk_length]), scores[h])
 
 
-@njit(SCORE_STEP_SIG, cache=True)
+@kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     for h in range(lengths.shape[0]):
         n = lengths[h]

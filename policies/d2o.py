@@ -67,10 +67,9 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from policies.kernels import group_rows_scores
-from policies.base import (PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, param_indices, prompt_memo,
-                           stream_prefill)
-from policies.kernels import GROUP_REDUCE, evict_lowest, evict_lowest_sorted, group_score
+from policies.base import (PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, compiled, kernel, param_indices,
+                           prompt_memo, stream_prefill)
+from policies.kernels import GROUP_REDUCE, evict_lowest, evict_lowest_sorted, group_rows_scores, group_score
 from policies.registry import register
 
 MERGE_WEIGHTS = ("weighted", "average", "released")
@@ -375,7 +374,7 @@ def _merge_layer(params, lengths, keys, slot_state, head_state, keep, merge_to, 
         _assign_merges(params, h, ne[h], evicted, near, sim, merge_to, merge_w, slot_state)
 
 
-@njit(STEP_SIG, cache=True)
+@kernel(STEP_SIG)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
     n_sinks = int(params[P.n_sinks])
@@ -397,7 +396,7 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
         _merge_layer(params, lengths, keys, slot_state, head_state, keep, merge_to, merge_w)
 
 
-@njit(PREFILL_SIG, cache=True)
+@kernel(PREFILL_SIG)
 def _prefill_once(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
     """``prompt="once"``: score every prompt token by its full column sum (group-reduced) and keep sinks, the
     heaviest hitters and the recent window of each head in one selection."""
@@ -440,7 +439,7 @@ class D2O(Policy):
 
     def kernels(self) -> tuple:
         step, prefill, scale = super().kernels()
-        return step, (prefill if self.has_prefill else stream_prefill), scale
+        return step, (prefill if self.has_prefill else compiled(stream_prefill)), scale
 
     def min_budget(self) -> int:
         return self.params["n_sinks"] + 1

@@ -27,7 +27,7 @@ zero-initialised block is never touched), per slot a "logits set" flag and its G
 import numpy as np
 from numba import njit
 
-from policies.base import FROM_MODEL, Param, PolicyError, param_indices
+from policies.base import FROM_MODEL, Param, PolicyError, kernel, param_indices
 from policies.kernels import l2_norm
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
@@ -176,7 +176,7 @@ def _stats_at(head_state, h, g, d):
     return mu, cov
 
 
-@njit(SCORE_PROMPT_SIG, cache=True)
+@kernel(SCORE_PROMPT_SIG)
 def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     n, hkv, d = k.shape
     g_n = q.shape[1] // hkv
@@ -203,7 +203,7 @@ def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_sta
         combine(params, logits, v[:, h, :], pos, n, g_n, scores[h])
 
 
-@njit(SCORE_STEP_SIG, cache=True)
+@kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     d = keys.shape[2]
     g_n = probs.shape[1]

@@ -1,11 +1,10 @@
 """Full cache: never evicts. The reference every other policy is measured against."""
-from numba import njit
 
-from policies.base import STEP_SIG, Policy
+from policies.base import STEP_SIG, Policy, kernel
 from policies.registry import register
 
 
-@njit(STEP_SIG, cache=True)
+@kernel(STEP_SIG)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
     """Keep every slot (the engine sizes the buffer for the whole trace).

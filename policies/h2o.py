@@ -6,9 +6,8 @@ through the step, so the prompt's scores accumulate over the cached tokens only;
 sums of the whole prompt's attention) is what ``ada(h2o)`` (``ada_h2o``) allocates with at prefill.
 """
 import numpy as np
-from numba import njit
 
-from policies.base import Param, param_indices
+from policies.base import Param, kernel, param_indices
 from policies.kernels import GROUP_REDUCE, group_rows_scores, group_score
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
@@ -20,7 +19,7 @@ SCHEMA = (
 P = param_indices(SCHEMA)
 
 
-@njit(SCORE_PROMPT_SIG, cache=True)
+@kernel(SCORE_PROMPT_SIG)
 def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     """Each prompt token's attention accumulated over all prompt queries (GQA-reduced per query); it stays the
     slot's accumulated score for decode."""
@@ -32,7 +31,7 @@ def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_sta
             slot_state[h, i, 0] = scores[h, i]
 
 
-@njit(SCORE_STEP_SIG, cache=True)
+@kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     """Add each slot's attention to its accumulated score (slot_state[..., 0]); that is its score."""
     mode = int(params[P.group_reduce])

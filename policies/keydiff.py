@@ -8,7 +8,7 @@ block-wise streaming uses the keys of the cache plus the incoming block; evicted
 import numpy as np
 from numba import njit
 
-from policies.base import param_indices
+from policies.base import kernel, param_indices
 from policies.kernels import l2_norm
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
@@ -38,13 +38,13 @@ def anti_cosine(keys, n, out):
         out[i] = -(dot / denom) if denom > 0.0 else 0.0
 
 
-@njit(SCORE_PROMPT_SIG, cache=True)
+@kernel(SCORE_PROMPT_SIG)
 def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     for h in range(k.shape[1]):
         anti_cosine(k[:, h, :], k.shape[0], scores[h])
 
 
-@njit(SCORE_STEP_SIG, cache=True)
+@kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     for h in range(lengths.shape[0]):
         anti_cosine(keys[h], lengths[h], scores[h])

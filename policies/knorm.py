@@ -3,9 +3,8 @@
 Keys with a low L2 norm draw high attention, so the cache keeps the lowest-norm keys. A scorer on the
 base in policies/scorer.py: the score is ``-||k||``, prompt and decode alike.
 """
-from numba import njit
 
-from policies.base import param_indices
+from policies.base import kernel, param_indices
 from policies.kernels import l2_norm
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
@@ -14,14 +13,14 @@ SCHEMA = protection(n_sink=0, n_recent=1)
 P = param_indices(SCHEMA)
 
 
-@njit(SCORE_PROMPT_SIG, cache=True)
+@kernel(SCORE_PROMPT_SIG)
 def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     for i in range(k.shape[0]):
         for h in range(k.shape[1]):
             scores[h, i] = -l2_norm(k[i, h])
 
 
-@njit(SCORE_STEP_SIG, cache=True)
+@kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     for h in range(lengths.shape[0]):
         for i in range(lengths[h]):

@@ -12,7 +12,7 @@ partition once, when its successor is complete).
 import numpy as np
 from numba import njit
 
-from policies.base import Param, param_indices
+from policies.base import Param, kernel, param_indices
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
 
@@ -83,7 +83,7 @@ def lag_scores(keys, values, positions, n, n_sink, lag, out):
         i0 = i1
 
 
-@njit(SCORE_PROMPT_SIG, cache=True)
+@kernel(SCORE_PROMPT_SIG)
 def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     pos = np.arange(k.shape[0])
     for h in range(k.shape[1]):
@@ -91,7 +91,7 @@ def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_sta
                    scores[h])
 
 
-@njit(SCORE_STEP_SIG, cache=True)
+@kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     for h in range(lengths.shape[0]):
         lag_scores(keys[h], values[h], positions[h], lengths[h], int(params[P.n_sink]), int(params[P.lag_size]),

@@ -1,7 +1,6 @@
 """Random eviction: a floor any useful policy must beat."""
-from numba import njit
 
-from policies.base import STEP_SIG, Guarantees, Param, Policy, param_indices
+from policies.base import STEP_SIG, Guarantees, Param, Policy, kernel, param_indices
 from policies.kernels import hash_uniform
 from policies.registry import register
 
@@ -12,7 +11,7 @@ SCHEMA = (
 P = param_indices(SCHEMA)
 
 
-@njit(STEP_SIG, cache=True)
+@kernel(STEP_SIG)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
     """Evict uniformly chosen slots older than the protected newest ones, as a pure function of

@@ -38,6 +38,7 @@ pickled identity changes per process).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 from dataclasses import dataclass
@@ -47,8 +48,8 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 from numba import njit, types
 
-from policies.base import (PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError, _f4t, _f8m, _f8t, _f8v,
-                           _i8v)
+from policies.base import (PREFILL_SIG, STEP_SIG, Guarantees, Kernel, Param, Policy, PolicyError, _f4t, _f8m, _f8t,
+                           _f8v, _i8v, compiled)
 from policies.kernels import evict_lowest, evict_lowest_sorted
 
 #: score_prompt(params, layer, q[P,Hq,d], k[P,Hkv,d], v[P,Hkv,d], scale, hi[Hkv], scores[Hkv,P],
@@ -225,20 +226,35 @@ class StageCode:
     globals: tuple[tuple[str, Any], ...] = ()
 
 
-def compose(cls: type["ScorerPolicy"], module: str, name: str) -> tuple[Any, Any]:
-    """The (step, prefill) kernels of a scorer class and its stages, compiled with the engine's signatures (the
-    prefill is None when the chain streams its prompt).
+def compose(cls: type["ScorerPolicy"], module: str, name: str) -> tuple[Kernel, Kernel | None]:
+    """The (step, prefill) kernels of a scorer class and its stages, as ``Kernel``s with the engine's signatures
+    (the prefill is None when the chain streams its prompt). Nothing is generated or compiled here: the first
+    ``dispatcher`` of either writes the source and compiles both.
 
     Compiled under ``module``'s source file with the unique name ``name`` so numba caches them on disk like
     hand-written kernels (and invalidates them when that file changes).
     """
+    built: dict[str, Any] = {}
+
+    def build(which: str) -> Any:
+        if not built:
+            built.update(_compile_composed(cls, module, name))
+        return built[which]
+
+    step = Kernel(STEP_SIG, build=lambda: build("step"))
+    prefill = Kernel(PREFILL_SIG, build=lambda: build("prefill")) if cls.has_prompt_selection() else None
+    return step, prefill
+
+
+def _compile_composed(cls: type["ScorerPolicy"], module: str, name: str) -> dict[str, Any]:
+    """Generate the source of ``compose``'s kernels and compile them: {"step": ..., "prefill": ...}."""
     sinks, recent = cls.protect.code(cls.schema)
     codes = [stage.code(cls) for stage in cls.chain]
-    namespace = {"np": np, "score_prompt": cls.score_prompt, "score_step": cls.score_step,
+    namespace = {"np": np, "score_prompt": compiled(cls.score_prompt), "score_step": compiled(cls.score_step),
                  "evict_prompt": evict_prompt, "evict_to": evict_to, "evict_oldest": evict_oldest,
                  "recent_slots": recent_slots, "protected_window": protected_window}
     for c in codes:
-        namespace.update(dict(c.globals))
+        namespace.update({key: compiled(fn) for key, fn in c.globals})
     base = "".join(c.base for c in codes)
     base = f"    base = budget.copy()\n{base}" if base else "    base = budget\n"
     # sizes are the base sizes unless a stage sets them (copies only where a stage writes: the step is hot)
@@ -268,9 +284,10 @@ def compose(cls: type["ScorerPolicy"], module: str, name: str) -> tuple[Any, Any
     if prefill is not None:
         prefill.__module__ = module
         prefill = njit(PREFILL_SIG, cache=cache)(prefill)
-    return njit(STEP_SIG, cache=cache)(step), prefill
+    return {"step": njit(STEP_SIG, cache=cache)(step), "prefill": prefill}
 
 
+@functools.lru_cache(maxsize=None)
 def _source_hash(*modules: str) -> str:
     """Short hash of the shared eviction and stage code's sources. Numba invalidates a cached function only when
     its own file changes, not its callees'; the composed kernels live under the scorer's file, so this hash goes

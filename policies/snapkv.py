@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from policies.base import Param, PolicyError, param_indices
+from policies.base import Param, PolicyError, kernel, param_indices
 from policies.kernels import group_rows_scores, group_score, pool_scores
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy, protected_window
@@ -74,7 +74,7 @@ def _pad_protected(scores, n, hi, positions):
             scores[i] = best
 
 
-@njit(SCORE_PROMPT_SIG, cache=True)
+@kernel(SCORE_PROMPT_SIG)
 def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     """Window scores of the last ``window_size`` prompt queries, pooled over the candidates [0, hi[h]); the
     window's rows go into each slot's ring for decode."""
@@ -92,7 +92,7 @@ def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_sta
             slot_state[h, i, 0] = raw[i]
 
 
-@njit(SCORE_STEP_SIG, cache=True)
+@kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     """Slide the observation window (the ring of the last ``window_size`` queries' reduced probabilities, running
     sum in slot_state[..., 0]) and pool the window scores of the candidates (positions < hi[h])."""

@@ -4,9 +4,8 @@ The score of a slot is its position (the newest rank highest) and the first ``n_
 so the lowest-scored candidate is always the oldest non-sink token. The score is a position only, so ``ada`` and
 ``critical`` refuse it; ``decoding(streaming_llm)`` (compress to the window every N steps) is allowed.
 """
-from numba import njit
 
-from policies.base import Guarantees, Param, param_indices
+from policies.base import Guarantees, Param, kernel, param_indices
 from policies.registry import register
 from policies.scorer import SCORE_STEP_SIG, Protection, ScorerPolicy
 
@@ -14,7 +13,7 @@ SCHEMA = (Param("n_sinks", 4, "int", 0, 1024, doc="initial tokens always kept (a
 P = param_indices(SCHEMA)
 
 
-@njit(SCORE_STEP_SIG, cache=True)
+@kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     """Each slot's position: the oldest non-sink slot has the lowest score."""
     for h in range(lengths.shape[0]):

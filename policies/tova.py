@@ -8,9 +8,8 @@ to the whole prompt, as kvpress's TOVAPress does) serves ``ada(tova)``. Under ``
 positions, so the layer score of a token sums the heads that still hold it.
 """
 import numpy as np
-from numba import njit
 
-from policies.base import Param, param_indices
+from policies.base import Param, kernel, param_indices
 from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
@@ -24,7 +23,7 @@ P = param_indices(SCHEMA)
 _LAYER_SCOPE = float(SCOPES.index("layer"))     # how the kernel sees scope='layer' (choices encode by index)
 
 
-@njit(SCORE_PROMPT_SIG, cache=True)
+@kernel(SCORE_PROMPT_SIG)
 def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     """The last prompt query's attention over the prompt (layer scope: the group means summed over the heads)."""
     n = k.shape[0]
@@ -47,7 +46,7 @@ def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_sta
                 scores[h, i] = row[h, i]
 
 
-@njit(SCORE_STEP_SIG, cache=True)
+@kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     """The current query's attention to each cached slot (layer scope: summed over the heads holding it)."""
     hkv = lengths.shape[0]

@@ -1,11 +1,10 @@
 """Sliding window: keep the most recent ``budget`` tokens."""
-from numba import njit
 
-from policies.base import STEP_SIG, Guarantees, Policy
+from policies.base import STEP_SIG, Guarantees, Policy, kernel
 from policies.registry import register
 
 
-@njit(STEP_SIG, cache=True)
+@kernel(STEP_SIG)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
     """Evict the oldest slots of each head beyond its budget (slots are in position order).

@@ -9,9 +9,6 @@ import sys
 import warnings
 from importlib.metadata import entry_points
 
-from policies import PolicyError
-from traces.format import TraceError
-
 warnings.filterwarnings("ignore", message="First-class function type feature is experimental")
 
 
@@ -68,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvsim`` console script; bad input exits with status 2 and a one-line error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    from policies.errors import PolicyError    # after parsing: `kvsim --help` imports nothing a command runs
+    from traces.format import TraceError
+
     args.argv = argv                                        # the command line, for the header of result pages
     try:
         return int(args.func(args) or 0)

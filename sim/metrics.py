@@ -20,7 +20,6 @@ from collections import namedtuple
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, types
 
 
 @dataclass(frozen=True)
@@ -80,12 +79,17 @@ def metric(name: str) -> Metric:
         raise ValueError(f"unknown metric {name!r}; known: {', '.join(NAMES)}") from None
 
 
-_f8v = types.float64[::1]
+#: objectives: every metric of ``sim.metrics`` (its mean, as a loss: lower is better) and the gap to the oracle's error
+OBJECTIVES = NAMES + ("gap",)
 
 
-@njit(types.void(types.float64, types.float64, types.float32[::1], _f8v, types.float64, types.float64, _f8v),
-      cache=True, nogil=True, fastmath={"reassoc", "contract"})   # SIMD sums over d (rounding-level differences)
-def measure(mass, kl, o_ref, o_acc, acc_scale, vmax1, out):
+def objectives_help() -> str:
+    """One line per objective for ``--help``: the metric's label, as a loss."""
+    parts = [f"{m}: {metric(m).label}" + (f" (as {metric(m).ideal:g} - {m})" if metric(m).direction == "higher" else "")
+             for m in NAMES]
+    return "; ".join(parts + ["gap: error minus the oracle's at the same budget"])
+
+def _measure(mass, kl, o_ref, o_acc, acc_scale, vmax1, out):
     """Every metric of one (step, query head) into ``out[:N_METRICS]``.
 
     mass: full-attention probability on the held tokens; kl: KL(cache ‖ full) of the attention rows; o_ref [d]:
@@ -108,6 +112,21 @@ def measure(mass, kl, o_ref, o_acc, acc_scale, vmax1, out):
     out[M.kl] = max(kl, 0.0)
     out[M.l1] = l1
     out[M.l1_bound] = 2.0 * max(0.0, 1.0 - mass) * vmax1
+
+
+def __getattr__(name: str):
+    """``measure``: ``_measure`` jitted with its fixed signature on first use (PEP 562), so that reading the table
+    (``kvsim --help`` lists the search objectives) imports no numba. The engine, the oracle and the numpy reference
+    import ``measure`` and get the one compiled function."""
+    if name != "measure":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from numba import njit, types
+
+    f8v = types.float64[::1]
+    fn = njit(types.void(types.float64, types.float64, types.float32[::1], f8v, types.float64, types.float64, f8v),
+              cache=True, nogil=True, fastmath={"reassoc", "contract"})(_measure)   # SIMD sums over d
+    globals()["measure"] = fn
+    return fn
 
 
 @dataclass(frozen=True)

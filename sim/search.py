@@ -12,21 +12,10 @@ import pandas as pd
 
 from policies import Param, get_policy, policy_class
 from sim.executors import Executor, Job, TraceRef
-from sim.metrics import NAMES, metric
+from sim.metrics import OBJECTIVES, metric
 from sim.replay import effective_chunk
 from sim.specs import trace_id
 from sim.store import ResultStore, config_key
-
-#: objectives: every metric of ``sim.metrics`` (its mean, as a loss: lower is better) and the gap to the oracle's error
-OBJECTIVES = NAMES + ("gap",)
-
-
-def objectives_help() -> str:
-    """One line per objective for ``--help``: the metric's label, as a loss."""
-    parts = [f"{m}: {metric(m).label}" + (f" (as {metric(m).ideal:g} - {m})" if metric(m).direction == "higher" else "")
-             for m in NAMES]
-    return "; ".join(parts + ["gap: error minus the oracle's at the same budget"])
-
 
 def row_loss(row: dict[str, Any], objective: str, layer_weights: Sequence[float] | None = None,
              oracle_err: float | None = None) -> float:

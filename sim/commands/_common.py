@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from sim.specs import open_trace
-from traces.format import Trace
+if TYPE_CHECKING:                 # this module builds parsers: `kvsim --help` must not import numpy or numba
+    from traces.format import Trace
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -138,9 +138,9 @@ def add_out_option(p: argparse.ArgumentParser, default: Path | str | None, what:
 
 def add_executor_options(p: argparse.ArgumentParser) -> None:
     """``--workers N``, ``--threads N`` and ``--ray ADDRESS``: where the replays run, with how many threads."""
-    from sim.executors import default_workers
+    from sim.threads import available_cores
 
-    p.add_argument("--workers", type=positive_int, default=default_workers(),
+    p.add_argument("--workers", type=positive_int, default=available_cores(),
                    help="local worker processes (one per core on this machine)")
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="threads per worker process or Ray task, for numba, BLAS and torch alike (default: the "
@@ -195,6 +195,8 @@ def trace_refs(args: argparse.Namespace) -> list:
 
 def load(args: argparse.Namespace, spec: str) -> Trace:
     """Open one TRACE argument in this process with the command's synthetic sizes and --no-verify."""
+    from sim.specs import open_trace
+
     return open_trace(spec, n_tokens=args.tokens, n_prompt=args.prompt, n_layers=args.layers, seed=args.seed,
                       verify=not args.no_verify)
 
@@ -208,7 +210,7 @@ def add_model_option(p: argparse.ArgumentParser, *, default: str | None = "smoll
 
 def add_text_option(p: argparse.ArgumentParser, *, what: str = "text") -> None:
     """``--text NAME|FILE``: a shipped text (traces.model.SHIPPED_TEXTS) or a UTF-8 file."""
-    from traces.model import SHIPPED_TEXTS
+    from traces.texts import SHIPPED_TEXTS
 
     p.add_argument("--text", default="default", metavar="NAME|FILE",
                    help=f"{what}: a shipped text ({', '.join(SHIPPED_TEXTS)}: 'default' is the held-out pydoc "

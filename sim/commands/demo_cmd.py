@@ -60,17 +60,22 @@ def demo_layers(n_layers: int, wanted: str | list[int] | None, layer_types: list
     return tuple(int(x) for x in np.unique(np.round(np.linspace(0, n_layers - 1, DEMO_LAYERS))))
 
 
-def demo_trace(args: argparse.Namespace):
-    """The demo's trace: the model on the shipped text (recorded once into --out, then reused), or synthetic."""
+def demo_trace(args: argparse.Namespace, before_slow_work=lambda: None):
+    """The demo's trace: the model on the shipped text (recorded once into --out, then reused), or synthetic.
+    ``before_slow_work()`` is called before the model is fetched and converted or the trace recorded (not when
+    both are already done): the demo compiles its kernels meanwhile."""
     import json
 
     from sim.executors import TraceRef
     from traces.format import TraceError, load_trace
     from traces.model import record_default_trace
-    from traces.models import model_id, resolve_model
+    from traces.models import entry, is_cached, model_id, resolve_model
 
     if args.synthetic:
         return TraceRef(f"synthetic:{args.synthetic}", args.tokens, args.prompt, 2)
+    registered = entry(args.model)
+    if registered is not None and not registered.shipped and not is_cached(registered):
+        before_slow_work()
     folder = resolve_model(args.model)
     config = json.loads((folder / "config.json").read_text())
     n_layers = config["num_hidden_layers"]
@@ -81,6 +86,7 @@ def demo_trace(args: argparse.Namespace):
     try:
         load_trace(path)
     except TraceError:
+        before_slow_work()
         print(f"recording the demo trace of {name} (layers {', '.join(map(str, layers))} of {n_layers}) "
               f"into {path} ...", flush=True)
         record_default_trace(path, n_prompt=args.prompt, n_decode=args.tokens - args.prompt, layers=layers,
@@ -133,15 +139,31 @@ def run(args: argparse.Namespace) -> int:
     from sim.store import ResultStore
     from sim.sweep import run_sweep, with_oracle_gap
 
+    from sim.threads import available_cores
+    from sim.warmup import background_compile, wait_all
+
     args.out.mkdir(parents=True, exist_ok=True)
-    ref = demo_trace(args)
+    names = list_policies(combinators=False)
+    warming: list = []
+
+    def compile_meanwhile() -> None:
+        """Compile every policy's kernels on all cores while the model is converted and recorded (a first run's
+        cost is mostly numba compiling; later runs load the kernels from its disk cache)."""
+        if not warming:
+            warming.extend(background_compile(names, available_cores()))
+
+    ref = demo_trace(args, compile_meanwhile)
+    if any(p.poll() is None for p in warming):
+        print("finishing the policies' numba kernels (first run only; later runs load them from the cache) ...",
+              flush=True)
+        wait_all(warming)
     trace = ref.open()[0]
     print(repr(trace))
     print(describe_replayed(trace))
     model = f"synthetic:{args.synthetic}" if args.synthetic else trace.meta.model.model_id
     layers = "" if args.synthetic else f", layers {','.join(map(str, trace.meta.model.layer_ids))}"
     title = f"kvsim demo — {model}{layers}"
-    policies = [get_policy(n) for n in list_policies(combinators=False)]
+    policies = [get_policy(n) for n in names]
     store = ResultStore(args.out / "demo-results")
     save_trace_facts(store.root, trace)
     df = run_sweep([ref], policies, args.budgets, store, workers=default_workers())

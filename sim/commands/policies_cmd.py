@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from policies.base import Param
+if TYPE_CHECKING:
+    from policies.base import Param
 
 
 def register(sub: argparse._SubParsersAction) -> None:

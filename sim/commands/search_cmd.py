@@ -9,7 +9,7 @@ from sim.commands._common import (add_budgets_option, add_executor_options, add_
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from sim.search import OBJECTIVES, objectives_help
+    from sim.metrics import OBJECTIVES, objectives_help
 
     p = sub.add_parser("search", help="search a policy's hyperparameters with optuna (TPE, Pareto front)",
                        description="Search the hyperparameters a policy's schema declares searchable. With "

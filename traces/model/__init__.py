@@ -9,18 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from traces.models import SHIPPED_DIR, ModelError, load_model, model_id
+from traces.texts import DEFAULT_TEXT_ID, HELDOUT_TEXT, SHIPPED_TEXTS
 
 HERE = Path(__file__).resolve().parent
 MODEL_DIR = SHIPPED_DIR
-HELDOUT_TEXT = HERE / "data" / "heldout.txt"
-DEFAULT_TEXT_ID = "kvsim-heldout:pydoc(debugger,exceptions,execmodel,naming)"
-#: shipped texts by name: (file, text id). 'default' is the held-out pydoc chapters; 'idle' is a second,
-#: independent real text (the IDLE chapter of the Python 3.12 library reference, PSF licence, as plain text)
-#: so that anything fitted on one text can be judged on another.
-SHIPPED_TEXTS = {
-    "default": (HELDOUT_TEXT, DEFAULT_TEXT_ID),
-    "idle": (HERE / "data" / "idle_help.txt", "python-docs-3.12:library/idle"),
-}
 
 
 class TextError(ValueError):
