@@ -5,7 +5,8 @@ Its jitted ``step`` sees only what a GPU kernel can give it: the attention proba
 step's query heads over the *currently cached* slots (never over tokens it already evicted), the
 cached keys/values and their original positions, and its own state arrays. It writes a keep mask
 and, for merging policies, a merge target and weight per slot. Every kernel is compiled with an
-explicit signature so the replay engine is compiled once and cached for all policies.
+explicit signature so the replay engine is compiled once and cached for all policies, and only when it
+first runs (``@kernel(SIG)``): importing a policy, listing or describing it compiles nothing.
 
 Step contract (per layer, called after the new token ``t`` was appended at slot ``lengths[h] - 1``):
   - ``keep[h, i]`` is 1 on entry for ``i < lengths[h]``; set it to 0 to evict slot ``i``;
@@ -18,6 +19,7 @@ Step contract (per layer, called after the new token ``t`` was appended at slot 
 """
 from __future__ import annotations
 
+import os
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, NamedTuple, Sequence
@@ -74,8 +76,12 @@ class Kernel:
     def dispatcher(self) -> Any:
         """The numba dispatcher compiled for ``signature`` (compiled or loaded from the disk cache on first use)."""
         if self._dispatcher is None:
-            self._dispatcher = self._build() if self._build is not None else njit(self.signature, cache=True)(
-                self.py_func)
+            if self._build is not None:
+                self._dispatcher = self._build()
+            else:     # code exec'd from a string (a notebook, a README example) has no file to cache beside
+                source = self.py_func.__code__.co_filename
+                cache = source.endswith(".py") and os.path.isfile(source)
+                self._dispatcher = njit(self.signature, cache=cache)(self.py_func)
         return self._dispatcher
 
     def __call__(self, *args: Any) -> Any:
@@ -308,6 +314,13 @@ class Policy:
         """One layer's initial head state [Hkv, width >= head_fields]: zeros, unless the policy keeps per-layer
         constants there (``needs_wo`` policies get the layer's W_O [hidden, Hq*d], e.g. CriticalKV)."""
         return np.zeros((n_kv_heads, self.head_fields))
+
+    def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None) -> np.ndarray:
+        """The initial head state of a replay of a recorded layer (``sim.replay.LayerInputs``: its q, k, v and W_O
+        are all known in advance): ``head_state_init`` unless a policy adds tables that depend on the trace only
+        (CriticalKV: every position's projected value norm), kept in ``memo`` (a dict shared by the replays of the
+        same prepared layer, ``sim.replay.layer_memo``) so that they are computed once, not per budget."""
+        return self.head_state_init(n_kv_heads, head_dim, layer.wo)
 
     def kernels(self) -> tuple[Callable, Callable, Callable]:
         """The (step, prefill, logit_scale) numba dispatchers handed to the replay engine, compiled (or loaded from

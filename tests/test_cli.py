@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -20,6 +22,27 @@ def test_help_lists_every_command(capsys):
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for name, parser in sub.choices.items():
         assert parser.description, f"kvsim {name} has no description"
+
+
+def _modules_after(code: str) -> set[str]:
+    """The heavy modules a fresh interpreter has imported after running ``code``."""
+    probe = code + "\nimport sys; print(' '.join(m for m in ('numba', 'torch', 'pandas', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    return set(out.split())
+
+
+def test_help_imports_no_numba_torch_or_pandas():
+    """`kvsim --help` and `kvsim COMMAND --help` answer at once: building every parser imports none of them."""
+    assert _modules_after("from sim.cli import build_parser; build_parser()") == set()
+
+
+def test_listing_policies_compiles_no_kernel_and_imports_no_torch():
+    """`kvsim policies` reads every policy's schema (combinators included) and compiles nothing."""
+    code = ("import contextlib, io\nfrom sim.cli import main\nwith contextlib.redirect_stdout(io.StringIO()): "
+            "main(['policies'])\nfrom policies import list_policies, policy_class\nfrom policies.base import Kernel\n"
+            "ks = [f for n in list_policies() for f in (policy_class(n).step_fn, policy_class(n).prefill_fn) "
+            "if isinstance(f, Kernel)]\nassert ks and all(k._dispatcher is None for k in ks), 'compiled at listing'")
+    assert "torch" not in _modules_after(code)
 
 
 def test_replay_json(capsys):

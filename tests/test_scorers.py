@@ -180,7 +180,7 @@ def test_bad_specs_are_named(bad, msg):
 
 def test_composed_kernels_load_from_disk_cache():
     code = ("import policies.knorm as m; from policies import get_policy; p = type(get_policy('ada(knorm)'));"
-            "fs = (m.Knorm.step_fn, m.Knorm.prefill_fn, p.step_fn, p.prefill_fn);"
+            "fs = [k.dispatcher for k in (m.Knorm.step_fn, m.Knorm.prefill_fn, p.step_fn, p.prefill_fn)];"
             "print(sum(sum(f.stats.cache_hits.values()) for f in fs),"
             " sum(sum(f.stats.cache_misses.values()) for f in fs))")
     for _ in range(2):   # the first run may compile; the second must load all four from disk
