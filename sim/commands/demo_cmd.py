@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Callable
 
 from sim.commands._common import add_budgets_option, add_model_option, add_out_option, positive_int
 
@@ -60,7 +61,7 @@ def demo_layers(n_layers: int, wanted: str | list[int] | None, layer_types: list
     return tuple(int(x) for x in np.unique(np.round(np.linspace(0, n_layers - 1, DEMO_LAYERS))))
 
 
-def demo_trace(args: argparse.Namespace, before_slow_work=lambda: None):
+def demo_trace(args: argparse.Namespace, before_slow_work: Callable[[], None] = lambda: None):
     """The demo's trace: the model on the shipped text (recorded once into --out, then reused), or synthetic.
     ``before_slow_work()`` is called before the model is fetched and converted or the trace recorded (not when
     both are already done): the demo compiles its kernels meanwhile."""
@@ -138,7 +139,6 @@ def run(args: argparse.Namespace) -> int:
     from sim.specs import trace_id
     from sim.store import ResultStore
     from sim.sweep import run_sweep, with_oracle_gap
-
     from sim.threads import available_cores
     from sim.warmup import background_compile, wait_all
 
