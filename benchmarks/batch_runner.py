@@ -2,7 +2,18 @@
 one at a time vs as one batch (`gpu_validate.runner.run_batch`), and the batched results checked against the
 solo ones. Writes benchmarks/results/batch_runner.json.
 
-    python benchmarks/batch_runner.py [--model smollm2-135m] [--prompt 128] [--decode 32]
+    python -m benchmarks.batch_runner [--model smollm2-135m] [--prompt 128] [--decode 32]
+
+``--streamed``: one batch of STREAMED configurations (policies without a prefill selector, whose prompt goes token by
+token through the policy: the closed loop's costliest batches) on 512 + 128 tokens of the shipped text, one thread,
+timed; with ``--before DIR`` the same batch is first timed on another checkout of the code (e.g. ``git worktree add
+/tmp/head HEAD``) in a subprocess and the results compared. Adds the ``streamed`` object to batch_runner.json,
+keeping its other keys.
+
+    python -m benchmarks.batch_runner --streamed [--before /tmp/head | --before-json FILE | --before-seconds S]
+
+(``--before-json``: what ``PYTHONPATH=/tmp/head python benchmarks/batch_runner.py --streamed-worker`` printed, the old
+code timed earlier in the same session.)
 """
 from __future__ import annotations
 
@@ -13,6 +24,87 @@ import time
 
 
 POLICIES = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "cascading", "bumblebee", "ada_snapkv")
+#: streamed configurations (no prefill selector; BUZZ has one, so it is not among them), budget STREAMED_BUDGET
+STREAMED = ("h2o:recent_ratio=0.1", "h2o:recent_ratio=0.3", "h2o:recent_ratio=0.5", "h2o:recent_ratio=0.7",
+            "streaming_llm:n_sinks=1", "streaming_llm:n_sinks=4", "streaming_llm:n_sinks=8",
+            "d2o:recent_ratio=0.1", "d2o:recent_ratio=0.25", "d2o:recent_ratio=0.5",
+            "cascading:n_cascades=2", "cascading:n_cascades=4", "cascading:n_cascades=8",
+            "tova", "window", "decoding(h2o)", "critical(h2o)")
+STREAMED_BUDGET = 64
+
+
+def _streamed_batch(model_name: str, n_prompt: int, n_decode: int) -> dict:
+    """Time one run_batch of the STREAMED jobs with the code importable here (this checkout, or the one put first on
+    PYTHONPATH by --before): seconds, the load around it, and every row's NLL and top-1 for the comparison."""
+    import numpy as np
+    import torch
+
+    from gpu_validate.runner import BatchJob, run_batch
+    from sim.specs import parse_policy
+    from sim.threads import limit_threads
+    from traces.model import default_text
+    from traces.models import load_model
+
+    limit_threads(1)
+    torch.set_grad_enabled(False)
+    model, tok = load_model(model_name, device="cpu")
+    ids = tok(default_text())["input_ids"][:n_prompt + n_decode]
+    jobs = [BatchJob(parse_policy(s), STREAMED_BUDGET, ids[:n_prompt], continuation=ids[n_prompt:]) for s in STREAMED]
+    if len({j.batch_key for j in jobs}) != 1:
+        raise SystemExit("the streamed configurations do not form one batch")
+    run_batch(model, [BatchJob(j.policy, j.budget, ids[:12], continuation=ids[12:16]) for j in jobs])   # compile
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    res = run_batch(model, jobs)
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "load": [load0, os.getloadavg()[0]], "rows": len(res),
+            "nll": np.stack([r.nll for r in res]).tolist(), "top1": np.stack([r.top1 for r in res]).tolist()}
+
+
+def streamed_main(args) -> int:
+    import json
+    import subprocess
+
+    import numpy as np
+
+    from benchmarks._util import RESULTS, machine, write_result
+
+    before = None
+    if args.before_json:
+        with open(args.before_json) as f:
+            before = json.loads(f.read().strip().splitlines()[-1])
+    elif args.before:      # the other checkout's code, in its own process, before this one's (never side by side)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath(args.before),
+                                                                         os.environ.get("PYTHONPATH")]))}
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--streamed-worker", "--model", args.model,
+                              "--prompt", str(args.prompt), "--decode", str(args.decode)], env=env, cwd=args.before,
+                             check=True, stdout=subprocess.PIPE, text=True).stdout
+        before = json.loads(out.strip().splitlines()[-1])
+        print(f"before ({args.before}): {before['seconds']:.1f} s, load {before['load']}", flush=True)
+    if before:
+        print(f"before: {before['seconds']:.1f} s, load {before['load']}", flush=True)
+    after = _streamed_batch(args.model, args.prompt, args.decode)
+    print(f"after: {after['seconds']:.1f} s, load {after['load']}", flush=True)
+    streamed = {"n_configs": after["rows"], "n_prompt": args.prompt, "n_decode": args.decode, "threads": 1,
+                "batch_seconds": after["seconds"],
+                "before_seconds": before["seconds"] if before else args.before_seconds,
+                "load": after["load"][0]}
+    detail = {"model": args.model, "budget": STREAMED_BUDGET, "policies": list(STREAMED),
+              "load_after": after["load"][1], "before_load": before["load"] if before else None,
+              "before_code": args.before or args.before_json, "machine": machine(),
+              "note": "load: 1-minute load average of this 2-core machine (shared with other jobs) when the timed "
+                      "batch started (load_after: when it ended); before: the previous code on the same batch, "
+                      "same session, never side by side"}
+    if before:
+        detail["max_abs_nll_diff_vs_before"] = float(np.abs(np.array(before["nll"]) - np.array(after["nll"])).max())
+        detail["top1_identical_to_before"] = before["top1"] == after["top1"]
+    path = RESULTS / "batch_runner.json"
+    payload = json.loads(path.read_text()) if path.exists() else {}
+    payload["streamed"] = streamed
+    payload["streamed_detail"] = detail
+    print(json.dumps(streamed), json.dumps({k: v for k, v in detail.items() if k != "machine"}))
+    print(write_result("batch_runner", payload))
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -32,7 +124,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--budgets", default="32,64")
     ap.add_argument("--solo", type=int, default=3, help="configurations also timed one at a time (default 3)")
+    ap.add_argument("--streamed", action="store_true",
+                    help="time one batch of 17 streamed configurations instead (default 512 + 128 tokens)")
+    ap.add_argument("--before", default=None, help="with --streamed: a checkout of the old code to time first")
+    ap.add_argument("--before-json", default=None, help="with --streamed: the old code's --streamed-worker output")
+    ap.add_argument("--before-seconds", type=float, default=None,
+                    help="with --streamed: the old code's time on the same batch, measured separately")
+    ap.add_argument("--streamed-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.streamed or args.streamed_worker:
+        if "--prompt" not in argv:
+            args.prompt = 512
+        if "--decode" not in argv:
+            args.decode = 128
+        if args.streamed_worker:
+            import json
+
+            print(json.dumps(_streamed_batch(args.model, args.prompt, args.decode)))
+            return 0
+        return streamed_main(args)
     limit_threads(1)   # one thread, through the API sweep workers use
     torch.set_grad_enabled(False)
     model, tok = load_model(args.model, device="cpu")
@@ -61,6 +171,14 @@ def main(argv: list[str]) -> int:
            "speedup": per_solo * len(jobs) / t_batch, "max_abs_nll_diff": max_dnll, "top1_identical": same_top1,
            "threads": 1, "machine": machine(),
            "note": "2-core machine shared with other jobs; solo time is the mean of the configurations timed alone"}
+    import json
+
+    from benchmarks._util import RESULTS
+
+    old = RESULTS / "batch_runner.json"
+    if old.exists():          # keep the --streamed measurement
+        prev = json.loads(old.read_text())
+        out.update({k: prev[k] for k in ("streamed", "streamed_detail") if k in prev})
     path = write_result("batch_runner", out)
     print(f"{len(jobs)} configs: batch {t_batch:.1f} s, solo {per_solo:.1f} s each -> speed-up "
           f"{out['speedup']:.1f}x; max |ΔNLL| batch vs solo {max_dnll:.2e}; top-1 identical {same_top1}; {path}")

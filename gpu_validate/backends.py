@@ -7,7 +7,11 @@ TRITON_INTERPRET=1, slowly). Both are checked against the per-head loops of `gpu
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
+from numba import njit
 
 from gpu_validate.cache import VarlenKVCache
 from gpu_validate.kernels.errors import CacheCapacityError
@@ -90,6 +94,100 @@ class TorchVarlenKVCache(VarlenKVCache):
                     stat[rows] = 0.0
             length = length + n_new
         self.length.copy_(length.to(torch.int32))
+
+
+@njit(cache=True, nogil=True)
+def _host_append(k3, v3, pos, length, capacity, k_new, v_new, t0):
+    """Append n_new tokens per head (k_new/v_new [B, Hkv, n_new, d], any strides) at positions t0, t0+1, ...
+    Returns -1, or the first head that has no room (nothing appended then)."""
+    bsz, hkv, n_new, d = k_new.shape
+    for r in range(bsz * hkv):
+        if length[r] + n_new > capacity[r]:
+            return r
+    for b in range(bsz):
+        for h in range(hkv):
+            r = b * hkv + h
+            s = length[r]
+            for j in range(n_new):
+                for x in range(d):
+                    k3[r, s + j, x] = k_new[b, h, j, x]
+                    v3[r, s + j, x] = v_new[b, h, j, x]
+                pos[r, s + j] = t0 + j
+            length[r] = s + n_new
+    return -1
+
+
+class HostKVCache:
+    """The torch backend's cache on the CPU, padded: every KV head of every batch row owns ``max_capacity`` rows
+    of float32 numpy arrays ``k3``/``v3`` [B*Hkv, W, d], ``pos`` [B*Hkv, W] int64 (-1 past a head's length) and
+    ``length`` [B*Hkv] int64, with torch views of the same memory. The runner's policy steps read and compact them
+    in place (no gather, no per-step tensor copies); ``attend`` is `TorchVarlenKVCache.attend`'s arithmetic on
+    the padded views (same shapes, so the same results), and it keeps the step's probabilities as ``p``
+    [B*Hkv, G, W] (0 past each head's length). ``capacity`` stays each head's own (budget + new tokens)."""
+
+    def __init__(self, *, batch: int, n_kv_heads: int, n_q_heads: int, head_dim: int,
+                 capacity: int | Sequence[int], dtype: torch.dtype = torch.float32, device="cpu",
+                 softmax_scale: float | None = None, track_acc: bool = False) -> None:
+        if dtype != torch.float32 or torch.device(device).type != "cpu":
+            raise ValueError("HostKVCache holds float32 on the CPU")
+        n_heads = batch * n_kv_heads
+        cap = np.asarray(capacity, np.int64).reshape(-1)
+        if cap.size == 1:
+            cap = np.full(n_heads, int(cap[0]), np.int64)
+        if cap.size != n_heads or (cap < 0).any():
+            raise CacheCapacityError(f"capacity must be one int or {n_heads} (B*Hkv) ints >= 0")
+        self.batch, self.n_kv_heads, self.n_q_heads, self.head_dim = batch, n_kv_heads, n_q_heads, head_dim
+        self.group = n_q_heads // n_kv_heads
+        self.dtype, self.device = dtype, torch.device("cpu")
+        self.softmax_scale = head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+        self.capacity = cap
+        self.max_capacity = W = int(cap.max()) if n_heads else 0
+        self.k3 = np.zeros((n_heads, W, head_dim), np.float32)
+        self.v3 = np.zeros((n_heads, W, head_dim), np.float32)
+        self.pos = np.full((n_heads, W), -1, np.int64)
+        self.length = np.zeros(n_heads, np.int64)
+        self.kt, self.vt = torch.from_numpy(self.k3), torch.from_numpy(self.v3)
+        self.post, self.lengtht = torch.from_numpy(self.pos), torch.from_numpy(self.length)
+        self._slots = torch.arange(W)[None, :]
+        self._unit_factor = self.softmax_scale * torch.ones(1, 1, 1)   # as attend(logit_scale=1.0) computes it
+        self.p: torch.Tensor | None = None
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor, t0: int) -> None:
+        """Append k_new/v_new [B, Hkv, n_new, d] (float32) at positions t0, t0+1, ... to every head."""
+        k, v = k_new.detach(), v_new.detach()
+        if k.dtype != torch.float32:
+            k, v = k.float(), v.float()
+        r = _host_append(self.k3, self.v3, self.pos, self.length, self.capacity, k.numpy(), v.numpy(), int(t0))
+        if r >= 0:
+            raise CacheCapacityError(f"head {r}: {int(self.length[r])} kept + {k.shape[2]} new slots exceed "
+                                     f"capacity {int(self.capacity[r])}")
+
+    def attend(self, q: torch.Tensor, *, logit_scale: float | torch.Tensor = 1.0,
+               visible_from: int | None = None) -> torch.Tensor:
+        """Decode attention of q [B, Hq, d] over each head's slots -> o [B, Hq, d] (q's dtype); the per-slot
+        probabilities are left in ``p``. As `TorchVarlenKVCache.attend` (fp32 logits, padded slots masked)."""
+        bsz, n_q, d = q.shape
+        n_heads, g = self.batch * self.n_kv_heads, self.group
+        if isinstance(logit_scale, float) and logit_scale == 1.0:
+            factor = self._unit_factor
+        else:
+            scale = torch.as_tensor(logit_scale, dtype=torch.float32).flatten()
+            scale = (scale if scale.numel() == 1 else scale.repeat_interleave(self.n_kv_heads))[:, None, None]
+            factor = self.softmax_scale * scale
+        qf = q.float().reshape(n_heads, g, d)
+        logits = torch.bmm(qf, self.kt.transpose(1, 2)) * factor                   # [BH, G, W]
+        if visible_from is None:
+            hidden = self._slots >= self.lengtht[:, None]
+        else:
+            hidden = ~((self._slots < self.lengtht[:, None]) & (self.post >= visible_from))
+        p = torch.softmax(logits.masked_fill(hidden[:, None, :], float("-inf")), -1)
+        if visible_from is not None or not self.length.all():
+            p = p.nan_to_num(0.0)                                       # an empty head gives p = o = 0
+        self.p = p
+        return torch.bmm(p, self.vt).reshape(bsz, n_q, d).to(q.dtype)
+
+    def memory_bytes(self) -> int:
+        return int(self.length.sum()) * 2 * self.head_dim * 4
 
 
 def make_cache(backend: str, **kwargs) -> VarlenKVCache:

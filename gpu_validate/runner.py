@@ -1,12 +1,16 @@
 """Closed-loop runner: an HF decoder model whose attention runs over a policy-compressed varlen KV cache.
 
-The model's attention modules are routed (transformers' AttentionInterface, as the recorder does) to this
-runner. The prompt runs once with the model's own causal attention (its q/k/v are kept for the policy's
-allocator and prefill selector); then every token is fed alone: its k/v are appended to each layer's
-`VarlenKVCache`, the query attends over the retained slots (Triton kernel or torch reference), the per-slot
-probabilities go to the policy's jitted ``step`` -- the very function the simulator replays -- and its keep
-mask / merges are applied with the compaction kernel. Policies without a prefill selector get the prompt
-streamed token by token through the compressed cache, exactly as the replay engine does.
+The model's attention modules are routed (transformers' AttentionInterface, as the recorder does) to this runner.
+The prompt runs once with the model's own causal attention, in chunks; of its q/k/v each layer keeps, at the
+model's dtype and preallocated, only what the runs read (q on the layers the policies compress, for their allocator
+and prefill selector; a kept sliding layer's k/v over its last window, unless a streamed prompt needs them all:
+`BatchRunner._capture`): on Gemma-3 18 KB per prompt token (its 3 global layers), not every layer's fp32 q/k/v
+twice over (parts, then concatenated). Then every token is fed alone: its k/v are appended to each layer's cache,
+the query attends over the retained slots, the per-slot probabilities go to the policy's jitted ``step`` -- the
+very function the simulator replays -- and its keep mask / merges are applied. On a GPU the cache is the Triton
+`VarlenKVCache` (compaction kernel); on the CPU it is `HostKVCache`, padded numpy arrays that the steps read as
+views and compact in place (numba), with torch's attention arithmetic. Policies without a prefill selector get the
+prompt streamed token by token through the compressed cache, exactly as the replay engine does.
 
 RoPE: keys are cached *post-RoPE* at their original positions (what the model hands the attention function),
 so an eviction never re-rotates the survivors; this is also what the recorder stores and the simulator
@@ -27,6 +31,7 @@ from the model's config per layer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -35,9 +40,10 @@ import numpy as np
 import torch
 from numba import njit
 
-from gpu_validate.backends import BACKENDS, TorchVarlenKVCache, make_cache
-from policies.base import Policy, PolicyError
-from sim.contract import (apply_window, check_allocation, check_kept, check_scale, check_step, raise_on,
+from gpu_validate.backends import BACKENDS, HostKVCache, TorchVarlenKVCache, make_cache
+from gpu_validate.kernels.errors import CacheCapacityError
+from policies.base import Policy, PolicyError, compiled, unit_logit_scale
+from sim.contract import (OK, apply_window, check_allocation, check_kept, check_scale, check_step, raise_on,
                           slot_capacity)
 
 IMPL_NAME = "kvsim_validate"
@@ -67,6 +73,163 @@ def keep_kept_first(keep, lengths, slot_state, positions):
         positions[h, j:] = -1
         kept_n[h] = j
     return kept_n
+
+
+@njit(cache=True, nogil=True)
+def _row_prep(r0, n_new, lengths, probs, keys, values, pos, sst, ln, pr, ks, vs, ps):
+    """One batch row's inputs to its policy step, from the layer's padded host arrays (rows r0 .. r0+Hkv-1 of
+    ``lengths`` [B*Hkv], ``probs`` [B*Hkv, G, W] (float32 or float64), ``keys``/``values`` [B*Hkv, W, d],
+    ``pos`` [B*Hkv, W]) into the row's contiguous scratch of its own width ``cap`` (``pr`` [Hkv, G, cap] float64,
+    ``ks``/``vs``, ``ps``): zero / -1 past each head's length, exactly the arrays ``padded`` gives. The step's
+    ``n_new`` new slots start with zero slot state. (keep / merge_to / merge_w come reset by `_row_post`.)"""
+    H, G, cap = pr.shape
+    d = ks.shape[2]
+    for h in range(H):
+        r = r0 + h
+        n = lengths[r]
+        ln[h] = n
+        for g in range(G):
+            for i in range(n):
+                pr[h, g, i] = probs[r, g, i]
+            for i in range(n, cap):
+                pr[h, g, i] = 0.0
+        for i in range(n):
+            for x in range(d):
+                ks[h, i, x] = keys[r, i, x]
+                vs[h, i, x] = values[r, i, x]
+            ps[h, i] = pos[r, i]
+        for i in range(n, cap):
+            for x in range(d):
+                ks[h, i, x] = 0.0
+                vs[h, i, x] = 0.0
+            ps[h, i] = -1
+        for i in range(max(0, n - n_new), n):
+            for f in range(sst.shape[2]):
+                sst[h, i, f] = 0.0
+
+
+@njit(cache=True, nogil=True)
+def _row_post(t, budget, head_adaptive, bounded, window, compressed, ln, keep, merge_to, merge_w, ps, sst, info, out,
+              host, r0, k3, v3, pos, lengths, keep_all, mt_all, mw_all):
+    """After a row's policy step: the contract's checks (a status code of ``sim.contract`` is returned), whether
+    the step evicted or merged a slot of a compressed layer (``out[0]``), the layer's window, then the row's
+    compaction. ``host``: merges (fp32, `gpu_validate.reference.ref_compact`'s order) and compaction applied in
+    place to the host cache's rows (k3, v3, pos, lengths) and the slot state; otherwise the slot state and ``ps``
+    are compacted (``keep_kept_first``) and keep/merge_to/merge_w go to rows r0.. of ``keep_all``/``mt_all``/
+    ``mw_all`` for the device cache's compaction. out[1]: some slot dropped; out[2]: slots held after the step.
+    The host cache keeps zero k/v and position -1 past each head's length (what ``padded`` gives), so a row as
+    wide as the layer steps on views of it. keep / merge_to / merge_w are reset (1, -1, 1) for the next step."""
+    status = check_step(ln, keep, merge_to, budget, head_adaptive, bounded, t, info)
+    if status != OK:
+        return status
+    H, cap = keep.shape
+    deviated = 0
+    if compressed:
+        for h in range(H):
+            held = 0
+            for i in range(cap):
+                if merge_to[h, i] >= 0:
+                    deviated = 1
+                if i < ln[h] and keep[h, i] != 0:
+                    held += 1
+            if held < ln[h]:
+                deviated = 1
+    out[0] = deviated
+    apply_window(ln, keep, merge_to, ps, t, window)
+    dropped = 0
+    total = 0
+    if host:
+        d = k3.shape[2]
+        W = k3.shape[1]
+        for h in range(H):
+            r = r0 + h
+            n = ln[h]
+            n_src = 0
+            for i in range(n):
+                if keep[h, i] == 0 and merge_to[h, i] >= 0:
+                    n_src += 1
+            if n_src > 0:                    # x_j <- w_j x_j + sum_e w_e x_e over sources e in slot order
+                has = np.zeros(n, np.uint8)
+                for i in range(n):
+                    if keep[h, i] == 0 and merge_to[h, i] >= 0:
+                        has[merge_to[h, i]] = 1
+                tk = np.empty((n, d), np.float32)
+                tv = np.empty((n, d), np.float32)
+                for j in range(n):
+                    if has[j]:
+                        w = np.float32(merge_w[h, j])
+                        for x in range(d):
+                            tk[j, x] = w * k3[r, j, x]
+                            tv[j, x] = w * v3[r, j, x]
+                for e in range(n):
+                    if keep[h, e] == 0 and merge_to[h, e] >= 0:
+                        j = merge_to[h, e]
+                        w = np.float32(merge_w[h, e])
+                        for x in range(d):
+                            tk[j, x] = tk[j, x] + w * k3[r, e, x]
+                            tv[j, x] = tv[j, x] + w * v3[r, e, x]
+                for j in range(n):
+                    if has[j]:
+                        for x in range(d):
+                            k3[r, j, x] = tk[j, x]
+                            v3[r, j, x] = tv[j, x]
+            j = 0
+            for i in range(n):
+                if keep[h, i] != 0:
+                    if j != i:
+                        for x in range(d):
+                            k3[r, j, x] = k3[r, i, x]
+                            v3[r, j, x] = v3[r, i, x]
+                        pos[r, j] = pos[r, i]
+                        for f in range(sst.shape[2]):
+                            sst[h, j, f] = sst[h, i, f]
+                    j += 1
+            for i in range(j, n):            # freed slots read as the padded arrays: zero k/v, position -1
+                for x in range(d):
+                    k3[r, i, x] = 0.0
+                    v3[r, i, x] = 0.0
+            for i in range(j, cap):
+                for f in range(sst.shape[2]):
+                    sst[h, i, f] = 0.0
+            for i in range(j, W):
+                pos[r, i] = -1
+            if j < n:
+                dropped = 1
+            lengths[r] = j
+            total += j
+    else:
+        kept_n = keep_kept_first(keep, ln, sst, ps)
+        for h in range(H):
+            if kept_n[h] < ln[h]:
+                dropped = 1
+            total += kept_n[h]
+            for i in range(cap):
+                keep_all[r0 + h, i] = keep[h, i]
+                mt_all[r0 + h, i] = merge_to[h, i]
+                mw_all[r0 + h, i] = merge_w[h, i]
+    out[1] = dropped
+    out[2] = total
+    for h in range(H):                       # the scratch's entry state for the next step that uses it
+        for i in range(cap):
+            keep[h, i] = 1
+            merge_to[h, i] = -1
+            merge_w[h, i] = 1.0
+    return OK
+
+
+@njit(cache=True, nogil=True)
+def _map_prompt_probs(summed, rows, H, slot_pos, probs):
+    """probs[b*H + h, g, i] = summed[h, g, slot_pos[b*H + h, i]] for every row b in ``rows`` and every held slot
+    (slot_pos >= 0): a prompt chunk's summed attention over each row's cached slots."""
+    G = summed.shape[1]
+    for b in rows:
+        for h in range(H):
+            r = b * H + h
+            for i in range(slot_pos.shape[1]):
+                p = slot_pos[r, i]
+                if p >= 0:
+                    for g in range(G):
+                        probs[r, g, i] = summed[h, g, p]
 
 
 class ValidateError(ValueError):
@@ -202,6 +365,32 @@ class BatchJob:
         return self.streams, len(self.prompt), self.n_pred, self.prompt_chunk
 
 
+@dataclass
+class PromptStore:
+    """One layer's captured prompt q, k or v: ``x`` [U, P - base, H, d] at the model's dtype holds positions
+    base .. P-1 of each distinct prompt (base > 0: a kept sliding layer's last window only)."""
+
+    x: torch.Tensor
+    base: int = 0
+
+
+class _PromptLayers(Sequence):
+    """``Policy.allocate``'s view of prompt u's compressed layers: (q, k) float32 of one layer when asked, with
+    the prompt memo's ``cache`` (work an allocator does on them, D2O's variances, is shared by the batches)."""
+
+    def __init__(self, runner: "BatchRunner", u: int, layers: list[int], cache: dict | None) -> None:
+        self.runner, self.u, self.layers, self.cache = runner, u, layers, cache
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, j):   # type: ignore[override]
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        r, layer = self.runner, self.layers[j]
+        return r._prompt(r.prompt_q, layer, self.u), r._prompt(r.prompt_k, layer, self.u)
+
+
 class _Row:
     """Per-configuration state of a batch row: per-layer policies and kernels (the row's policy on the layers
     it compresses, the model's own window on a kept sliding layer), budgets, slot/head states, outputs."""
@@ -235,11 +424,12 @@ class _Row:
 class BatchRunner:
     """Runs many closed-loop configurations as one batch through the model.
 
-    Every batch row is a (policy, budget, prompt) configuration with its own per-head varlen cache: one
-    `VarlenKVCache` per layer holds all rows (``batch = rows``, capacities per row and KV head), so attention
-    and compaction are single calls per layer and the model's weight matmuls are shared by the rows. The policy
-    step runs per row on that row's slice of the layer, exactly as a one-row run does, so a batch gives the
-    results of running each configuration alone (tested). Work every row does identically is shared: each
+    Every batch row is a (policy, budget, prompt) configuration with its own per-head varlen cache: one cache
+    per layer holds all rows (``batch = rows``, capacities per row and KV head; `HostKVCache` on the CPU,
+    `VarlenKVCache` on a device), so attention is one call per layer and the model's weight matmuls are shared by
+    the rows. The policy step runs per row on that row's slice of the layer (one jitted call, with a jitted
+    check-and-compact after it), exactly as a one-row run does, so a batch gives the results of running each
+    configuration alone (tested). Work every row does identically is shared: each
     distinct prompt goes through the model once, and streamed prompts skip the model until the first eviction
     in any row (`_fast_forward`). Rows must agree on whether the prompt is streamed, on the prompt length, on
     the number of predictions and on the prompt chunk (`BatchJob.batch_key`; `run_batch` groups jobs that way).
@@ -249,6 +439,10 @@ class BatchRunner:
     chunk-mates' slots), their probabilities are summed per slot, and the policy steps once, as in the
     simulator.
     """
+
+    #: the torch backend on the CPU at float32 keeps its caches as `HostKVCache` (stepped in place); False: the
+    #: device cache path (`TorchVarlenKVCache`, flat masks, one ``compact`` per layer), as on a GPU
+    _host_cache: bool = True
 
     def __init__(self, model, jobs: Sequence[BatchJob], *, backend: str = "torch", open_loop: bool = False,
                  record_kept: tuple[int, int] | None = None, cache_dtype: torch.dtype | None = None,
@@ -288,10 +482,7 @@ class BatchRunner:
 
             kwargs.setdefault("dropout", 0.0)
             out, w = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-            t = query.shape[2]               # this prompt chunk's tokens: the last t of the keys the layer sees
-            for store, x in ((self.prompt_q, query), (self.prompt_k, key[:, :, -t:]),
-                             (self.prompt_v, value[:, :, -t:])):
-                store.setdefault(layer, []).append(x.transpose(1, 2).float().cpu().numpy())   # [U, t, H, d]
+            self._capture(layer, query, key, value)
             return out, w
         C = query.shape[2]
         if query.shape[0] != len(self.rows) or key.shape[2] != C or not 1 <= C <= self.chunk:
@@ -309,16 +500,22 @@ class BatchRunner:
         outs = []
         for j in range(C):
             t = t0 + j
-            cache.append(key[:, :, j:j + 1].to(self.cache_dtype), value[:, :, j:j + 1].to(self.cache_dtype),
-                         positions=torch.full((B, 1), t, device=self.device, dtype=torch.int64))
-            mults = self._mults(t) if self.compressed[layer] else np.ones(B)   # a kept window is the model's own
+            if self.host:
+                cache.append(key[:, :, j:j + 1], value[:, :, j:j + 1], t)
+            else:
+                cache.append(key[:, :, j:j + 1].to(self.cache_dtype), value[:, :, j:j + 1].to(self.cache_dtype),
+                             positions=torch.full((B, 1), t, device=self.device, dtype=torch.int64))
+            mults = self._mults(t) if self.compressed[layer] else None   # a kept window is the model's own
             visible_from = t - window + 1 if window and C > 1 else None       # older chunk-mates' windows moved
             outs.append(self._attend(cache, query[:, :, j, :].to(self.cache_dtype), mults, visible_from))
             if C > 1:
-                p = self._host_padded(layer, cache, cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
+                if self.host:
+                    p = cache.p.numpy().astype(np.float64)
+                else:
+                    p = self._host_padded(layer, cache, cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
                 summed = p if summed is None else summed + p
         self._last_deviated = self._policy_step(layer, t0 + C - 1, cache, probs=summed)
-        o = torch.stack(outs, 1)                                                 # [B, C, Hq, d]
+        o = outs[0][:, None] if C == 1 else torch.stack(outs, 1)                # [B, C, Hq, d]
         if self.open_loop and extend_dense:
             dk, dv = self.dense[layer]
             dk, dv = torch.cat([dk, key], 2), torch.cat([dv, value], 2)
@@ -336,22 +533,36 @@ class BatchRunner:
                                                                  scale=self.layer_scale[layer]).transpose(1, 2)
         return o.to(query.dtype).reshape(B, C, self.n_q, self.head_dim)
 
-    def _mults(self, t: int) -> np.ndarray:
-        """Every row's logit multiplier at step t, checked."""
-        mults = np.array([row.logit_scale(t) for row in self.rows])
-        info = np.zeros(3, np.int64)
-        for row, mult in zip(self.rows, mults):
-            raise_on(row.policy, check_scale(float(mult), t, info), info, -1)
-        return mults
+    def _mults(self, t: int) -> np.ndarray | None:
+        """Every row's logit multiplier at step t, checked (computed once per step for all layers); None when
+        every row's is 1 (no row has a logit scale)."""
+        if not self._scaled_rows:
+            return None
+        m = self._mults_memo.get(t)
+        if m is None:
+            m = np.ones(len(self.rows))
+            info = np.zeros(3, np.int64)
+            for b in self._scaled_rows:
+                row = self.rows[b]
+                m[b] = row.logit_scale(t)
+                raise_on(row.policy, check_scale(float(m[b]), t, info), info, -1)
+            if len(self._mults_memo) > 64:
+                self._mults_memo.clear()
+            self._mults_memo[t] = m
+        return m
 
-    def _attend(self, cache, q: torch.Tensor, mults: np.ndarray, visible_from: int | None) -> torch.Tensor:
+    def _attend(self, cache, q: torch.Tensor, mults: np.ndarray | None, visible_from: int | None) -> torch.Tensor:
         """The cache's attention for one query per row (``visible_from``: slots at earlier positions hidden)."""
+        if self.host:
+            if mults is None or (mults == 1.0).all():
+                return cache.attend(q, visible_from=visible_from)
+            return cache.attend(q, logit_scale=torch.as_tensor(mults, dtype=torch.float32), visible_from=visible_from)
         kw = {"update_acc": False, "update_ema": False}
         if visible_from is not None:
             if not isinstance(cache, TorchVarlenKVCache):
                 raise ValidateError("chunked prefill on a sliding-window layer needs the torch backend")
             kw["visible_from"] = visible_from
-        if (mults == 1.0).all():
+        if mults is None or (mults == 1.0).all():
             o, _ = cache.attend(q, **kw)
         elif isinstance(cache, TorchVarlenKVCache):
             o, _ = cache.attend(q, logit_scale=torch.as_tensor(mults, dtype=torch.float32), **kw)
@@ -369,60 +580,73 @@ class BatchRunner:
         return out
 
     # ----- the policy step of every row on host arrays, as sim/engine.py calls it -----
+    def _scratch(self, cap: int) -> tuple:
+        """Contiguous per-row step inputs of width ``cap`` (shared by the rows of that width: they step in turn)."""
+        sc = self._scratches.get(cap)
+        if sc is None:
+            H, G, d = self.n_kv, self.group, self.head_dim
+            sc = self._scratches[cap] = (
+                np.zeros(H, np.int64), np.zeros((H, G, cap)), np.zeros((H, cap, d), np.float32),
+                np.zeros((H, cap, d), np.float32), np.full((H, cap), -1, np.int64), np.ones((H, cap), np.uint8),
+                np.full((H, cap), -1, np.int64), np.ones((H, cap)))
+        return sc
+
     def _policy_step(self, layer: int, t: int, cache, probs: np.ndarray | None = None) -> bool:
         """Every row's policy step on this layer, then the layer's window; True when some row's policy evicted or
         merged a slot of a layer it compresses (so the cache no longer holds what the model's attention sees).
-        ``probs`` [B*Hkv, G, width]: a prompt chunk's summed attention (default: the cache's last attention)."""
-        H = self.n_kv
-        lengths_all = cache.length.cpu().numpy().astype(np.int64)
-        idx, valid_all = self.slot_index[layer], np.arange(cache.max_capacity)[None, :] < lengths_all[:, None]
-        if probs is None:
-            probs = self._host_padded(layer, cache, cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
-        probs_all = probs
-        keys_all = self._host_padded(layer, cache, cache.k, 0.0).astype(np.float32, copy=False)
-        values_all = self._host_padded(layer, cache, cache.v, 0.0).astype(np.float32, copy=False)
-        pos_all = self._host_padded(layer, cache, cache.positions, -1)
-        width = cache.max_capacity
+        ``probs`` [B*Hkv, G, width]: a prompt chunk's summed attention (default: the cache's last attention).
+
+        Per row: the policy's jitted step runs on the row's slots -- views of the host cache when the row is as
+        wide as the layer, else (or from a device cache) contiguous copies of the row's width (`_row_prep`) --
+        then `_row_post` checks the contract, applies the window and compacts: in place on the host cache's
+        arrays, or into flat masks for one ``compact`` of the layer's device cache."""
+        H, host = self.n_kv, self.host
+        if host:
+            lengths_all, keys_all, values_all, pos_all = cache.length, cache.k3, cache.v3, cache.pos
+            if probs is None:
+                probs = (cache.p.double().numpy() if self.layer_reads[layer]
+                         else self._probs_buffer(cache.max_capacity))
+            keep_all, mt_all, mw_all = self._no_masks
+        else:
+            lengths_all = cache.length.cpu().numpy().astype(np.int64)
+            if probs is None:
+                probs = self._host_padded(layer, cache, cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
+            keys_all = self._host_padded(layer, cache, cache.k, 0.0).astype(np.float32, copy=False)
+            values_all = self._host_padded(layer, cache, cache.v, 0.0).astype(np.float32, copy=False)
+            pos_all = self._host_padded(layer, cache, cache.positions, -1)
+            width = cache.max_capacity
+            keep_all = np.zeros((len(self.rows) * H, width), np.uint8)
+            mt_all = np.full((len(self.rows) * H, width), -1, np.int64)
+            mw_all = np.ones((len(self.rows) * H, width), np.float64)
         window = int(self.attn[layer].window or 0)
-        deviated = False
-        keep_all = np.zeros((len(self.rows) * H, width), np.uint8)
-        mt_all = np.full((len(self.rows) * H, width), -1, np.int64)
-        mw_all = np.ones((len(self.rows) * H, width), np.float64)
+        compressed = bool(self.compressed[layer])
+        n_new = t - self.t + 1                    # the step's new slots (a prompt chunk's) start at zero state
+        deviated = evicted = False
+        info, out = self._info, self._out
         for b, row in enumerate(self.rows):
-            sl = slice(b * H, (b + 1) * H)
-            sst, hst = row.slot_state[layer], row.head_state[layer]
-            cap = sst.shape[1]
-            lengths = lengths_all[sl]
-            probs = np.ascontiguousarray(probs_all[sl, :, :cap])
-            keys = np.ascontiguousarray(keys_all[sl, :cap])
-            values = np.ascontiguousarray(values_all[sl, :cap])
-            pos = np.ascontiguousarray(pos_all[sl, :cap])
-            n_new = t - self.t + 1                    # the step's new slots (a prompt chunk's) start at zero state
-            for h in range(H):
-                sst[h, max(0, lengths[h] - n_new):lengths[h]] = 0.0
-            keep = np.ones((H, cap), np.uint8)
-            merge_to = np.full((H, cap), -1, np.int64)
-            merge_w = np.ones((H, cap), np.float64)
-            budget = row.budgets[layer]
-            policy = row.layer_policy[layer]
-            row.kernels[layer][0](row.params[layer], layer, t, budget, lengths, probs, keys, values, pos, sst, hst,
-                                  keep, merge_to, merge_w)
-            info = np.zeros(3, np.int64)
-            raise_on(policy, check_step(lengths, keep, merge_to, budget, policy.head_adaptive,
-                                        not policy.unbounded, t, info), info, layer)
-            if self.compressed[layer] and not deviated:
-                held = (keep.astype(bool) & (np.arange(cap)[None, :] < lengths[:, None])).sum(1)
-                deviated = bool((held < lengths).any() or (merge_to >= 0).any())
-            apply_window(lengths, keep, merge_to, pos, t, window)
-            kept_n = keep_kept_first(keep, lengths, sst, pos)
-            keep_all[sl, :cap], mt_all[sl, :cap], mw_all[sl, :cap] = keep, merge_to, merge_w
-            row.held[layer] = int(kept_n.sum())
+            r0 = b * H
+            step, params, budget, adaptive, bounded, sst, hst, cap, views = row.plan[layer]
+            ln, pr, ks, vs, ps, keep, merge_to, merge_w = self._scratch(cap)
+            if views is not None:               # the row's slots as they lie in the host cache
+                ln, ks, vs, ps = views
+                pr = probs[r0:r0 + H]
+            else:
+                _row_prep(r0, n_new, lengths_all, probs, keys_all, values_all, pos_all, sst, ln, pr, ks, vs, ps)
+            step(params, layer, t, budget, ln, pr, ks, vs, ps, sst, hst, keep, merge_to, merge_w)
+            status = _row_post(t, budget, adaptive, bounded, window, compressed, ln, keep, merge_to, merge_w, ps,
+                               sst, info, out, host, r0, keys_all, values_all, pos_all, lengths_all, keep_all, mt_all,
+                               mw_all)
+            if status != OK:
+                raise_on(row.layer_policy[layer], status, info, layer)
+            deviated |= bool(out[0])
+            evicted |= bool(out[1])
+            row.held[layer] = int(out[2])
             if row.kept is not None:
                 r = t - self.record_kept[0]
                 if 0 <= r < row.kept.shape[1]:
-                    row.kept[layer, r, :, :cap] = pos
-        evicted = bool((keep_all.sum(1) < lengths_all).any())
-        if evicted:
+                    row.kept[layer, r, :, :cap] = pos_all[r0:r0 + H, :cap] if host else ps
+        if evicted and not host:
+            idx, valid_all = self.slot_index[layer], np.arange(cache.max_capacity)[None, :] < lengths_all[:, None]
             flat = idx[valid_all]
             total = cache.total_capacity
             flat_keep = np.zeros(total, np.uint8)
@@ -440,36 +664,71 @@ class BatchRunner:
         return deviated
 
     # ----- setup -----
+    def _capture(self, layer: int, query, key, value) -> None:
+        """Keep what the runs need of one prompt chunk's q/k/v in this layer's preallocated store, at the model's
+        dtype (`PromptStore`): q only on a layer the policies compress, k/v of a kept sliding layer only over
+        its last window unless every token is needed (a streamed prompt's fast-forward, an open loop)."""
+        t = query.shape[2]             # this prompt chunk's tokens: the last t of the keys the layer sees
+        window = self.layer_window[layer]
+        compressed = self.sliding == "compress" or not window
+        c0 = self._captured.get(layer, 0)
+        self._captured[layer] = c0 + t
+        U, P = query.shape[0], self._capture_len
+        base = 0 if compressed or self._capture_full else max(0, P - int(window))
+        for store, x, want in ((self.prompt_q, query, compressed), (self.prompt_k, key[:, :, -t:], True),
+                               (self.prompt_v, value[:, :, -t:], True)):
+            if not want:
+                continue
+            if layer not in store:
+                store[layer] = PromptStore(torch.empty((U, P - base, x.shape[1], x.shape[3]), dtype=x.dtype), base)
+            st = store[layer]
+            lo = max(c0, st.base)
+            if lo < c0 + t:
+                st.x[:, lo - st.base:c0 + t - st.base].copy_(x[:, :, lo - c0:].transpose(1, 2))
+
     def _prompt_forward(self, prompts: list[tuple[int, ...]]) -> torch.Tensor:
         """The distinct prompts through the model with its own attention, ``PROMPT_CHUNK`` tokens per forward and
         the model's KV cache between chunks (no layer builds a P x P mask; a long prompt's memory stays bounded),
-        capturing every layer's q/k/v; returns the logits after the last prompt token. Only that position's
-        prediction is read, so the LM head runs on it alone (Gemma-3: 262 k x 640 weights). With a
-        ``prompt_memo`` (`run_batch` shares one among the batches of a call) the captures of the same prompts are
-        reused: a prompt goes through the model once for its streamed and its prefilled rows."""
+        capturing each layer's q/k/v as far as the runs need them (`_capture`); returns the logits after the last
+        prompt token. Only that position's prediction is read, so the LM head runs on it alone (Gemma-3: 262 k x
+        640 weights). With a ``prompt_memo`` (`run_batch` shares one among the batches of a call) the captures of
+        the same prompts are reused: a prompt goes through the model once for its streamed and its prefilled rows
+        (again only when a batch needs the whole of a kept sliding layer's prompt and the memo holds its window)."""
         memo = self.prompt_memo
-        if memo is not None and memo.get("prompts") == tuple(prompts):
+        full = bool(self.jobs[0].streams or self.open_loop)
+        if (memo is not None and memo.get("prompts") == tuple(prompts) and memo.get("sliding") == self.sliding
+                and (memo["full"] or not full)):
             self.prompt_q, self.prompt_k, self.prompt_v = memo["q"], memo["k"], memo["v"]
             self.layer_scale.update(memo["scale"])
             self.layer_window.update(memo["window"])
             last = memo["logits"]
         else:
+            if memo is not None:
+                memo.clear()       # drop the previous prompt's captures before this one's are taken
             ids = torch.tensor(prompts, device=self.device)
+            self._capture_len, self._capture_full, self._captured = ids.shape[1], full, {}
             for _, _, logits in forward_in_chunks(self.model, ids, PROMPT_CHUNK, lambda c0, c1: 1):
                 pass        # the layers capture q/k/v as the chunks go; only the last chunk's logits are read
-            for store in (self.prompt_q, self.prompt_k, self.prompt_v):
-                for layer, parts in store.items():
-                    store[layer] = np.concatenate(parts, axis=1)                  # [U, P, H, d]
             last = logits[:, -1].float()
+            full = full or not any(st.base for st in self.prompt_k.values())   # (no layer kept its window only)
             if memo is not None:
-                memo.clear()
-                memo.update(prompts=tuple(prompts), q=self.prompt_q, k=self.prompt_k, v=self.prompt_v,
-                            scale=dict(self.layer_scale), window=dict(self.layer_window), logits=last)
+                memo.update(prompts=tuple(prompts), sliding=self.sliding, full=full, q=self.prompt_q, k=self.prompt_k,
+                            v=self.prompt_v, scale=dict(self.layer_scale), window=dict(self.layer_window), logits=last)
         if self.open_loop:
             dev, dtype = self.device, next(self.model.parameters()).dtype
-            self.dense = {layer: [torch.from_numpy(a[layer]).to(dev, dtype).transpose(1, 2)[self.prompt_of]
+            self.dense = {layer: [a[layer].x.to(dev, dtype).transpose(1, 2)[self.prompt_of]
                                   for a in (self.prompt_k, self.prompt_v)] for layer in self.prompt_k}
         return last
+
+    def _prompt(self, store: dict, layer: int, u: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Prompt u's captured q, k or v of ``layer`` at positions lo..hi-1 as float32 numpy [n, H, d] (a view when
+        the model computes in float32)."""
+        st = store[layer]
+        hi = self._P if hi is None else hi
+        if lo < st.base:
+            raise ValidateError(f"layer {layer}: prompt positions from {lo} were not kept (from {st.base})")
+        x = st.x[u, lo - st.base:hi - st.base]
+        return x.numpy() if x.dtype == torch.float32 else x.float().numpy()
 
     def _forward(self, tokens: Sequence[Sequence[int]], t: int, *, logits: bool = True):
         """Feed each row's tokens (one, or a prompt chunk) at positions t, t+1, ...; the logits after the last,
@@ -517,12 +776,13 @@ class BatchRunner:
         self.prompt_of = torch.tensor([prompts[tuple(row.prompt)] for row in rows], device=self.device)
         self.prompt_q, self.prompt_k, self.prompt_v, self.dense = {}, {}, {}, {}
         self.layer_scale, self.layer_window = {}, {}
+        self._P = P
         self.mode = "prompt"
         self.model.eval()
         with torch.no_grad(), routed(self.model, self):
             last = self._prompt_forward(list(prompts))[self.prompt_of]
-            if len(self.prompt_q) != self.n_layers:
-                raise ValidateError(f"only {len(self.prompt_q)} of {self.n_layers} layers called the attention "
+            if len(self.prompt_k) != self.n_layers:
+                raise ValidateError(f"only {len(self.prompt_k)} of {self.n_layers} layers called the attention "
                                     "interface; this model is not supported")
             self._layer_attention()
             caps = []
@@ -536,16 +796,32 @@ class BatchRunner:
                 row.head_state = [row.layer_policy[l].head_state_init(
                     self.n_kv, self.head_dim, self._wo(l) if row.layer_policy[l].needs_wo else None)
                     for l in range(self.n_layers)]
+                row.plan = [(row.kernels[l][0], row.params[l], np.ascontiguousarray(row.budgets[l]),
+                             bool(row.layer_policy[l].head_adaptive), not row.layer_policy[l].unbounded,
+                             row.slot_state[l], row.head_state[l], int(cap[l].max())) for l in range(self.n_layers)]
                 if self.record_kept:
                     row.kept = np.full((self.n_layers, self.record_kept[1], self.n_kv, int(cap.max())), -1, np.int32)
             caps_all = np.stack(caps, 1)   # [L, B, Hkv]
             B = len(rows)
-            self.caches = [make_cache(self.backend, batch=B, n_kv_heads=self.n_kv, n_q_heads=self.n_q,
-                                      head_dim=self.head_dim, capacity=caps_all[l].reshape(-1).tolist(),
-                                      dtype=self.cache_dtype, device=self.device, softmax_scale=self.layer_scale[l],
-                                      track_acc=False)
-                           for l in range(self.n_layers)]
-            self.slot_index = [c.slot_rows.cpu().numpy() for c in self.caches]
+            self.host = (self._host_cache and self.backend == "torch" and self.device.type == "cpu"
+                         and self.cache_dtype == torch.float32)
+            self.caches = [(HostKVCache if self.host else functools.partial(make_cache, self.backend))(
+                batch=B, n_kv_heads=self.n_kv, n_q_heads=self.n_q, head_dim=self.head_dim,
+                capacity=caps_all[l].reshape(-1).tolist(), dtype=self.cache_dtype, device=self.device,
+                softmax_scale=self.layer_scale[l], track_acc=False) for l in range(self.n_layers)]
+            self.slot_index = None if self.host else [c.slot_rows.cpu().numpy() for c in self.caches]
+            H = self.n_kv
+            for b, row in enumerate(rows):   # a row as wide as its layer's host cache steps on views of it
+                row.plan = [plan + ((c.length[b * H:(b + 1) * H], c.k3[b * H:(b + 1) * H], c.v3[b * H:(b + 1) * H],
+                                     c.pos[b * H:(b + 1) * H]) if self.host and plan[7] == c.max_capacity else None,)
+                            for plan, c in zip(row.plan, self.caches)]
+            self._scratches, self._probs_buf, self._mults_memo = {}, {}, {}
+            self._info, self._out = np.zeros(3, np.int64), np.zeros(3, np.int64)
+            self._no_masks = (np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
+            unit = compiled(unit_logit_scale)
+            self._scaled_rows = [b for b, row in enumerate(rows) if row.scale_fn is not unit]
+            self.reads_attention = any(row.policy.reads_attention for row in rows)
+            self.layer_reads = [any(row.layer_policy[l].reads_attention for row in rows) for l in range(self.n_layers)]
             self.mode = "decode"
             if not streams:
                 self._prefill(P)
@@ -600,34 +876,52 @@ class BatchRunner:
         first token."""
         rows, dev, C = self.rows, self.device, self.chunk
         idx = self.prompt_of.cpu().numpy()
+        groups = [(int(u), np.flatnonzero(idx == u)) for u in np.unique(idx)]
         B = len(rows)
         for t0 in range(0, P, C):
             stop = min(P, t0 + C)
-            if any(row.logit_scale(t) != 1.0 for t in range(t0, stop) for row in rows):
+            if any(m is not None and (m != 1.0).any() for m in (self._mults(t) for t in range(t0, stop))):
                 return t0
             self.t = t0
-            pos = (t0 + torch.arange(stop - t0, device=dev, dtype=torch.int64))[None, :].expand(B, -1)
+            pos = None if self.host else (t0 + torch.arange(stop - t0, device=dev, dtype=torch.int64))[None, :].expand(
+                B, -1)
             evicted = False
             for layer in range(self.n_layers):   # (an open loop's dense copy already holds the prompt)
                 cache = self.caches[layer]
-                k, v = (torch.from_numpy(a[layer][idx, t0:stop]).to(dev, self.cache_dtype).transpose(1, 2)
-                        for a in (self.prompt_k, self.prompt_v))                            # [B, Hkv, C, d]
-                cache.append(k, v, positions=pos)
+                if self.host:
+                    k, v = (self._prompt_rows(a, layer, idx, t0, stop) for a in (self.prompt_k, self.prompt_v))
+                    cache.append(k, v, t0)
+                else:
+                    k, v = (self._prompt_rows(a, layer, idx, t0, stop).to(dev, self.cache_dtype)
+                            for a in (self.prompt_k, self.prompt_v))                        # [B, Hkv, C, d]
+                    cache.append(k, v, positions=pos)
                 del k, v
-                probs = np.zeros((B * self.n_kv, self.group, cache.max_capacity))
-                if self.compressed[layer]:        # a kept window's policy does not read attention
-                    slot_pos = self._host_padded(layer, cache, cache.positions, -1)
-                    for u in np.unique(idx):
-                        summed = self._prompt_chunk_probs(layer, int(u), t0, stop)          # [Hkv, G, stop]
-                        for b in np.flatnonzero(idx == u):
-                            for h in range(self.n_kv):
-                                r = b * self.n_kv + h
-                                valid = slot_pos[r] >= 0
-                                probs[r][:, valid] = summed[h][:, slot_pos[r][valid]]
+                probs = self._probs_buffer(cache.max_capacity)
+                if self.compressed[layer] and self.reads_attention:   # a kept window's policy does not read it
+                    slot_pos = cache.pos if self.host else self._host_padded(layer, cache, cache.positions, -1)
+                    for u, bs in groups:
+                        summed = self._prompt_chunk_probs(layer, u, t0, stop)               # [Hkv, G, stop]
+                        _map_prompt_probs(summed, bs, self.n_kv, slot_pos, probs)
                 evicted |= self._policy_step(layer, stop - 1, cache, probs=probs)
             if evicted:
                 return stop
         return P
+
+    def _probs_buffer(self, width: int) -> np.ndarray:
+        """A zeroed [B*Hkv, G, width] float64 buffer for a fast-forwarded chunk's attention (reused)."""
+        buf = self._probs_buf.get(width)
+        if buf is None:
+            buf = self._probs_buf[width] = np.zeros((len(self.rows) * self.n_kv, self.group, width))
+        else:
+            buf.fill(0.0)
+        return buf
+
+    def _prompt_rows(self, store: dict, layer: int, idx: np.ndarray, t0: int, stop: int) -> torch.Tensor:
+        """The captured k or v of every row's prompt at positions t0..stop-1: [B, Hkv, stop - t0, d]."""
+        st = store[layer]
+        if t0 < st.base:
+            raise ValidateError(f"layer {layer}: prompt positions from {t0} were not kept (from {st.base})")
+        return st.x[torch.from_numpy(idx), t0 - st.base:stop - st.base].transpose(1, 2)
 
     def _prompt_chunk_probs(self, layer: int, u: int, t0: int, stop: int) -> np.ndarray:
         """[Hkv, G, stop] float64: the attention of prompt u's tokens t0..stop-1 on every key before stop, summed
@@ -639,7 +933,8 @@ class BatchRunner:
         memo, key = self.prompt_memo, ("column_sums", layer, u, t0, stop)    # every batch of a prompt needs them
         if memo is not None and key in memo:
             return memo[key]
-        sums = causal_column_sums(self.prompt_q[layer][u], self.prompt_k[layer][u], float(self.layer_scale[layer]),
+        sums = causal_column_sums(self._prompt(self.prompt_q, layer, u, 0, stop),
+                                  self._prompt(self.prompt_k, layer, u, 0, stop), float(self.layer_scale[layer]),
                                   start=t0, stop=stop, window=self.attn[layer].window or None)
         if memo is not None:
             memo[key] = sums
@@ -663,7 +958,9 @@ class BatchRunner:
         from policies.registry import get_policy
 
         comp = [l for l in range(self.n_layers) if self.compressed[l]]
-        layers = [(self.prompt_q[l][u], self.prompt_k[l][u]) for l in comp]
+        memo = self.prompt_memo
+        cache = None if memo is None else memo.setdefault(("allocate", u, tuple(comp)), {})
+        layers = _PromptLayers(self, u, comp, cache)
         alloc = check_allocation(row.policy, row.policy.allocate(int(row.job.budget), self.n_kv, layers,
                                                                  self.layer_scale[comp[0]]), len(comp), self.n_kv)
         own_window = get_policy("window")
@@ -695,25 +992,27 @@ class BatchRunner:
 
 
     def _prefill(self, P: int) -> None:
-        """Each row's prefill selector on its prompt's q/k/v (none: keep all), then the kept tokens loaded."""
+        """Each row's prefill selector on its prompt's q/k/v (none: keep all), then the kept tokens loaded, one
+        layer at a time (a layer's prompt is read as float32 only while that layer is loaded)."""
         H, B = self.n_kv, len(self.rows)
+        idx = self.prompt_of.cpu().numpy()
         for layer in range(self.n_layers):
+            window = self.attn[layer].window
+            lo = max(0, P - window + 1) if window else 0    # the window's rule after any selection
             keep_all = np.ones((B, H, P), np.uint8)
+            cache = self.caches[layer]
             for b, row in enumerate(self.rows):
-                u = int(self.prompt_of[b])
-                q = np.ascontiguousarray(self.prompt_q[layer][u], np.float32)
-                k = np.ascontiguousarray(self.prompt_k[layer][u], np.float32)
-                v = np.ascontiguousarray(self.prompt_v[layer][u], np.float32)
+                u = int(idx[b])
                 keep = keep_all[b]
                 policy = row.layer_policy[layer]
                 pst = np.zeros((H, P, policy.slot_fields))
                 budget = row.budgets[layer]
                 if policy.has_prefill:
+                    q, k, v = (self._prompt(a, layer, u) for a in (self.prompt_q, self.prompt_k, self.prompt_v))
                     row.kernels[layer][1](row.params[layer], layer, budget, q, k, v, float(self.layer_scale[layer]),
                                           keep, pst, row.head_state[layer])
-                window = self.attn[layer].window
-                if window:                       # the window's rule after the selection, as in the engine
-                    keep[:, : max(0, P - window + 1)] = 0
+                    del q, k, v
+                keep[:, :lo] = 0
                 kept_n = keep.sum(1).astype(np.int64)
                 info = np.zeros(3, np.int64)
                 raise_on(policy, check_kept(kept_n, budget, policy.head_adaptive, not policy.unbounded,
@@ -724,12 +1023,38 @@ class BatchRunner:
                 sst[:, :n] = np.take_along_axis(pst, order[:, :n, None], 1)
                 sst[np.arange(sst.shape[1])[None, :] >= kept_n[:, None]] = 0.0
                 row.held[layer] = int(kept_n.sum())
-            dev = self.device
-            idx = self.prompt_of.cpu().numpy()
-            kt = torch.from_numpy(self.prompt_k[layer][idx]).to(dev).transpose(1, 2)
-            vt = torch.from_numpy(self.prompt_v[layer][idx]).to(dev).transpose(1, 2)
-            self.caches[layer].prefill(kt, vt, torch.from_numpy(keep_all).to(dev).bool())
-
+                if self.host:
+                    src = self._prompt(self.prompt_k, layer, u, lo), self._prompt(self.prompt_v, layer, u, lo)
+                    for h in range(H):
+                        sel = np.flatnonzero(keep[h])
+                        r = b * H + h
+                        if sel.size > cache.capacity[r]:
+                            raise CacheCapacityError(f"prefill keeps more tokens than capacity in head {r}")
+                        cache.k3[r, :sel.size] = src[0][sel - lo, h]
+                        cache.v3[r, :sel.size] = src[1][sel - lo, h]
+                        cache.pos[r, :sel.size] = sel
+                        cache.length[r] = sel.size
+            if not self.host:                    # the kept tokens only (a long prompt is never copied per row)
+                width = max(1, int(keep_all.sum(2).max()))
+                kk = torch.zeros((B, H, width, self.head_dim), dtype=self.cache_dtype)
+                vv = torch.zeros_like(kk)
+                pos = torch.zeros((B, H, width), dtype=torch.int64)
+                kept = torch.zeros((B, H, width), dtype=torch.bool)
+                for b in range(B):
+                    u = int(idx[b])
+                    src = self.prompt_k[layer], self.prompt_v[layer]
+                    for h in range(H):
+                        sel = np.flatnonzero(keep_all[b, h])
+                        n = sel.size
+                        if n and sel[0] < src[0].base:
+                            raise ValidateError(f"layer {layer}: prompt k/v from {sel[0]} were not kept")
+                        rows_ = torch.from_numpy(sel - src[0].base)
+                        kk[b, h, :n] = src[0].x[u, rows_, h]
+                        vv[b, h, :n] = src[1].x[u, rows_, h]
+                        pos[b, h, :n] = torch.from_numpy(sel)
+                        kept[b, h, :n] = True
+                dev = self.device
+                cache.prefill(kk.to(dev), vv.to(dev), kept.to(dev), positions=pos.to(dev))
 
 
 def run_batch(model, jobs: Sequence[BatchJob], *, backend: str = "torch", max_rows: int = 64,

@@ -153,3 +153,61 @@ def test_batches_hold_budgets_of_one_tier_so_small_caches_are_not_padded_to_larg
     assert _budget_tiers(list(range(6)), budgets, 48) == [[0, 1, 2], [3, 4], [5]]
     assert _budget_tiers(list(range(6)), budgets, 2) == [[0, 1], [2], [3, 4], [5]]
     assert _budget_tiers([], [], 4) == []
+
+
+def _gemma3_tiny():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+                           sliding_window=8, max_position_embeddings=256,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_host_cache_equals_the_device_cache_path(llama, arch, monkeypatch):
+    """The CPU's host cache (policy steps on views of the padded cache, merges and compaction in place) gives what
+    the device-cache path gives (flat masks, `TorchVarlenKVCache.compact`, the per-head merge reference): logits,
+    kept sets, memory; streamed and prefilled rows, merging (D2O), logit-scaled (BUZZ), head-adaptive and
+    layer-allocating policies, mixed widths, a sliding layer kept or compressed."""
+    model = llama if arch == "llama" else _gemma3_tiny()
+    names = ["h2o", "d2o", "streaming_llm", "cascading", "tova", "snapkv", "pyramidkv", "ada_snapkv", "buzz",
+             "critical(h2o)", "full"]
+    ids = _ids(7)
+    jobs = [BatchJob(get_policy(n), b, ids[:18], continuation=ids[18:30]) for n in names for b in (6, 9)
+            if b >= get_policy(n).min_budget()]
+    kw = dict(keep_logits=True, record_kept=(18, 5))
+    for sliding in (("keep", "compress") if arch == "gemma3" else ("keep",)):
+        host = run_batch(model, jobs, sliding=sliding, **kw)
+        monkeypatch.setattr(BatchRunner, "_host_cache", False)
+        device = run_batch(model, jobs, sliding=sliding, **kw)
+        monkeypatch.setattr(BatchRunner, "_host_cache", True)
+        for a, b in zip(host, device):
+            _same(a, b)
+
+
+def test_prompt_captures_keep_a_kept_sliding_layers_window_and_are_reused(monkeypatch):
+    """A prefilled batch keeps only the last window of a kept sliding layer's prompt k/v (and no q there); a streamed
+    batch of the same prompt after it needs them all and captures again; both equal fresh runs."""
+    from gpu_validate import runner as R
+
+    model = _gemma3_tiny()
+    ids = _ids(8)
+    pre = [BatchJob(get_policy("snapkv"), 6, ids[:24], continuation=ids[24:30])]
+    stream = [BatchJob(get_policy("h2o"), 6, ids[:24], continuation=ids[24:30])]
+    forwards = []
+    real = R.forward_in_chunks
+    monkeypatch.setattr(R, "forward_in_chunks", lambda *a, **k: (forwards.append(1), real(*a, **k))[1])
+    memo: dict = {}
+    a = run_batch(model, pre, prompt_memo=memo, keep_logits=True)
+    assert memo["k"][0].base == 24 - 8 and memo["k"][1].base == 0 and sorted(memo["q"]) == [1]
+    assert memo["k"][0].x.shape[1] == 8 and not memo["full"]
+    b = run_batch(model, stream, prompt_memo=memo, keep_logits=True)
+    assert len(forwards) == 2 and memo["full"] and memo["k"][0].base == 0
+    c = run_batch(model, pre, prompt_memo=memo, keep_logits=True)       # the full captures serve it too
+    assert len(forwards) == 2
+    for got, fresh in ((a, run_batch(model, pre, keep_logits=True)), (b, run_batch(model, stream, keep_logits=True)),
+                       (c, a)):
+        _same(got[0], fresh[0])
