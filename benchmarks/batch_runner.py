@@ -39,7 +39,11 @@ def _streamed_batch(model_name: str, n_prompt: int, n_decode: int) -> dict:
     import numpy as np
     import torch
 
-    from gpu_validate.runner import BatchJob, run_batch
+    try:
+        from gpu_validate.jobs import BatchJob
+    except ImportError:   # --before's checkout may predate gpu_validate.jobs (BatchJob was in gpu_validate.runner)
+        from gpu_validate.runner import BatchJob
+    from gpu_validate.runner import run_batch
     from sim.specs import parse_policy
     from sim.threads import limit_threads
     from traces.model import default_text
@@ -112,7 +116,8 @@ def main(argv: list[str]) -> int:
     import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
 
     from benchmarks._util import machine, write_result
-    from gpu_validate.runner import BatchJob, CompressedRunner, run_batch
+    from gpu_validate.jobs import BatchJob
+    from gpu_validate.runner import CompressedRunner, run_batch
     from sim.specs import parse_policy
     from sim.threads import limit_threads
     from traces.model import default_text

@@ -33,7 +33,9 @@ def main(argv: list[str]) -> int:
 
     from benchmarks._util import length_result_name, machine, write_result
     from gpu_validate.evaluate import metrics_of_run
-    from gpu_validate.runner import BatchJob, full_model_logits, run_batch
+    from gpu_validate.chunked_forward import full_model_logits
+    from gpu_validate.jobs import BatchJob
+    from gpu_validate.runner import run_batch
     from sim.specs import parse_policy
     from sim.threads import limit_threads
     from traces.model import read_text

@@ -8,7 +8,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gpu_validate.runner import CompressedRunner, RunResult, ValidateError, full_model_logits, model_geometry
+from gpu_validate.chunked_forward import full_model_logits
+from gpu_validate.jobs import RunResult, ValidateError
+from gpu_validate.routing import model_geometry
+from gpu_validate.runner import CompressedRunner
 from policies.base import Policy
 
 
@@ -84,7 +87,8 @@ def passkey_accuracy(model, tokenizer, filler_ids: Sequence[int], policy: Policy
                      chunk: int = 1) -> dict[str, float]:
     """Exact-match retrieval of a random 5-digit key by greedy decoding, per depth (mean over n_keys keys).
     All depth × key prompts run as one batch; ``on_result(label, hit)`` is called per finished prompt."""
-    from gpu_validate.runner import BatchJob, run_batch
+    from gpu_validate.jobs import BatchJob
+    from gpu_validate.runner import run_batch
 
     rng = np.random.default_rng(seed)
     keys = [str(int(x)) for x in rng.integers(10000, 99999, size=n_keys)]

@@ -29,7 +29,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from gpu_validate.runner import BatchJob, ValidateError, model_geometry, run_batch
+from gpu_validate.jobs import BatchJob, ValidateError
+from gpu_validate.routing import model_geometry
+from gpu_validate.runner import run_batch
 from gpu_validate.tasks import TaskError, build_task, retrieved
 from policies.base import Policy
 from sim.metrics import Column

@@ -17,8 +17,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from gpu_validate.chunked_forward import full_model_logits
 from gpu_validate.evaluate import metrics_of_run
-from gpu_validate.runner import BatchJob, ValidateError, full_model_logits, run_batch
+from gpu_validate.jobs import BatchJob, ValidateError
+from gpu_validate.runner import run_batch
 from policies.base import Policy
 from sim.metrics import Column
 

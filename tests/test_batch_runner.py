@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_validate.runner import BatchJob, BatchRunner, CompressedRunner, ValidateError, run_batch
+from gpu_validate.batch_runner import BatchRunner
+from gpu_validate.jobs import BatchJob, ValidateError
+from gpu_validate.runner import CompressedRunner, run_batch
 from policies.registry import get_policy, list_policies
 from sim.specs import parse_policy
 
@@ -191,15 +193,15 @@ def test_host_cache_equals_the_device_cache_path(llama, arch, monkeypatch):
 def test_prompt_captures_keep_a_kept_sliding_layers_window_and_are_reused(monkeypatch):
     """A prefilled batch keeps only the last window of a kept sliding layer's prompt k/v (and no q there); a streamed
     batch of the same prompt after it needs them all and captures again; both equal fresh runs."""
-    from gpu_validate import runner as R
+    import gpu_validate.prompt_store as prompt_store
 
     model = _gemma3_tiny()
     ids = _ids(8)
     pre = [BatchJob(get_policy("snapkv"), 6, ids[:24], continuation=ids[24:30])]
     stream = [BatchJob(get_policy("h2o"), 6, ids[:24], continuation=ids[24:30])]
     forwards = []
-    real = R.forward_in_chunks
-    monkeypatch.setattr(R, "forward_in_chunks", lambda *a, **k: (forwards.append(1), real(*a, **k))[1])
+    real = prompt_store.forward_in_chunks
+    monkeypatch.setattr(prompt_store, "forward_in_chunks", lambda *a, **k: (forwards.append(1), real(*a, **k))[1])
     memo: dict = {}
     a = run_batch(model, pre, prompt_memo=memo, keep_logits=True)
     assert memo["k"][0].base == 24 - 8 and memo["k"][1].base == 0 and sorted(memo["q"]) == [1]

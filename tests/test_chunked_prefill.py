@@ -96,12 +96,13 @@ def test_closed_loop_chunks_keep_the_simulators_sets(model_and_trace, policy, ch
 def test_runner_prompt_forward_in_chunks_is_the_model(model_and_trace, monkeypatch):
     """The closed loop's own prompt forward goes PROMPT_CHUNK tokens at a time through the model's cache: with
     chunks of 7 the full cache still gives the unmodified model's logits, sliding layers included."""
-    import gpu_validate.runner as runner
-    from gpu_validate.runner import CompressedRunner, full_model_logits
+    import gpu_validate.prompt_store as prompt_store
+    from gpu_validate.chunked_forward import full_model_logits
+    from gpu_validate.runner import CompressedRunner
 
     model, trace = model_and_trace
     ids = trace.tokens.token_id.tolist()
-    monkeypatch.setattr(runner, "PROMPT_CHUNK", 7)
+    monkeypatch.setattr(prompt_store, "PROMPT_CHUNK", 7)
     res = CompressedRunner(model, get_policy("full"), 8, keep_logits=True).run(ids[:40], continuation=ids[40:])
     np.testing.assert_allclose(res.logits, full_model_logits(model, ids)[39:59], rtol=1e-4, atol=1e-4)
 

@@ -12,7 +12,7 @@ from gpu_validate import needle
 from gpu_validate.needle import (DIAGNOSTICS, FEATURES, FIT_OBJECTIVES, binary_scores, confusion_scores, fit_threshold, make_grid,
                                  make_prompt, needle_features, plot_needle, prediction_report, run_needle,
                                  stored_features, summarize)
-from gpu_validate.runner import ValidateError
+from gpu_validate.jobs import ValidateError
 from policies.registry import get_policy
 from sim.store import ResultStore
 

@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpu_validate.jobs import BatchJob, ValidateError
 from gpu_validate.needle import make_grid, make_prompt, run_needle
-from gpu_validate.runner import BatchJob, ValidateError, run_batch
+from gpu_validate.runner import run_batch
 from gpu_validate.tasks import TASKS, build_task, retrieved
 from policies.registry import get_policy
 from sim.store import ResultStore
@@ -84,7 +85,7 @@ def test_multivalue_success_reads_the_decoded_generation(llama, tmp_path):
 
 
 def test_a_prompt_goes_through_the_model_once_for_streamed_and_prefilled_rows(llama, monkeypatch):
-    import gpu_validate.runner as runner
+    import gpu_validate.prompt_store as prompt_store
 
     tok = CharTok()
     p = make_prompt(tok, tok.encode(TEXT), 400, 0.5, 0)
@@ -93,13 +94,13 @@ def test_a_prompt_goes_through_the_model_once_for_streamed_and_prefilled_rows(ll
             BatchJob(get_policy("tova"), 32, p.ids, n_generate=6, chunk=400)]
     alone = [run_batch(llama, [j])[0] for j in jobs]
     calls = []
-    real = runner.forward_in_chunks
+    real = prompt_store.forward_in_chunks
 
     def counted(*a, **k):
         calls.append(1)
         yield from real(*a, **k)
 
-    monkeypatch.setattr(runner, "forward_in_chunks", counted)
+    monkeypatch.setattr(prompt_store, "forward_in_chunks", counted)
     together = run_batch(llama, jobs)
     assert len(calls) == 1                       # two batches (streamed, prefilled), one prompt forward
     for a, b in zip(alone, together):
@@ -108,19 +109,19 @@ def test_a_prompt_goes_through_the_model_once_for_streamed_and_prefilled_rows(ll
 
 def test_solved_only_runs_a_prompts_policies_only_where_the_full_cache_retrieves(llama, monkeypatch, tmp_path):
     import gpu_validate.needle as needle
-    import gpu_validate.runner as runner
+    import gpu_validate.prompt_store as prompt_store
 
     tok = CharTok()
     prompts = make_grid(tok, TEXT, [400], [0.5], [1, 2], tasks=["single"])
     monkeypatch.setattr(needle.NeedlePrompt, "success", lambda self, generated, decode=None: self.seed == 1)
     calls = []
-    real = runner.forward_in_chunks
+    real = prompt_store.forward_in_chunks
 
     def counted(*a, **k):
         calls.append(1)
         yield from real(*a, **k)
 
-    monkeypatch.setattr(runner, "forward_in_chunks", counted)
+    monkeypatch.setattr(prompt_store, "forward_in_chunks", counted)
     configs = [(get_policy("full"), 1), (get_policy("h2o"), 64), (get_policy("snapkv"), 64)]
     store = ResultStore(tmp_path / "s")
     logs = []

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_validate.chunked_forward import full_model_logits
 from gpu_validate.evaluate import kept_set_agreement, passkey_prompt, text_metrics
 from gpu_validate.fidelity import plot_fidelity, run_fidelity, spearman
-from gpu_validate.runner import CompressedRunner, ValidateError, full_model_logits
+from gpu_validate.jobs import ValidateError
+from gpu_validate.runner import CompressedRunner
 from numba import njit
 
 from policies.base import LOGIT_SCALE_SIG, STEP_SIG, Policy, PolicyError

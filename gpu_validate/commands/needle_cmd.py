@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from gpu_validate.pages import needle_page, needle_tables, run_info
     from sim.commands._common import command_line
     from sim.table import print_tables
-    from gpu_validate.runner import check_run_args
+    from gpu_validate.jobs import check_run_args
     from policies.registry import get_policy
     from sim.store import ResultStore
     from sim.specs import parse_policy_list

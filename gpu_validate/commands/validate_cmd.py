@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from gpu_validate.evaluate import passkey_accuracy, text_metrics
-    from gpu_validate.runner import check_run_args
+    from gpu_validate.jobs import check_run_args
     from sim.specs import parse_policy
 
     torch.set_grad_enabled(False)

@@ -1,0 +1,491 @@
+"""`BatchRunner`: many closed-loop configurations decoded as one batch through the model.
+
+The model's attention modules are routed to the runner (`gpu_validate.routing`). The prompt runs once with the
+model's own causal attention (`gpu_validate.prompt_store`), then enters each row's compressed cache, prefilled or
+streamed (`gpu_validate.prompt_loading`). Then every token is fed alone: its k/v are appended to each layer's
+cache, the query attends over the retained slots, the per-slot probabilities go to the policy's jitted ``step``
+-- the very function the simulator replays -- and its keep mask / merges are applied
+(`gpu_validate.host_steps`). On a GPU the cache is the Triton `VarlenKVCache` (compaction kernel); on the CPU it
+is `HostKVCache`, padded numpy arrays that the steps read as views and compact in place (numba), with torch's
+attention arithmetic. The module docstring of `gpu_validate.runner` tells the semantics (RoPE, logit scaling,
+open loop, hybrid models).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from gpu_validate.backends import HostKVCache, TorchVarlenKVCache, make_cache
+from gpu_validate.host_steps import row_post, row_prep
+from gpu_validate.jobs import BatchJob, RunResult, ValidateError, check_run_args
+from gpu_validate.prompt_loading import PromptLoading
+from gpu_validate.prompt_store import PromptCapture, PromptLayers
+from gpu_validate.routing import layer_idx, model_geometry, routed
+from policies.base import Policy, PolicyError, compiled, unit_logit_scale
+from sim.contract import OK, check_allocation, check_scale, raise_on, slot_capacity
+
+
+class _Row:
+    """Per-configuration state of a batch row: per-layer policies and kernels (the row's policy on the layers
+    it compresses, the model's own window on a kept sliding layer), budgets, slot/head states, outputs."""
+
+    def __init__(self, job: BatchJob, n_layers: int, n_kv: int) -> None:
+        self.job, self.policy = job, job.policy
+        self.scale_fn = job.policy.kernels()[2]
+        self.scale_params: np.ndarray | None = None     # the policy's parameters on a layer it compresses
+        self.layer_policy: list[Policy] = []
+        self.kernels: list[tuple] = []
+        self.params: list[np.ndarray] = []
+        self.prompt = [int(x) for x in job.prompt]
+        self.cont = None if job.continuation is None else [int(x) for x in job.continuation]
+        self.held = [0] * n_layers
+        self.preds_top1: list[int] = []
+        self.nlls: list[float] = []
+        self.logits: list[torch.Tensor] = []
+        self.generated: list[int] = []
+        self.kv_bytes: list[float] = []
+        self.kept = None
+
+    def next_token(self, r: int) -> int:
+        """Decode input r: the teacher-forced token, or the greedy argmax of the previous prediction."""
+        return self.cont[r] if self.cont is not None else self.preds_top1[-1]
+
+    def logit_scale(self, t: int) -> float:
+        """The policy's attention-logit multiplier at step t (BUZZ's log n; 1 for every other policy)."""
+        return float(self.scale_fn(self.scale_params, t + 1))
+
+
+class BatchRunner(PromptLoading):
+    """Runs many closed-loop configurations as one batch through the model.
+
+    Every batch row is a (policy, budget, prompt) configuration with its own per-head varlen cache: one cache
+    per layer holds all rows (``batch = rows``, capacities per row and KV head; `HostKVCache` on the CPU,
+    `VarlenKVCache` on a device), so attention is one call per layer and the model's weight matmuls are shared by
+    the rows. The policy step runs per row on that row's slice of the layer (one jitted call, with a jitted
+    check-and-compact after it), exactly as a one-row run does, so a batch gives the results of running each
+    configuration alone (tested). Work every row does identically is shared: each
+    distinct prompt goes through the model once, and streamed prompts skip the model until the first eviction
+    in any row (`_fast_forward`). Rows must agree on whether the prompt is streamed, on the prompt length, on
+    the number of predictions and on the prompt chunk (`BatchJob.batch_key`; `run_batch` groups jobs that way).
+
+    Chunked prefill (``BatchJob.chunk``): a streamed prompt goes C tokens per model forward; in every layer each
+    of the C tokens is appended and attends over the cache (a sliding layer's window masking its older
+    chunk-mates' slots), their probabilities are summed per slot, and the policy steps once, as in the
+    simulator.
+    """
+
+    #: the torch backend on the CPU at float32 keeps its caches as `HostKVCache` (stepped in place); False: the
+    #: device cache path (`TorchVarlenKVCache`, flat masks, one ``compact`` per layer), as on a GPU
+    _host_cache: bool = True
+
+    def __init__(self, model, jobs: Sequence[BatchJob], *, backend: str = "torch", open_loop: bool = False,
+                 record_kept: tuple[int, int] | None = None, cache_dtype: torch.dtype | None = None,
+                 keep_logits: bool = False, sliding: str = "keep", prompt_memo: dict | None = None) -> None:
+        if not jobs:
+            raise ValidateError("a batch needs at least one job")
+        for j in jobs:
+            check_run_args(j.policy, j.budget, backend)
+        keys = {j.batch_key for j in jobs}
+        if len(keys) != 1:
+            raise ValidateError(f"a batch needs one (streams prompt, prompt length, predictions, prompt chunk) key, "
+                                f"got {keys}")
+        self.chunk = jobs[0].prompt_chunk
+        if sliding not in ("keep", "compress"):
+            raise ValidateError(f"sliding must be 'keep' or 'compress', got {sliding!r}")
+        self.model, self.jobs, self.backend, self.sliding = model, list(jobs), backend, sliding
+        self.open_loop, self.record_kept, self.keep_logits = open_loop, record_kept, keep_logits
+        self.n_layers, self.n_q, self.n_kv, self.head_dim = model_geometry(model)
+        self.group = self.n_q // self.n_kv
+        self.device = next(model.parameters()).device
+        self.cache_dtype = cache_dtype or next(model.parameters()).dtype
+        self.mode = "prompt"
+        self.layer_scale: dict[int, float] = {}
+        self.layer_window: dict[int, int | None] = {}
+        self._wo_cache: dict[int, np.ndarray] = {}
+        self.prompt_memo = prompt_memo
+
+    # ----- attention entry point (called by every attention module) -----
+    def attention(self, module, query, key, value, attention_mask, **kwargs):
+        layer = layer_idx(module)
+        scaling = kwargs.get("scaling")
+        scaling = float(scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
+        if self.mode == "prompt":
+            return self.capture.attention(layer, scaling, module, query, key, value, attention_mask, **kwargs)
+        C = query.shape[2]
+        if query.shape[0] != len(self.rows) or key.shape[2] != C or not 1 <= C <= self.chunk:
+            raise ValidateError(f"decode steps feed one token (or a prompt chunk of {self.chunk}) per batch row at a "
+                                "time (no HF KV cache)")
+        return self._decode_attention(layer, query, key, value), None
+
+    def _decode_attention(self, layer: int, query, key, value, *, extend_dense: bool = True) -> torch.Tensor:
+        """Append the C new tokens one by one, each attending over the cache; one policy step after the last.
+        Open loop, the output is the full cache's (a dense copy, extended by the new tokens)."""
+        t0, B, C = self.t, len(self.rows), query.shape[2]
+        cache = self.caches[layer]
+        window = self.attn[layer].window
+        summed = None
+        outs = []
+        for j in range(C):
+            t = t0 + j
+            if self.host:
+                cache.append(key[:, :, j:j + 1], value[:, :, j:j + 1], t)
+            else:
+                cache.append(key[:, :, j:j + 1].to(self.cache_dtype), value[:, :, j:j + 1].to(self.cache_dtype),
+                             positions=torch.full((B, 1), t, device=self.device, dtype=torch.int64))
+            mults = self._mults(t) if self.compressed[layer] else None   # a kept window is the model's own
+            visible_from = t - window + 1 if window and C > 1 else None       # older chunk-mates' windows moved
+            outs.append(self._attend(cache, query[:, :, j, :].to(self.cache_dtype), mults, visible_from))
+            if C > 1:
+                if self.host:
+                    p = cache.p.numpy().astype(np.float64)
+                else:
+                    p = self._host_padded(layer, cache, cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
+                summed = p if summed is None else summed + p
+        self._last_deviated = self._policy_step(layer, t0 + C - 1, cache, probs=summed)
+        o = outs[0][:, None] if C == 1 else torch.stack(outs, 1)                # [B, C, Hq, d]
+        if self.open_loop and extend_dense:
+            dk, dv = self.dense[layer]
+            dk, dv = torch.cat([dk, key], 2), torch.cat([dv, value], 2)
+            self.dense[layer] = [dk, dv]
+            S = dk.shape[2]
+            kpos = torch.arange(S, device=dk.device)[None, :]
+            qpos = torch.arange(S - C, S, device=dk.device)[:, None]
+            seen = kpos <= qpos                                                  # causal within the chunk
+            if window:                                   # the model's own attention on a sliding layer
+                seen &= kpos > qpos - window
+            rep = self.group
+            kk = dk.repeat_interleave(rep, dim=1) if rep > 1 else dk
+            vv = dv.repeat_interleave(rep, dim=1) if rep > 1 else dv
+            o = torch.nn.functional.scaled_dot_product_attention(query, kk, vv, attn_mask=seen,
+                                                                 scale=self.layer_scale[layer]).transpose(1, 2)
+        return o.to(query.dtype).reshape(B, C, self.n_q, self.head_dim)
+
+    def _mults(self, t: int) -> np.ndarray | None:
+        """Every row's logit multiplier at step t, checked (computed once per step for all layers); None when
+        every row's is 1 (no row has a logit scale)."""
+        if not self._scaled_rows:
+            return None
+        m = self._mults_memo.get(t)
+        if m is None:
+            m = np.ones(len(self.rows))
+            info = np.zeros(3, np.int64)
+            for b in self._scaled_rows:
+                row = self.rows[b]
+                m[b] = row.logit_scale(t)
+                raise_on(row.policy, check_scale(float(m[b]), t, info), info, -1)
+            if len(self._mults_memo) > 64:
+                self._mults_memo.clear()
+            self._mults_memo[t] = m
+        return m
+
+    def _attend(self, cache, q: torch.Tensor, mults: np.ndarray | None, visible_from: int | None) -> torch.Tensor:
+        """The cache's attention for one query per row (``visible_from``: slots at earlier positions hidden)."""
+        if self.host:
+            if mults is None or (mults == 1.0).all():
+                return cache.attend(q, visible_from=visible_from)
+            return cache.attend(q, logit_scale=torch.as_tensor(mults, dtype=torch.float32), visible_from=visible_from)
+        kw = {"update_acc": False, "update_ema": False}
+        if visible_from is not None:
+            if not isinstance(cache, TorchVarlenKVCache):
+                raise ValidateError("chunked prefill on a sliding-window layer needs the torch backend")
+            kw["visible_from"] = visible_from
+        if mults is None or (mults == 1.0).all():
+            o, _ = cache.attend(q, **kw)
+        elif isinstance(cache, TorchVarlenKVCache):
+            o, _ = cache.attend(q, logit_scale=torch.as_tensor(mults, dtype=torch.float32), **kw)
+        elif (mults == mults[0]).all():
+            o, _ = cache.attend(q, logit_scale=float(mults[0]), **kw)
+        else:
+            raise ValidateError("rows with different logit scales need the torch backend (or one batch each)")
+        return o
+
+    def _host_padded(self, layer: int, cache, x: torch.Tensor, fill: float) -> np.ndarray:
+        """``cache.padded(x)`` as one numpy gather: [B*Hkv, width, ...] with ``fill`` past each head's length."""
+        lengths = cache.length.cpu().numpy()
+        out = x.detach().cpu().numpy()[self.slot_index[layer]]
+        out[~(np.arange(cache.max_capacity)[None, :] < lengths[:, None])] = fill
+        return out
+
+    # ----- the policy step of every row on host arrays, as sim/engine.py calls it -----
+    def _scratch(self, cap: int) -> tuple:
+        """Contiguous per-row step inputs of width ``cap`` (shared by the rows of that width: they step in turn)."""
+        sc = self._scratches.get(cap)
+        if sc is None:
+            H, G, d = self.n_kv, self.group, self.head_dim
+            sc = self._scratches[cap] = (
+                np.zeros(H, np.int64), np.zeros((H, G, cap)), np.zeros((H, cap, d), np.float32),
+                np.zeros((H, cap, d), np.float32), np.full((H, cap), -1, np.int64), np.ones((H, cap), np.uint8),
+                np.full((H, cap), -1, np.int64), np.ones((H, cap)))
+        return sc
+
+    def _policy_step(self, layer: int, t: int, cache, probs: np.ndarray | None = None) -> bool:
+        """Every row's policy step on this layer, then the layer's window; True when some row's policy evicted or
+        merged a slot of a layer it compresses (so the cache no longer holds what the model's attention sees).
+        ``probs`` [B*Hkv, G, width]: a prompt chunk's summed attention (default: the cache's last attention).
+
+        Per row: the policy's jitted step runs on the row's slots -- views of the host cache when the row is as
+        wide as the layer, else (or from a device cache) contiguous copies of the row's width (`row_prep`) --
+        then `row_post` checks the contract, applies the window and compacts: in place on the host cache's
+        arrays, or into flat masks for one ``compact`` of the layer's device cache."""
+        H, host = self.n_kv, self.host
+        if host:
+            lengths_all, keys_all, values_all, pos_all = cache.length, cache.k3, cache.v3, cache.pos
+            if probs is None:
+                probs = (cache.p.double().numpy() if self.layer_reads[layer]
+                         else self._probs_buffer(cache.max_capacity))
+            keep_all, mt_all, mw_all = self._no_masks
+        else:
+            lengths_all = cache.length.cpu().numpy().astype(np.int64)
+            if probs is None:
+                probs = self._host_padded(layer, cache, cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
+            keys_all = self._host_padded(layer, cache, cache.k, 0.0).astype(np.float32, copy=False)
+            values_all = self._host_padded(layer, cache, cache.v, 0.0).astype(np.float32, copy=False)
+            pos_all = self._host_padded(layer, cache, cache.positions, -1)
+            width = cache.max_capacity
+            keep_all = np.zeros((len(self.rows) * H, width), np.uint8)
+            mt_all = np.full((len(self.rows) * H, width), -1, np.int64)
+            mw_all = np.ones((len(self.rows) * H, width), np.float64)
+        window = int(self.attn[layer].window or 0)
+        compressed = bool(self.compressed[layer])
+        n_new = t - self.t + 1                    # the step's new slots (a prompt chunk's) start at zero state
+        deviated = evicted = False
+        info, out = self._info, self._out
+        for b, row in enumerate(self.rows):
+            r0 = b * H
+            step, params, budget, adaptive, bounded, sst, hst, cap, views = row.plan[layer]
+            ln, pr, ks, vs, ps, keep, merge_to, merge_w = self._scratch(cap)
+            if views is not None:               # the row's slots as they lie in the host cache
+                ln, ks, vs, ps = views
+                pr = probs[r0:r0 + H]
+            else:
+                row_prep(r0, n_new, lengths_all, probs, keys_all, values_all, pos_all, sst, ln, pr, ks, vs, ps)
+            step(params, layer, t, budget, ln, pr, ks, vs, ps, sst, hst, keep, merge_to, merge_w)
+            status = row_post(t, budget, adaptive, bounded, window, compressed, ln, keep, merge_to, merge_w, ps,
+                              sst, info, out, host, r0, keys_all, values_all, pos_all, lengths_all, keep_all, mt_all,
+                              mw_all)
+            if status != OK:
+                raise_on(row.layer_policy[layer], status, info, layer)
+            deviated |= bool(out[0])
+            evicted |= bool(out[1])
+            row.held[layer] = int(out[2])
+            if row.kept is not None:
+                r = t - self.record_kept[0]
+                if 0 <= r < row.kept.shape[1]:
+                    row.kept[layer, r, :, :cap] = pos_all[r0:r0 + H, :cap] if host else ps
+        if evicted and not host:
+            idx, valid_all = self.slot_index[layer], np.arange(cache.max_capacity)[None, :] < lengths_all[:, None]
+            flat = idx[valid_all]
+            total = cache.total_capacity
+            flat_keep = np.zeros(total, np.uint8)
+            flat_keep[flat] = keep_all[valid_all]
+            merging = bool((mt_all[valid_all] >= 0).any())
+            flat_mt = flat_mw = None
+            dev = self.device
+            if merging:
+                flat_mt = np.full(total, -1, np.int32)
+                flat_mw = np.ones(total, np.float32)
+                flat_mt[flat] = mt_all[valid_all]
+                flat_mw[flat] = mw_all[valid_all]
+                flat_mt, flat_mw = torch.from_numpy(flat_mt).to(dev), torch.from_numpy(flat_mw).to(dev)
+            cache.compact(torch.from_numpy(flat_keep).to(dev), flat_mt, flat_mw)
+        return deviated
+
+    def _prompt_forward(self, prompts: list[tuple[int, ...]]) -> torch.Tensor:
+        """The distinct prompts through the model, their q/k/v captured (`PromptCapture.forward`; every token's k/v
+        when the prompt is streamed or the loop open); open loop, each row's dense copy of its prompt's k/v. Returns
+        the logits after each distinct prompt's last token."""
+        cap = self.capture
+        last = cap.forward(prompts, self.device, bool(self.jobs[0].streams or self.open_loop))
+        if self.open_loop:
+            dev, dtype = self.device, next(self.model.parameters()).dtype
+            self.dense = {layer: [a[layer].x.to(dev, dtype).transpose(1, 2)[self.prompt_of] for a in (cap.k, cap.v)]
+                          for layer in cap.k}
+        return last
+
+    def _forward(self, tokens: Sequence[Sequence[int]], t: int, *, logits: bool = True):
+        """Feed each row's tokens (one, or a prompt chunk) at positions t, t+1, ...; the logits after the last,
+        or None with ``logits=False`` (streamed prompt tokens: their predictions are never read, so the LM head
+        -- a fifth of SmolLM2's decode FLOPs -- is skipped by running only the decoder stack)."""
+        self.t = t
+        ids = torch.tensor([[int(x) for x in row] for row in tokens], device=self.device)
+        pos = (t + torch.arange(ids.shape[1], device=self.device, dtype=torch.int64))[None, :].expand(len(tokens), -1)
+        if not logits:
+            self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False)
+            return None
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    def _record(self, rows: list[_Row], logits: torch.Tensor, r: int) -> None:
+        """Store prediction r of every row (argmax, NLL of the teacher-forced token, logits if asked)."""
+        top1 = logits.argmax(-1).tolist()
+        nll = None
+        if rows[0].cont is not None:
+            logp = torch.log_softmax(logits, -1)
+            tgt = torch.tensor([row.cont[r] for row in rows], device=logits.device)
+            nll = (-logp.gather(1, tgt[:, None])[:, 0]).double().cpu().numpy()
+        for b, row in enumerate(rows):
+            row.preds_top1.append(int(top1[b]))
+            if nll is not None:
+                row.nlls.append(float(nll[b]))
+            if self.keep_logits:
+                row.logits.append(logits[b].cpu())
+
+    def run(self) -> list[RunResult]:
+        """Run every job of the batch; results in job order."""
+        jobs = self.jobs
+        P, n_pred, streams = len(jobs[0].prompt), jobs[0].n_pred, jobs[0].streams
+        if P < 1 or n_pred < 1:
+            raise ValidateError(f"need a prompt of >= 1 token and >= 1 token to predict, got {P} and {n_pred}")
+        max_pos = getattr(self.model.config, "max_position_embeddings", None) or getattr(
+            self.model.config, "n_positions", None)
+        if max_pos and P + n_pred - 1 > max_pos:
+            raise ValidateError(f"{P + n_pred - 1} positions exceed the model's context of {max_pos}")
+        n_total = P + n_pred - 1   # tokens the cache will have seen after the last decode step
+        rows = self.rows = [_Row(j, self.n_layers, self.n_kv) for j in jobs]
+        prompts: dict[tuple[int, ...], int] = {}
+        for row in rows:
+            prompts.setdefault(tuple(row.prompt), len(prompts))
+        self.prompt_of = torch.tensor([prompts[tuple(row.prompt)] for row in rows], device=self.device)
+        self.dense = {}
+        self.capture = PromptCapture(self.model, P, self.sliding, self.prompt_memo)
+        self.layer_scale, self.layer_window = self.capture.scale, self.capture.window   # set by the prompt forward
+        self.mode = "prompt"
+        self.model.eval()
+        with torch.no_grad(), routed(self.model, self):
+            last = self._prompt_forward(list(prompts))[self.prompt_of]
+            if len(self.capture.k) != self.n_layers:
+                raise ValidateError(f"only {len(self.capture.k)} of {self.n_layers} layers called the attention "
+                                    "interface; this model is not supported")
+            self._layer_attention()
+            caps = []
+            for b, row in enumerate(rows):
+                self._setup_row(row, int(self.prompt_of[b]), n_total)
+                cap = np.stack([slot_capacity(p, b, n_total, self.chunk)
+                                for p, b in zip(row.layer_policy, row.budgets)])
+                caps.append(cap)
+                row.slot_state = [np.zeros((self.n_kv, int(cap[l].max()), row.layer_policy[l].slot_fields))
+                                  for l in range(self.n_layers)]
+                row.head_state = [row.layer_policy[l].head_state_init(
+                    self.n_kv, self.head_dim, self._wo(l) if row.layer_policy[l].needs_wo else None)
+                    for l in range(self.n_layers)]
+                row.plan = [(row.kernels[l][0], row.params[l], np.ascontiguousarray(row.budgets[l]),
+                             bool(row.layer_policy[l].head_adaptive), not row.layer_policy[l].unbounded,
+                             row.slot_state[l], row.head_state[l], int(cap[l].max())) for l in range(self.n_layers)]
+                if self.record_kept:
+                    row.kept = np.full((self.n_layers, self.record_kept[1], self.n_kv, int(cap.max())), -1, np.int32)
+            caps_all = np.stack(caps, 1)   # [L, B, Hkv]
+            B = len(rows)
+            self.host = (self._host_cache and self.backend == "torch" and self.device.type == "cpu"
+                         and self.cache_dtype == torch.float32)
+            self.caches = [(HostKVCache if self.host else functools.partial(make_cache, self.backend))(
+                batch=B, n_kv_heads=self.n_kv, n_q_heads=self.n_q, head_dim=self.head_dim,
+                capacity=caps_all[l].reshape(-1).tolist(), dtype=self.cache_dtype, device=self.device,
+                softmax_scale=self.layer_scale[l], track_acc=False) for l in range(self.n_layers)]
+            self.slot_index = None if self.host else [c.slot_rows.cpu().numpy() for c in self.caches]
+            H = self.n_kv
+            for b, row in enumerate(rows):   # a row as wide as its layer's host cache steps on views of it
+                row.plan = [plan + ((c.length[b * H:(b + 1) * H], c.k3[b * H:(b + 1) * H], c.v3[b * H:(b + 1) * H],
+                                     c.pos[b * H:(b + 1) * H]) if self.host and plan[7] == c.max_capacity else None,)
+                            for plan, c in zip(row.plan, self.caches)]
+            self._scratches, self._probs_buf, self._mults_memo = {}, {}, {}
+            self._info, self._out = np.zeros(3, np.int64), np.zeros(3, np.int64)
+            self._no_masks = (np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
+            unit = compiled(unit_logit_scale)
+            self._scaled_rows = [b for b, row in enumerate(rows) if row.scale_fn is not unit]
+            self.reads_attention = any(row.policy.reads_attention for row in rows)
+            self.layer_reads = [any(row.layer_policy[l].reads_attention for row in rows) for l in range(self.n_layers)]
+            self.mode = "decode"
+            if not streams:
+                self._prefill(P)
+            else:
+                t_model = self._fast_forward(P)
+                for l, (dk, dv) in self.dense.items():   # the dense copy holds the tokens the cache has seen
+                    self.dense[l] = [dk[:, :, :t_model], dv[:, :, :t_model]]
+                for t in range(t_model, P, self.chunk):
+                    stop = min(P, t + self.chunk)
+                    last = self._forward([row.prompt[t:stop] for row in rows], t, logits=stop == P)
+            elem = torch.empty((), dtype=self.cache_dtype).element_size()
+            self._record(rows, last, 0)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for r in range(n_pred - 1):
+                t = P + r
+                tokens = [row.next_token(r) for row in rows]
+                for row, tok in zip(rows, tokens):
+                    row.generated.append(tok)
+                logits = self._forward([[tok] for tok in tokens], t)
+                self._record(rows, logits, r + 1)
+                for row in rows:
+                    row.kv_bytes.append(sum(row.held) * 2 * self.head_dim * elem)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        results = []
+        for row in rows:
+            if row.cont is None:
+                row.generated.append(row.preds_top1[-1])
+            results.append(RunResult(
+                positions=np.arange(P - 1, P - 1 + n_pred), top1=np.asarray(row.preds_top1, np.int64),
+                nll=None if row.cont is None else np.asarray(row.nlls, np.float64), generated=row.generated,
+                kv_bytes=np.asarray(row.kv_bytes, np.float64), decode_seconds=seconds / len(rows),
+                n_decode_steps=n_pred - 1, budgets=row.budgets, kept=row.kept,
+                kept_steps=None if row.kept is None else np.arange(self.record_kept[0],
+                                                                     self.record_kept[0] + self.record_kept[1]),
+                logits=torch.stack(row.logits).numpy() if self.keep_logits else None,
+                extra={"cache_elem_bytes": elem, "batch_rows": len(rows)}))
+        return results
+
+    def _layer_attention(self) -> None:
+        """Each layer's attention as its prompt call ran it, and which layers the rows' policies compress."""
+        from traces.capture import layer_attention
+
+        self.attn = [layer_attention(self.model.config, l, self.layer_scale[l], self.layer_window[l])
+                     for l in range(self.n_layers)]
+        self.compressed = [self.sliding == "compress" or not a.sliding for a in self.attn]
+        if not any(self.compressed):
+            raise ValidateError("every layer of this model slides over a window: with sliding='keep' no layer is "
+                                "compressed; use sliding='compress'")
+
+    def _setup_row(self, row: _Row, u: int, n_total: int) -> None:
+        """A row's per-layer policies, kernels, parameters and budgets: its policy's allocation over the layers
+        it compresses (from prompt u's q/k), the model's window (``window`` at window - 1) on a kept sliding
+        layer."""
+        from policies.registry import get_policy
+
+        comp = [l for l in range(self.n_layers) if self.compressed[l]]
+        memo = self.prompt_memo
+        cache = None if memo is None else memo.setdefault(("allocate", u, tuple(comp)), {})
+        layers = PromptLayers(self.capture, u, comp, cache)
+        alloc = check_allocation(row.policy, row.policy.allocate(int(row.job.budget), self.n_kv, layers,
+                                                                 self.layer_scale[comp[0]]), len(comp), self.n_kv)
+        own_window = get_policy("window")
+        row.budgets = np.empty((self.n_layers, self.n_kv), np.int64)
+        for l, a in enumerate(self.attn):
+            if self.compressed[l]:
+                policy, row.budgets[l] = row.policy, alloc[comp.index(l)]
+            else:
+                policy, row.budgets[l] = own_window, max(1, int(a.window) - 1)
+            row.layer_policy.append(policy)
+            row.kernels.append(policy.kernels())
+            try:
+                row.params.append(policy.param_vector(a))
+            except PolicyError as exc:
+                raise ValidateError(str(exc)) from None
+        row.scale_params = row.params[comp[0]]
+
+    def _wo(self, layer: int) -> np.ndarray:
+        """The model's W_O of ``layer`` (for policies that read it), read once per batch."""
+        from traces.recorder import output_projection
+
+        if layer not in self._wo_cache:
+            wo = output_projection(self.model, layer)
+            if wo is None:
+                raise ValidateError(f"{type(self.model).__name__} has no self_attn.o_proj in layer {layer}: a policy "
+                                    "that reads W_O cannot run on it")
+            self._wo_cache[layer] = wo
+        return self._wo_cache[layer]
