@@ -8,8 +8,14 @@ attention a key accumulated and phi is log(1 + x) or the inverse of g(y) = alpha
 
 Prompt (Alg. 1, ``prefill_fn``): V = the prompt keys, m = causal attention accumulated over all prompt queries,
 greedy maximisation of g under |S| <= budget (lazy/Minoux greedy by default: the same picks as the naive greedy;
-the paper's stochastic greedy with eps = 1e-5 samples nearly all of V per pick, so it is not offered). It builds
-the P x P similarity matrix: O(P^2 d) time and 8 P^2 bytes per head at a time.
+the paper's stochastic greedy with eps = 1e-5 samples nearly all of V per pick, so it is not offered). Up to
+FULL_MATRIX_MAX = 2048 prompt tokens it builds the P x P similarity matrix (8 P^2 bytes per head, <= 32 MiB);
+beyond, it keeps only the normalised keys and recomputes a similarity column (O(P d)) when a gain needs one
+(``greedy_select_keys``): the same picks from bitwise the same gains (where BLAS sums each cosine as one FMA
+chain, as OpenBLAS does up to d = 448), in O(P d) memory plus a 256 MiB column cache
+(a 32 k-token replay at d = 256 peaks at 0.9 GB instead of 13 GB: benchmarks/bumblebee_long.py). Time O(P^2 d)
+for the first round of gains plus O(P d) per later evaluation that misses the cache (lazy: 1-1.5 P of them at
+32 k tokens; naive: O(budget P^2 d) in all); single-threaded (the replay runs layers in parallel).
 Decode (Alg. 2, ``step``): V = S' = cache plus the new key; when over budget, drop argmin_k g(k | S' \\ k).
 With V = S' the facility-location gain of k is (sim(k, k) - max_{j != k} sim(k, j)) / |V| sim(k, k), so each slot
 carries its nearest-neighbour similarity (and that neighbour's position) in slot_state: a step costs O(budget * d)
@@ -49,7 +55,8 @@ SCHEMA = (
     Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as local window (Fig. 1)"),
     Param("group_reduce", "mean", "choice", choices=GROUP_REDUCE, doc="GQA aggregation of query heads"),
     Param("greedy", "lazy", "choice", choices=GREEDY, searchable=False,
-          doc="prompt greedy: lazy (Minoux) or naive; identical selections"),
+          doc="prompt greedy: lazy (Minoux) or naive (every gain every pick: O(budget P^2 d) beyond 2048 prompt "
+              "tokens); identical selections"),
 )
 P = param_indices(SCHEMA)
 # slot_state fields
@@ -151,7 +158,8 @@ def similarity_matrix(k, mode):
 
 @njit(cache=True)
 def similarity_into(k, mode, S):
-    """``similarity_matrix`` into S[:n, :n] (a buffer the prefill reuses for every head: no fresh 8 MB per head).
+    """``similarity_matrix`` into S[:n, :n] (a buffer the prefill reuses for every head: no fresh 8 MB per head);
+    the prefill's path up to FULL_MATRIX_MAX keys, and the reference of the bounded path beyond (``sim_columns``).
 
     The cosines are one GEMM of the normalised keys (BLAS) in the keys' own precision (float32 keys, as traces
     and caches hold them: SGEMM, ~3x a float64 one at d = 64; cosines to ~1e-7), symmetrised from the lower
@@ -227,7 +235,8 @@ def greedy_select(S, m, budget, forced, lam, kind, alpha, beta, lazy):
     S [n, n] similarities, m [n] accumulated attention, forced [n] uint8 (kept unconditionally, e.g. a local
     window). ``lazy`` re-evaluates only the candidate with the highest stale upper bound (Minoux; a heap): same
     picks as the naive greedy (ties to the smaller index), far fewer gain evaluations. Returns (selected
-    indices in pick order, number of gain evaluations).
+    indices in pick order, number of gain evaluations). The prefill's greedy up to FULL_MATRIX_MAX keys;
+    ``greedy_select_keys`` makes the same picks without S.
     """
     n = S.shape[0]
     fl_norm = 0.0
@@ -297,6 +306,371 @@ def greedy_select(S, m, budget, forced, lam, kind, alpha, beta, lazy):
     return order[:n_sel], evals
 
 
+# ---------------------------------------------------------------- bounded prompt selection (no n x n matrix)
+#
+# Above FULL_MATRIX_MAX prompt keys the prefill keeps the normalised keys transposed (uT [d, n], float32) and
+# recomputes a column sim(., e) when the greedy needs one. Each cosine is one float32 fused multiply-add chain over
+# x = 0..d-1 from 0, bitwise what BLAS SGEMM gives ``similarity_into`` for n x n products (OpenBLAS here, measured:
+# d <= 448; above that it splits the sum in two, and below ~33 keys it takes another kernel, hence the full-matrix
+# path for short prompts). Gains sum their column with the same vectorised loop as ``_coverage_gain``, so every gain
+# and every pick is the full-matrix greedy's (tests/test_bumblebee.py compares kept sets and evaluation counts).
+
+_FMA_CHAIN = {"contract"}    # a*b + acc fused per element, never reassociated: one FMA chain per cosine
+COL_W = 1024                 # v-tile of the column kernel: its accumulators stay in L1/L2
+COL_ROWS = 16                # columns computed per pass over uT
+COL_CACHE_BYTES = 256 << 20  # float32 cosine columns kept between lazy rounds (all of them up to n = 8192)
+#: prompts up to this length take the full-matrix path (8 n^2 bytes <= 32 MiB per head): exact by construction
+FULL_MATRIX_MAX = 2048
+
+
+@njit(cache=True, fastmath=_FMA_CHAIN)
+def _fma4(acc, a0, a1, a2, a3, b0, b1, b2, b3):
+    """acc[j] = fma(a3, b3[j], fma(a2, b2[j], fma(a1, b1[j], fma(a0, b0[j], acc[j])))): four steps of each
+    element's chain per load/store of acc (SIMD across j, the order within a chain kept)."""
+    for j in range(acc.shape[0]):
+        acc[j] = (((acc[j] + a0 * b0[j]) + a1 * b1[j]) + a2 * b2[j]) + a3 * b3[j]
+
+
+@njit(cache=True, fastmath=_FMA_CHAIN)
+def _fma1(acc, a, b):
+    for j in range(acc.shape[0]):
+        acc[j] = acc[j] + a * b[j]
+
+
+@njit(cache=True)
+def unit_keys_t(k):
+    """The rows of k [n, d] normalised as ``similarity_into`` does (float64 norm, float32 result), transposed:
+    uT [d, n] float32 (a zero key stays zero)."""
+    n, d = k.shape
+    uT = np.zeros((d, n), np.float32)
+    for i in range(n):
+        s = 0.0
+        for x in range(d):
+            s += np.float64(k[i, x]) ** 2
+        if s > 0.0:
+            inv = 1.0 / np.sqrt(s)
+            for x in range(d):
+                uT[x, i] = np.float64(k[i, x]) * inv
+    return uT
+
+
+@njit(cache=True)
+def cosines_into(uT, items, nr, dst, dst_rows, acc):
+    """dst[dst_rows[r], v] = float32 cosine of keys items[r] and v, for r < nr and every v: one pass over uT for
+    all nr, per COL_W-wide tile of v float32 accumulators ``acc`` [>= nr, COL_W] take one FMA per x in order.
+    O(nr n d) time."""
+    d, n = uT.shape
+    W = acc.shape[1]
+    a = np.empty((nr, d), np.float32)
+    for r in range(nr):
+        for x in range(d):
+            a[r, x] = uT[x, items[r]]
+    for v0 in range(0, n, W):
+        w = min(W, n - v0)
+        for r in range(nr):
+            for j in range(w):
+                acc[r, j] = 0.0
+        x = 0
+        while x + 4 <= d:
+            b0 = uT[x, v0:v0 + w]
+            b1 = uT[x + 1, v0:v0 + w]
+            b2 = uT[x + 2, v0:v0 + w]
+            b3 = uT[x + 3, v0:v0 + w]
+            for r in range(nr):
+                _fma4(acc[r, :w], a[r, x], a[r, x + 1], a[r, x + 2], a[r, x + 3], b0, b1, b2, b3)
+            x += 4
+        while x < d:
+            b0 = uT[x, v0:v0 + w]
+            for r in range(nr):
+                _fma1(acc[r, :w], a[r, x], b0)
+            x += 1
+        for r in range(nr):
+            row = dst_rows[r]
+            for j in range(w):
+                dst[row, v0 + j] = acc[r, j]
+
+
+@njit(cache=True)
+def _sims_row(c32, i, e, mode, out):
+    """out[0, :] = the similarities of key e (float64), from its cosines c32[i, :]."""
+    for v in range(c32.shape[1]):
+        out[0, v] = kernel_sim(np.float64(c32[i, v]), mode)
+    out[0, e] = self_sim(mode)
+
+
+@njit(cache=True)
+def sim_columns(uT, rows, nr, mode, out):
+    """out[r, :] = row rows[r] of ``similarity_matrix`` (float64) for r < nr, computed from uT."""
+    n = uT.shape[1]
+    c32 = np.empty((nr, n), np.float32)
+    cosines_into(uT, rows, nr, c32, np.arange(nr), np.empty((nr, COL_W), np.float32))
+    one = np.empty((1, n), np.float64)
+    for r in range(nr):
+        _sims_row(c32, r, rows[r], mode, one)
+        out[r, :] = one[0]
+
+
+@njit(cache=True, fastmath=_VECTOR_MATH)
+def _coverage_gain_row(C, r, cover):
+    """``_coverage_gain`` of a column held in row r of a buffer C [rows, n]: the same loop, the same sum."""
+    fl = 0.0
+    for v in range(cover.shape[0]):
+        fl += max(C[r, v] - cover[v], 0.0)
+    return fl
+
+
+@njit(cache=True)
+def _gain_row(C, r, cover, m_e, m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta):
+    """``_gain`` of the candidate whose column is row r of C."""
+    fl = _coverage_gain_row(C, r, cover)
+    imp = 0.0
+    if phi_tot > 0.0:
+        imp = (concave(m_sel + m_e, kind, alpha, beta) - phi_sel) / phi_tot
+    return lam * fl / fl_norm + (1.0 - lam) * imp
+
+
+@njit(cache=True)
+def _cover_with(C, cover):
+    for v in range(cover.shape[0]):
+        if C[0, v] > cover[v]:
+            cover[v] = C[0, v]
+
+
+@njit(cache=True)
+def _next_uncached(heap, n_heap, bound, stamp, slot, it, rows, k_max, open_):
+    """Up to k_max items of the heap, in its order from the top, that are stale this round and not cached: the
+    next ones the lazy greedy evaluates if the top does not stay on top (best-first walk from the root)."""
+    n_open = 1
+    open_[0] = 0
+    k = 0
+    pops = 0
+    while n_open > 0 and k < k_max and 2 * pops + 3 <= open_.shape[0]:
+        t = 0
+        for s in range(1, n_open):
+            if _before(heap[open_[s]], heap[open_[t]], bound):
+                t = s
+        p = open_[t]
+        n_open -= 1
+        open_[t] = open_[n_open]
+        pops += 1
+        e = heap[p]
+        if stamp[e] != it and slot[e] < 0:
+            rows[k] = e
+            k += 1
+        for c in (2 * p + 1, 2 * p + 2):
+            if c < n_heap:
+                open_[n_open] = c
+                n_open += 1
+    return k
+
+
+@njit(cache=True)
+def _cache_slot(ckey, cmark, mark):
+    """The cache slot to overwrite: the lowest key (free slots hold -inf), except slots marked ``mark``."""
+    best = -1
+    for s in range(ckey.shape[0]):
+        if cmark[s] != mark and (best < 0 or ckey[s] < ckey[best]):
+            best = s
+    return best
+
+
+@njit(cache=True)
+def greedy_select_keys(uT, m, budget, forced, lam, kind, alpha, beta, lazy, mode, cache_cols=-1):
+    """``greedy_select`` over V = the columns of uT (``unit_keys_t``) without the n x n matrix: the same picks in
+    the same order after the same gain evaluations. Returns (picks, gain evaluations, columns computed).
+
+    A gain needs its column, recomputed from uT (O(n d), COL_ROWS per pass). The first lazy round evaluates every
+    candidate against the cover of the forced items: in blocks, keeping the float32 columns of the best gains in a
+    cache of COL_CACHE_BYTES. A later round evaluates candidates in the order of their stale bounds: from the cache
+    when held, else it computes the column with the next COL_ROWS - 1 uncached stale items of the heap (the ones it
+    evaluates next if the top does not stay on top) into the cache, evicting the lowest bounds; a pick leaves it.
+    The naive greedy computes every unchosen column each round, O(budget n^2 d) time. Memory: uT, the cache
+    (``cache_cols`` columns, by default min(n, COL_CACHE_BYTES / 4n)) and O(COL_ROWS n).
+    """
+    d, n = uT.shape
+    R = COL_ROWS
+    acc = np.empty((R, COL_W), np.float32)
+    blk = np.empty((R, n), np.float32)
+    blk_rows = np.arange(R)
+    col = np.empty((1, n), np.float64)
+    items = np.empty(R, np.int64)
+    cap = (min(n, max(R, COL_CACHE_BYTES // (4 * max(n, 1)))) if cache_cols < 0 else min(n, max(1, cache_cols))
+           if lazy else 0)
+    cache = np.empty((cap, n), np.float32)
+    slot = np.full(n, -1, np.int64)
+    owner = np.full(cap, -1, np.int64)
+    ckey = np.full(cap, -np.inf)
+    cmark = np.full(cap, -1, np.int64)
+    dst = np.empty(R, np.int64)
+    kb = min(R, cap)                      # columns per miss: all of them go to the cache
+    computed = 0
+    ss = self_sim(mode)
+    fl_norm = 0.0
+    m_tot = 0.0
+    for v in range(n):
+        fl_norm += ss
+        m_tot += m[v]
+    phi_tot = concave(m_tot, kind, alpha, beta)
+    cover = np.zeros(n, np.float64)
+    chosen = np.zeros(n, np.uint8)
+    order = np.empty(min(budget, n), np.int64)
+    n_sel = 0
+    m_sel = 0.0
+    nf = 0
+    for e in range(n + 1):
+        if e < n and forced[e] != 0 and n_sel < order.shape[0]:
+            chosen[e] = 1
+            order[n_sel] = e
+            n_sel += 1
+            m_sel += m[e]
+            items[nf] = e
+            nf += 1
+        if nf == R or (e == n and nf > 0):
+            cosines_into(uT, items, nf, blk, blk_rows, acc)
+            computed += nf
+            for r in range(nf):
+                _sims_row(blk, r, items[r], mode, col)
+                _cover_with(col, cover)
+            nf = 0
+    phi_sel = concave(m_sel, kind, alpha, beta)
+    bound = np.full(n, np.inf)
+    stamp = np.full(n, -1, np.int64)
+    first = np.empty(n, np.float64)           # round 0's gains, computed in blocks before its lazy loop
+    heap = np.empty(n, np.int64)
+    n_heap = 0
+    for e in range(n):
+        if chosen[e] == 0:
+            heap[n_heap] = e
+            n_heap += 1
+    open_ = np.empty(8 * R + 3, np.int64)
+    evals = 0
+    it = 0
+    n_batches = 0
+    while n_sel < order.shape[0]:
+        best = -1
+        if lazy:
+            if it == 0:
+                for s in range(0, n_heap, R):
+                    nr = min(R, n_heap - s)
+                    for r in range(nr):
+                        items[r] = heap[s + r]
+                    cosines_into(uT, items, nr, blk, blk_rows, acc)
+                    computed += nr
+                    for r in range(nr):
+                        e = items[r]
+                        _sims_row(blk, r, e, mode, col)
+                        g = _gain_row(col, 0, cover, m[e], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
+                        first[e] = g
+                        c = _cache_slot(ckey, cmark, -2)
+                        if c >= 0 and ckey[c] < g:
+                            if owner[c] >= 0:
+                                slot[owner[c]] = -1
+                            owner[c], slot[e], ckey[c] = e, c, g
+                            cache[c, :] = blk[r, :]
+            while True:
+                best = heap[0]
+                if stamp[best] == it:
+                    n_heap -= 1
+                    heap[0] = heap[n_heap]
+                    _sift_down(heap, n_heap, 0, bound)
+                    break
+                if it == 0:
+                    g = first[best]
+                elif slot[best] >= 0:
+                    _sims_row(cache, slot[best], best, mode, col)
+                    g = _gain_row(col, 0, cover, m[best], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
+                else:
+                    nr = _next_uncached(heap, n_heap, bound, stamp, slot, it, items, kb, open_)
+                    n_batches += 1
+                    for r in range(nr):
+                        c = _cache_slot(ckey, cmark, n_batches)
+                        if owner[c] >= 0:
+                            slot[owner[c]] = -1
+                        owner[c], slot[items[r]], ckey[c], cmark[c] = items[r], c, bound[items[r]], n_batches
+                        dst[r] = c
+                    cosines_into(uT, items, nr, cache, dst, acc)
+                    computed += nr
+                    _sims_row(cache, slot[best], best, mode, col)
+                    g = _gain_row(col, 0, cover, m[best], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
+                bound[best] = g
+                if slot[best] >= 0:
+                    ckey[slot[best]] = g
+                stamp[best] = it
+                evals += 1
+                _sift_down(heap, n_heap, 0, bound)     # a bound only changes at the top
+        else:
+            best_g = 0.0
+            e0 = 0
+            while e0 < n:
+                nr = 0
+                while e0 < n and nr < R:
+                    if chosen[e0] == 0:
+                        items[nr] = e0
+                        nr += 1
+                    e0 += 1
+                if nr == 0:
+                    break
+                cosines_into(uT, items, nr, blk, blk_rows, acc)
+                computed += nr
+                for r in range(nr):
+                    e = items[r]
+                    _sims_row(blk, r, e, mode, col)
+                    g = _gain_row(col, 0, cover, m[e], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
+                    evals += 1
+                    if best < 0 or g > best_g:
+                        best, best_g = e, g
+        chosen[best] = 1
+        order[n_sel] = best
+        n_sel += 1
+        m_sel += m[best]
+        phi_sel = concave(m_sel, kind, alpha, beta)
+        c = slot[best]
+        if c >= 0:
+            _sims_row(cache, c, best, mode, col)
+            slot[best], owner[c], ckey[c] = -1, -1, -np.inf
+        else:
+            items[0] = best
+            cosines_into(uT, items, 1, blk, blk_rows, acc)
+            computed += 1
+            _sims_row(blk, 0, best, mode, col)
+        _cover_with(col, cover)
+        it += 1
+    return order[:n_sel], evals, computed
+
+
+@njit(cache=True)
+def nearest_selected(uT, inset, mode):
+    """For each selected i (inset[i] != 0): (largest sim(i, j), j) over the selected j != i, ties to the smaller
+    j; (0, -1) when alone. The similarities are ``similarity_matrix``'s (``sim_columns``). O(s^2 d) time for s
+    selected, O(s d + COL_ROWS s) memory."""
+    d, n = uT.shape
+    idx = np.flatnonzero(inset)
+    s = idx.shape[0]
+    uTs = np.empty((d, s), np.float32)
+    for x in range(d):
+        for a in range(s):
+            uTs[x, a] = uT[x, idx[a]]
+    nn = np.zeros(n, np.float64)
+    nn_pos = np.full(n, -1, np.int64)
+    R = COL_ROWS
+    C = np.empty((R, s), np.float64)
+    rows = np.empty(R, np.int64)
+    for a0 in range(0, s, R):
+        nr = min(R, s - a0)
+        for r in range(nr):
+            rows[r] = a0 + r
+        sim_columns(uTs, rows, nr, mode, C)
+        for r in range(nr):
+            a = a0 + r
+            best, best_s = -1, 0.0
+            for b in range(s):
+                if b != a and (best < 0 or C[r, b] > best_s):
+                    best, best_s = b, C[r, b]
+            nn[idx[a]] = best_s
+            nn_pos[idx[a]] = idx[best] if best >= 0 else -1
+    return nn, nn_pos
+
+
 @njit(cache=True)
 def prompt_importance(q, k, scale, h, mode):
     """Attention each prompt key of KV head h accumulates over all prompt queries (Alg. 1 line 3): float64 [n_prompt].
@@ -317,18 +691,40 @@ def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state
     kind = int(params[P.concave])
     alpha, beta = params[P.alpha], params[P.beta]
     mode = int(params[P.similarity])
+    lazy = params[P.greedy] == 0.0
     n_prompt = k.shape[0]
-    S = np.empty((n_prompt, n_prompt), np.float64)
+    full = n_prompt <= FULL_MATRIX_MAX
+    S = np.empty((n_prompt if full else 0, n_prompt if full else 0), np.float64)
     for h in range(k.shape[1]):
         m = prompt_importance(q, k, scale, h, int(params[P.group_reduce]))
-        similarity_into(k[:, h, :], mode, S)
         recent = recent_slots(budget[h], params[P.recent_ratio])
         forced = np.zeros(n_prompt, np.uint8)
         forced[max(0, n_prompt - recent):] = 1
-        sel, _ = greedy_select(S, m, budget[h], forced, lam, kind, alpha, beta, params[P.greedy] == 0.0)
         inset = np.zeros(n_prompt, np.uint8)
-        for e in sel:
-            inset[e] = 1
+        if full:
+            similarity_into(k[:, h, :], mode, S)
+            sel, _ = greedy_select(S, m, budget[h], forced, lam, kind, alpha, beta, lazy)
+            for e in sel:
+                inset[e] = 1
+            nn = np.zeros(n_prompt, np.float64)
+            nn_pos = np.full(n_prompt, -1, np.int64)
+            for i in range(n_prompt):
+                if inset[i] == 0:
+                    continue
+                best, best_s = -1, 0.0
+                for j in range(n_prompt):
+                    if j != i and inset[j] != 0 and (best < 0 or S[i, j] > best_s):
+                        best, best_s = j, S[i, j]
+                nn[i], nn_pos[i] = best_s, best
+        else:
+            uT = unit_keys_t(k[:, h, :])
+            if budget[h] >= n_prompt:
+                inset[:] = 1            # the greedy would pick every key
+            else:
+                sel, _, _ = greedy_select_keys(uT, m, budget[h], forced, lam, kind, alpha, beta, lazy, mode)
+                for e in sel:
+                    inset[e] = 1
+            nn, nn_pos = nearest_selected(uT, inset, mode)
         for i in range(n_prompt):
             keep[h, i] = inset[i]
             if inset[i] == 0:
@@ -338,12 +734,8 @@ def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state
             for x in range(k.shape[2]):
                 nrm += np.float64(k[i, h, x]) ** 2
             slot_state[h, i, F_NORM] = np.sqrt(nrm)
-            best, best_s = -1, 0.0
-            for j in range(n_prompt):
-                if j != i and inset[j] != 0 and (best < 0 or S[i, j] > best_s):
-                    best, best_s = j, S[i, j]
-            slot_state[h, i, F_NN] = best_s
-            slot_state[h, i, F_NNPOS] = best
+            slot_state[h, i, F_NN] = nn[i]
+            slot_state[h, i, F_NNPOS] = nn_pos[i]
 
 
 @njit(cache=True)

@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 
 from policies import get_policy
 from policies.base import PolicyError
-from policies.bumblebee import (CONCAVE, F_ACC, F_NN, F_NNPOS, SIMILARITY, _prefill, _step, concave, greedy_select,
-                                objective, prompt_importance, similarity_matrix)
+from policies.bumblebee import (CONCAVE, COL_W, F_ACC, F_NN, F_NNPOS, F_NORM, FULL_MATRIX_MAX, SIMILARITY, _prefill,
+                                _step, concave, greedy_select, greedy_select_keys, objective, prompt_importance,
+                                sim_columns, similarity_into, similarity_matrix, unit_keys_t)
 from policies.kernels import causal_column_sums
+from policies.scorer import recent_slots
 from sim.replay import replay
 from traces.synthetic import make_synthetic_trace
 
@@ -166,6 +168,125 @@ def test_prefill_keeps_greedy_selection_and_slot_stats():
         assert st_[0, i, F_ACC] == m[i]
         assert st_[0, i, F_NN] == pytest.approx(S[i, others].max())
         assert st_[0, i, F_NNPOS] in others
+
+
+# ---------------------------------------------------------------- Alg. 1 without the n x n matrix
+# The prefill's bounded path (beyond FULL_MATRIX_MAX prompt keys) recomputes similarity columns from the keys; the
+# reference is the full-matrix code (similarity_matrix of the float32 keys, as the prefill sees them, and
+# greedy_select): same similarities bit for bit, same picks in the same order after the same gain evaluations.
+# Bit for bit assumes the BLAS SGEMM behind similarity_into sums each cosine as one FMA chain over d (OpenBLAS:
+# measured for d <= 448 beyond ~33 keys); test_similarity_columns_equal_full_matrix is the one to fail if not.
+
+
+def _bounded_case(seed, n, d):
+    """float32 keys with a common direction, duplicated rows (exact ties) and zero rows; importances."""
+    rng = np.random.default_rng(seed)
+    k = rng.normal(size=(n, d)).astype(np.float32)
+    if rng.random() < 0.7:
+        k += (rng.normal(size=(1, d)) * 3 * rng.random()).astype(np.float32)
+    if rng.random() < 0.6:
+        k[rng.integers(0, n, n // 3)] = k[rng.integers(0, n, n // 3)]
+    if rng.random() < 0.2:
+        k[rng.integers(0, n, 3)] = 0.0
+    m = rng.exponential(size=n) * rng.choice([0.01, 1.0, 50.0])
+    if rng.random() < 0.3:
+        m[:] = 1.0                                    # importance ties too
+    return k, m
+
+
+@pytest.mark.parametrize("n,d", [(48, 64), (100, 256), (300, 16), (COL_W + 37, 8), (2 * COL_W + 5, 3)])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_similarity_columns_equal_full_matrix(n, d, mode):
+    k, _ = _bounded_case(n + d, n, d)
+    k[5] = k[2]
+    rows = np.array([0, 2, 5, n - 1, n // 2])
+    out = np.empty((len(rows), n))
+    sim_columns(unit_keys_t(k), rows, len(rows), mode, out)
+    np.testing.assert_array_equal(out, similarity_matrix(k, mode)[rows])
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(48, 400), d=st.sampled_from([2, 3, 8, 16, 64]),
+       mode=st.integers(0, 2), kind=st.integers(0, 1), lam=st.sampled_from([0.0, 0.3, 1.0, 0.77]),
+       data=st.data())
+def test_bounded_greedy_equals_full_matrix_greedy(seed, n, d, mode, kind, lam, data):
+    k, m = _bounded_case(seed, n, d)
+    budget = data.draw(st.integers(0, n + 2))
+    forced = np.zeros(n, np.uint8)
+    forced[n - data.draw(st.integers(0, max(0, budget))):] = 1
+    S = similarity_matrix(k, mode)
+    uT = unit_keys_t(k)
+    for lazy in (True, False):
+        ref, ref_evals = greedy_select(S, m, budget, forced, lam, kind, 0.04, 1.0, lazy)
+        for cache in ((-1, 1, 7, 16, 40) if lazy else (-1,)):    # a cache smaller than n evicts and recomputes
+            sel, evals, _ = greedy_select_keys(uT, m, budget, forced, lam, kind, 0.04, 1.0, lazy, mode, cache)
+            np.testing.assert_array_equal(sel, ref)
+            assert evals == ref_evals
+
+
+@pytest.mark.parametrize("seed,n,d,budget,lazy", [(1, COL_W + 70, 16, 200, True), (2, COL_W + 70, 8, 30, False),
+                                                  (3, 2 * COL_W + 300, 4, 600, True)])
+def test_bounded_greedy_beyond_one_tile(seed, n, d, budget, lazy):
+    k, m = _bounded_case(seed, n, d)
+    forced = np.zeros(n, np.uint8)
+    forced[n - budget // 2:] = 1
+    ref = greedy_select(similarity_matrix(k, 0), m, budget, forced, 0.3, 0, 0.04, 1.0, lazy)
+    for cache in (-1, 64):
+        sel, evals, _ = greedy_select_keys(unit_keys_t(k), m, budget, forced, 0.3, 0, 0.04, 1.0, lazy, 0, cache)
+        np.testing.assert_array_equal(sel, ref[0])
+        assert evals == ref[1]
+
+
+def _full_matrix_prefill(params, budget, q, k, scale):
+    """The prefill as it was before the bounded path: the P x P matrix per head, greedy_select, nearest kept
+    neighbour from the matrix (keep, slot_state[..., :3])."""
+    P_, hkv = k.shape[0], k.shape[1]
+    keep = np.zeros((hkv, P_), np.uint8)
+    st_ = np.zeros((hkv, P_, 3))
+    mode = int(params[4])
+    for h in range(hkv):
+        m = prompt_importance(q, k, scale, h, int(params[6]))
+        S = np.empty((P_, P_))
+        similarity_into(k[:, h, :], mode, S)
+        forced = np.zeros(P_, np.uint8)
+        forced[max(0, P_ - int(recent_slots(budget[h], params[5]))):] = 1
+        sel, _ = greedy_select(S, m, budget[h], forced, params[0], int(params[1]), params[2], params[3],
+                               params[7] == 0.0)
+        keep[h, sel] = 1
+        kept = np.flatnonzero(keep[h])
+        for i in kept:
+            others = kept[kept != i]
+            st_[h, i, F_ACC] = m[i]
+            if len(others):
+                j = others[np.argmax(S[i, others])]          # the first of equal maxima, as the kernel's scan
+                st_[h, i, F_NN], st_[h, i, F_NNPOS] = S[i, j], j
+            else:
+                st_[h, i, F_NNPOS] = -1
+    return keep, st_
+
+
+@pytest.mark.parametrize("case", [
+    dict(P=FULL_MATRIX_MAX + 300, d=16, budget=(300, 1), similarity="relu_cos", greedy="lazy", recent_ratio=0.5),
+    dict(P=FULL_MATRIX_MAX + 1, d=64, budget=(40, 3), similarity="abs_cos", greedy="naive", recent_ratio=0.25),
+    dict(P=FULL_MATRIX_MAX + 50, d=8, budget=(1000, 5000), similarity="one_plus_cos", greedy="lazy",
+         recent_ratio=0.0),   # a budget over the prompt keeps it all
+])
+def test_prefill_beyond_full_matrix_keeps_full_matrix_selection(case):
+    rng = np.random.default_rng(case["P"])
+    P_, d = case["P"], case["d"]
+    q = rng.normal(size=(P_, 4, d)).astype(np.float32)
+    k = (rng.normal(size=(P_, 2, d)) + rng.normal(size=(1, 2, d))).astype(np.float32)
+    k[rng.integers(0, P_, P_ // 4)] = k[rng.integers(0, P_, P_ // 4)]     # duplicated keys: exact ties
+    params = _params(similarity=case["similarity"], greedy=case["greedy"], recent_ratio=case["recent_ratio"])
+    budget = np.array(case["budget"])
+    keep = np.ones((2, P_), np.uint8)
+    st_ = np.zeros((2, P_, 4))
+    _prefill(params, 0, budget, q, k, k.copy(), d ** -0.5, keep, st_, np.zeros((2, 0)))
+    ref_keep, ref_st = _full_matrix_prefill(params, budget, q, k, d ** -0.5)
+    np.testing.assert_array_equal(keep, ref_keep)
+    np.testing.assert_array_equal(st_[..., :3], ref_st)
+    np.testing.assert_allclose(st_[..., F_NORM][keep == 1], np.linalg.norm(k.astype(np.float64), axis=2).T[keep == 1],
+                               rtol=1e-12)
 
 
 # ---------------------------------------------------------------- Alg. 2 (streaming)
