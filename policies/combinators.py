@@ -176,8 +176,11 @@ class CriticalStage(Stage):
     def code(cls, pol: type[ScorerPolicy]) -> StageCode:
         off = pol.head_offsets[cls.name]
         eps, ratio = (cls.index(pol, p.name) for p in cls.params)
+        # the rescored scores of a head within its size are read only by an ``ada`` stage around this one (its flat
+        # eviction compares every head's); else the eviction (evict_to, per head) reads only the heads over size
+        every = any(s is AdaStage for s in pol.chain[pol.chain.index(cls) + 1:])
         return StageCode(step=f"    critical_step(params[{eps}], params[{ratio}], sizes, lo, hi, lengths, positions, "
-                              f"values, slot_state, head_state, {off}, scores)\n",
+                              f"values, slot_state, head_state, {off}, scores, {every})\n",
                          prompt=f"    critical_prompt(params[{eps}], params[{ratio}], sizes, lo, hi, v, slot_state, "
                                 f"head_state, {off}, scores)\n",
                          globals=(("critical_step", stages.critical_step),
@@ -214,8 +217,31 @@ class Combined(ScorerPolicy):
 
     def head_state_init(self, n_kv_heads: int, head_dim: int, wo: np.ndarray | None = None) -> np.ndarray:
         """The scorer's and the stages' zeros; with a ``critical`` stage, its slice: the index of its slot field,
-        G*d, hidden, then per KV head its query group's W_O as float32 [G * hidden, d] (C order) packed in pairs
-        into the float64 head state (read by ``stages.wo_l1``)."""
+        G*d, hidden, then per KV head its query group's W_O transposed, float32 [d, G * hidden] (C order), packed
+        in pairs into the float64 head state (read by ``stages.wo_l1``)."""
+        return self._head_state(n_kv_heads, head_dim, wo)
+
+    def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None) -> np.ndarray:
+        """``head_state_init``, and with a ``critical`` stage every position's projected value norm appended
+        (``stages.projected_norms``: the trace's values are known in advance, and a value never changes in a
+        scorer's cache), computed once per layer and kept in ``memo`` for the other replays of the same inputs.
+        The steps then read a new slot's norm instead of projecting its value through W_O (G * hidden * d
+        multiply-adds per slot, more than the step's attention), and the prefill reads the prompt's."""
+        if CriticalStage not in self.chain:
+            return super().replay_head_state(n_kv_heads, head_dim, layer, memo)
+        key = ("critical.projected_norms", n_kv_heads, head_dim)
+        table = None if memo is None else memo.get(key)
+        if table is None:
+            head = self._head_state(n_kv_heads, head_dim, layer.wo)
+            table = stages.projected_norms(head, self.head_offsets[CriticalStage.name],
+                                           np.ascontiguousarray(layer.v, np.float32))
+            if memo is not None:
+                memo[key] = table
+        return self._head_state(n_kv_heads, head_dim, layer.wo, table)
+
+    def _head_state(self, n_kv_heads: int, head_dim: int, wo: np.ndarray | None,
+                    table: np.ndarray | None = None) -> np.ndarray:
+        """The head state, with the norm table [Hkv, T] after the W_O block when given."""
         if CriticalStage not in self.chain:
             return np.zeros((n_kv_heads, self.head_fields))
         if wo is None:
@@ -228,16 +254,20 @@ class Combined(ScorerPolicy):
         gd, d = width // n_kv_heads, head_dim
         if gd % d:
             raise PolicyError(f"{self.label()}: W_O's {gd} columns per KV head are not whole heads of {d}")
-        blocks = np.ascontiguousarray(wo.reshape(hidden, n_kv_heads, gd // d, d).transpose(1, 2, 0, 3))
-        blocks = blocks.reshape(n_kv_heads, hidden * gd)
-        if blocks.shape[1] % 2:                  # whole float64 slots: pad one float32 (never read)
-            blocks = np.hstack([blocks, np.zeros((n_kv_heads, 1), np.float32)])
+        # [Hkv, d, G, hidden]: row x of a KV head's block is input channel x of its G heads' W_O columns
+        blocks = wo.reshape(hidden, n_kv_heads, gd // d, d).transpose(1, 3, 2, 0).reshape(n_kv_heads, hidden * gd)
+        words = (blocks.shape[1] + 1) // 2          # whole float64 slots: an odd count pads one float32 (never read)
         off = self.head_offsets[CriticalStage.name]
         field = self.slot_fields - sum(s.slot_fields for s in self.chain[self.chain.index(CriticalStage):])
+        n_table = 0 if table is None else table.shape[1]
         # filled in place: the scorer's (possibly large, mostly untouched) zero block stays lazily allocated
-        out = np.zeros((n_kv_heads, self.head_fields + blocks.shape[1] // 2))
+        out = np.zeros((n_kv_heads, self.head_fields + words + n_table))
         out[:, off:off + 3] = [float(field), float(gd), float(hidden)]
-        out[:, self.head_fields:] = blocks.view(np.float64)   # bit-for-bit; copies of the head state keep the bits
+        packed = out[:, self.head_fields:self.head_fields + words]
+        flat = packed.view(np.float32)              # bit-for-bit; copies of the head state keep the bits
+        flat[:, :blocks.shape[1]] = blocks
+        if table is not None:
+            out[:, self.head_fields + words:] = table
         return out
 
 

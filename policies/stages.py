@@ -16,7 +16,9 @@ maximises ``sum_i F_i`` for the layer's total, hence its bound is never above th
 Ada-KV state (2 head-state columns): [0] 1 once the head's decode-time size is set, [1] that size.
 Decoding state (1 column, head 0's): decode steps since the last compression.
 CriticalKV state: [0] the index of its slot field (the slot's projected value norm, 0 = not yet computed),
-[1] G*d, [2] hidden, then the query group's W_O as float32 pairs packed into the float64 head state.
+[1] G*d, [2] hidden, then the query group's W_O, transposed [d, G * hidden], as float32 pairs packed into the
+float64 head state; in a replay of a recorded trace, then every position's projected value norm (the table
+``projected_norms`` computes once per trace layer), which the steps read instead of projecting each new value.
 """
 from __future__ import annotations
 
@@ -225,39 +227,200 @@ def decoding_tick(head_state, off, every):
 
 # ---------------------------------------------------------------- CriticalKV
 
+@njit(cache=True, nogil=True)
+def _projected_l1(bt, vec, g_n, prods):
+    """mean_j ||W_O^(j) vec||_1 for one value row ``vec`` [d] (float32) against its group's W_O stacked and
+    transposed as ``bt`` [d, G * hidden]: the products in float32 into ``prods`` [G * hidden], summed over x = 0, 1,
+    ... in that order (four x per pass over ``prods``, SIMD over its entries), their absolute values summed in
+    float64 in four fixed partial sums.
+
+    No fast-math: every number is the same whatever else is computed beside it, so a norm taken for one new slot
+    at a step (closed loop, ``sim.reference_replay``), for a prompt, or for a whole trace at once
+    (``projected_norms``) is bit for bit the same, and replays with and without the precomputed table agree.
+    """
+    d, J = bt.shape
+    a = vec[0]
+    for j in range(J):
+        prods[j] = a * bt[0, j]
+    for xx in range((d - 1) // 4):
+        x = 1 + 4 * xx
+        a0 = vec[x]
+        a1 = vec[x + 1]
+        a2 = vec[x + 2]
+        a3 = vec[x + 3]
+        for j in range(J):
+            prods[j] = (((prods[j] + a0 * bt[x, j]) + a1 * bt[x + 1, j]) + a2 * bt[x + 2, j]) + a3 * bt[x + 3, j]
+    for x in range(1 + 4 * ((d - 1) // 4), d):
+        a = vec[x]
+        for j in range(J):
+            prods[j] = prods[j] + a * bt[x, j]
+    s0 = 0.0
+    s1 = 0.0
+    s2 = 0.0
+    s3 = 0.0
+    for jj in range(J // 4):
+        j = 4 * jj
+        s0 += abs(np.float64(prods[j]))
+        s1 += abs(np.float64(prods[j + 1]))
+        s2 += abs(np.float64(prods[j + 2]))
+        s3 += abs(np.float64(prods[j + 3]))
+    for j in range(4 * (J // 4), J):
+        s0 += abs(np.float64(prods[j]))
+    return ((s0 + s1) + (s2 + s3)) / g_n
+
+
 @njit(cache=True)
-def wo_l1(head_state, off, h, vecs):
-    """CriticalKV's projected value norms of KV head h for the rows of ``vecs`` [n, d] (float32): the L1 norm of
-    W_O^(j) v averaged over the query heads j of its group. One float32 GEMM against the group's W_O stacked as
-    [G * hidden, d] (SGEMM: the products to ~1e-7, half the memory traffic of float64 at a decode step), the L1
-    sums in float64. The stage's head-state slice at ``off``: slot-field index, G*d, hidden, then that block as
-    float32 pairs packed into float64 slots (``CriticalStage.head_state_init``)."""
+def _wo_block(head_state, off, h, d):
+    """KV head h's W_O block [d, G * hidden] (float32, read in place from the head state) and G."""
     gd = int(head_state[h, off + 1])
     hidden = int(head_state[h, off + 2])
-    d = vecs.shape[1]
     g_n = gd // d
     m = g_n * hidden * d
     base = off + 3
-    block = head_state[h, base:base + (m + 1) // 2].view(np.float32)[:m].reshape((g_n * hidden, d))
-    n = vecs.shape[0]
-    out = np.zeros(n)
-    rows = min(n, 256)                   # GEMM row blocks: no [n, G * hidden] temporary
-    prods = np.empty((rows, g_n * hidden), np.float32)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        np.dot(vecs[r0:r1], block.T, prods[:r1 - r0])
-        _abs_row_means(prods, r1 - r0, g_n, out[r0:r1])
+    return head_state[h, base:base + (m + 1) // 2].view(np.float32)[:m].reshape((d, g_n * hidden)), g_n
+
+
+@njit(cache=True)
+def norm_table(head_state, off):
+    """First column of the precomputed per-position norm table in the head state (``projected_norms``, after the
+    W_O block), or -1 when the head state has none (closed loop: norms are computed as slots arrive)."""
+    start = off + 3 + (int(head_state[0, off + 1]) * int(head_state[0, off + 2]) + 1) // 2
+    return start if head_state.shape[1] > start else -1
+
+
+@njit(cache=True)
+def wo_l1(head_state, off, h, vecs):
+    """CriticalKV's projected value norms of KV head h for the rows of ``vecs`` [n, d] (float32): the L1 norm of
+    W_O^(j) v averaged over the query heads j of its group (``_projected_l1``, row by row). The stage's head-state
+    slice at ``off``: slot-field index, G*d, hidden, then the group's W_O transposed, [d, G * hidden], as float32
+    pairs packed into float64 slots (``CriticalStage.head_state_init``)."""
+    bt, g_n = _wo_block(head_state, off, h, vecs.shape[1])
+    prods = np.empty(bt.shape[1], np.float32)
+    out = np.empty(vecs.shape[0])
+    for r in range(vecs.shape[0]):
+        out[r] = _projected_l1(bt, vecs[r], g_n, prods)
     return out
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"})   # SIMD sums (rounding-level differences)
-def _abs_row_means(prods, m, g_n, out):
-    """out[r] = sum_j |prods[r, j]| / g_n in float64 for the first m rows."""
-    for r in range(m):
-        acc = 0.0
-        for j in range(prods.shape[1]):
-            acc += abs(np.float64(prods[r, j]))
-        out[r] = acc / g_n
+@njit(cache=True, nogil=True)
+def projected_norms(head_state, off, v):
+    """Every token's projected value norm [Hkv, T] for the values v [T, Hkv, d] of a whole trace layer: the table a
+    replay appends to the head state (``Combined.replay_head_state``), so that neither the prompt nor the decode
+    steps project a value again. Bit for bit what ``wo_l1`` gives each row."""
+    T, hkv, d = v.shape
+    out = np.empty((hkv, T))
+    for h in range(hkv):
+        bt, g_n = _wo_block(head_state, off, h, d)
+        prods = np.empty(bt.shape[1], np.float32)
+        for t in range(T):
+            out[h, t] = _projected_l1(bt, v[t, h], g_n, prods)
+    return out
+
+
+@njit(cache=True)
+def _sort_desc(a, m):
+    """Insertion sort of a[:m], largest first."""
+    for i in range(1, m):
+        x = a[i]
+        j = i - 1
+        while j >= 0 and a[j] < x:
+            a[j + 1] = a[j]
+            j -= 1
+        a[j + 1] = x
+
+
+@njit(cache=True)
+def _quickselect_desc(vals, m, k):
+    """The k-th largest (1 <= k <= m) of vals[:m] (reordered): quickselect, median-of-three pivot, three-way
+    partition (runs of equal scores cost one pass)."""
+    lo = 0
+    hi = m - 1
+    t = k - 1
+    while hi - lo >= 16:
+        a = vals[lo]
+        b = vals[(lo + hi) >> 1]
+        c = vals[hi]
+        if a < b:
+            a, b = b, a
+        if b < c:
+            b = c
+            if a < b:
+                b = a
+        pivot = b
+        lt = lo
+        i = lo
+        gt = hi
+        while i <= gt:
+            x = vals[i]
+            if x > pivot:
+                vals[i] = vals[lt]
+                vals[lt] = x
+                lt += 1
+                i += 1
+            elif x < pivot:
+                vals[i] = vals[gt]
+                vals[gt] = x
+                gt -= 1
+            else:
+                i += 1
+        if t < lt:
+            hi = lt - 1
+        elif t > gt:
+            lo = gt + 1
+        else:
+            return pivot
+    _sort_desc(vals[lo:hi + 1], hi - lo + 1)
+    return vals[t]
+
+
+_SAMPLE = 32      # values sampled per narrowing round of ``kth_largest``
+_MARGIN = 4       # sample ranks kept on either side of the expected rank
+
+
+@njit(cache=True)
+def kth_largest(vals, m, k, buf, samp):
+    """The k-th largest (1 <= k <= m) of vals[:m], in O(m) with few mispredicted branches (vals and buf, each at
+    least m long, and samp, _SAMPLE long, are overwritten): while many values are left, two pivots bracket the
+    expected rank in a sorted sample, one branch-free pass counts the values above, between and below them, and
+    a second copies the part that holds the k-th value; the last few dozen go to a quickselect."""
+    while m > 2 * _SAMPLE:
+        for i in range(_SAMPLE):
+            samp[i] = vals[(i * m) // _SAMPLE + m // (2 * _SAMPLE)]
+        _sort_desc(samp, _SAMPLE)
+        r = ((k - 1) * _SAMPLE) // m
+        hi_p = samp[r - _MARGIN] if r >= _MARGIN else np.inf
+        lo_p = samp[r + _MARGIN] if r + _MARGIN < _SAMPLE else -np.inf
+        above = 0
+        mid = 0
+        for i in range(m):
+            x = vals[i]
+            above += x > hi_p
+            mid += (x >= lo_p) & (x <= hi_p)
+        w = 0
+        if k <= above:
+            for i in range(m):
+                x = vals[i]
+                buf[w] = x
+                w += x > hi_p
+        elif k <= above + mid:
+            k -= above
+            if lo_p == hi_p:
+                return lo_p
+            for i in range(m):
+                x = vals[i]
+                buf[w] = x
+                w += (x >= lo_p) & (x <= hi_p)
+        else:
+            k -= above + mid
+            for i in range(m):
+                x = vals[i]
+                buf[w] = x
+                w += x < lo_p
+        if w == m:
+            break
+        vals, buf = buf, vals
+        m = w
+    return _quickselect_desc(vals, m, k)
 
 
 @njit(cache=True)
@@ -265,53 +428,84 @@ def critical_stages(eps, ratio, size, lo, hi, positions, h, n, scores, norms):
     """CriticalKV's two stages on head h's first n slots. Stage 1 keeps outright (+inf) the top ``ratio`` share,
     by the current score, of the slots the head has for candidates (``size`` less its protected slots held);
     the other candidates (positions in [lo, hi)) are rescored ``(score + eps) * ||W_O v||_1`` (+inf stays +inf).
-    Protected slots are never evicted and keep their score. With ``ratio = 1`` the stage changes no decision."""
-    cand = np.empty(n, np.int64)
+    Protected slots are never evicted and keep their score. With ``ratio = 1`` the stage changes no decision.
+
+    Stage 1 is a selection, not a sort (O(n) per step, ``kth_largest``): the candidates scored above the n1-th
+    largest candidate score, then as many of those equal to it as are left, newest first (equal scores keep the
+    newer token, as the eviction, whose ties evict the older, would)."""
+    work = np.empty(2 * n + _SAMPLE, np.float64)
+    vals = work[:n]
     m = 0
-    for i in range(n - 1, -1, -1):                  # newest first: equal scores keep the newer token, as the
-        if lo <= positions[i] < hi:                 # eviction (ties evict the older) would
-            cand[m] = i
+    for i in range(n):
+        if lo <= positions[i] < hi:
+            vals[m] = scores[h, i]
             m += 1
-    n1 = int(max(size - (n - m), 0) * ratio)
-    key = np.empty(m, np.float64)
-    for j in range(m):
-        key[j] = -scores[h, cand[j]]
-    order = np.argsort(key, kind="mergesort")
-    first = np.zeros(m, np.bool_)
-    for j in range(min(n1, m)):
-        first[order[j]] = True
-    for j in range(m):
-        i = cand[j]
+    n1 = min(int(max(size - (n - m), 0) * ratio), m)
+    kth = np.inf           # n1 = 0: no candidate is stage 1's
+    ties = 0               # how many of the candidates scored kth stage 1 takes (the newest)
+    n_eq = 0
+    eq = work              # the slots of the candidates scored kth, in slot order (free again)
+    if n1 > 0:
+        kth = kth_largest(vals, m, n1, work[n:2 * n], work[2 * n:])
+        ties = n1
+        for i in range(n):
+            if lo <= positions[i] < hi:
+                s = scores[h, i]
+                ties -= s > kth
+                if s == kth:
+                    eq[n_eq] = i
+                    n_eq += 1
+    for i in range(n):      # branch-free (SIMD); the candidates scored kth are settled below
         s = scores[h, i]
-        scores[h, i] = np.inf if first[j] or s == np.inf else (s + eps) * norms[i]
+        rescored = np.inf if (s > kth) | (s == np.inf) else (s + eps) * norms[i]
+        scores[h, i] = rescored if (lo <= positions[i] < hi) & (s != kth) else s
+    for e in range(n_eq - 1, -1, -1):
+        i = int(eq[e])
+        s = scores[h, i]
+        scores[h, i] = np.inf if ties > 0 or s == np.inf else (s + eps) * norms[i]
+        ties -= 1
 
 
 @njit(cache=True)
-def critical_step(eps, ratio, sizes, lo, hi, lengths, positions, values, slot_state, head_state, off, scores):
-    """CriticalKV at a decode step: a slot's projected value norm is computed once, when it is new (kept in the
-    stage's slot field; 0 = not yet), then the two stages within each head's current size."""
+def critical_step(eps, ratio, sizes, lo, hi, lengths, positions, values, slot_state, head_state, off, scores,
+                  every_head):
+    """CriticalKV at a decode step: a slot's projected value norm is set once, when it is new (kept in the stage's
+    slot field; 0 = not yet): read from the head state's per-position table when the replay precomputed it, else
+    projected here; then the two stages within each head's current size. Heads within their size are left as
+    they are unless ``every_head`` (an ``ada`` stage outside compares the scores of all heads)."""
     f = int(head_state[0, off])
+    tab = norm_table(head_state, off)
     d = values.shape[2]
     for h in range(lengths.shape[0]):
         n = lengths[h]
-        todo = np.flatnonzero(slot_state[h, :n, f] == 0.0)
-        if todo.size:
-            vecs = np.empty((todo.size, d), np.float32)
-            for j in range(todo.size):
-                vecs[j] = values[h, todo[j]]
-            norms = wo_l1(head_state, off, h, vecs)
-            for j in range(todo.size):
-                slot_state[h, todo[j], f] = norms[j]
-        critical_stages(eps, ratio, sizes[h], lo[h], hi[h], positions[h], h, n, scores, slot_state[h, :n, f].copy())
+        if n <= sizes[h] and not every_head:
+            continue
+        norms = slot_state[h, :, f]
+        if tab >= 0:
+            for i in range(n):
+                if norms[i] == 0.0:
+                    norms[i] = head_state[h, tab + positions[h, i]]
+        else:
+            bt, g_n = _wo_block(head_state, off, h, d)
+            prods = np.empty(bt.shape[1], np.float32)
+            for i in range(n):
+                if norms[i] == 0.0:
+                    norms[i] = _projected_l1(bt, values[h, i], g_n, prods)
+        critical_stages(eps, ratio, sizes[h], lo[h], hi[h], positions[h], h, n, scores, norms)
 
 
 @njit(cache=True)
 def critical_prompt(eps, ratio, sizes, lo, hi, v, slot_state, head_state, off, scores):
-    """CriticalKV on the prompt (v [P, Hkv, d]): every token's projected value norm (one GEMM per KV head), then
-    the two stages within each head's size."""
+    """CriticalKV on the prompt (v [P, Hkv, d]): every token's projected value norm (from the head state's table
+    when the replay precomputed it, else ``wo_l1`` per KV head), then the two stages within each head's size."""
     f = int(head_state[0, off])
-    pos = np.arange(v.shape[0])
+    tab = norm_table(head_state, off)
+    P = v.shape[0]
+    pos = np.arange(P)
     for h in range(v.shape[1]):
-        norms = wo_l1(head_state, off, h, np.ascontiguousarray(v[:, h, :]))
+        if tab >= 0:
+            norms = head_state[h, tab:tab + P].copy()
+        else:
+            norms = wo_l1(head_state, off, h, np.ascontiguousarray(v[:, h, :]))
         slot_state[h, :, f] = norms
-        critical_stages(eps, ratio, sizes[h], lo[h], hi[h], pos, h, v.shape[0], scores, norms)
+        critical_stages(eps, ratio, sizes[h], lo[h], hi[h], pos, h, P, scores, norms)

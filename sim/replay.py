@@ -456,7 +456,7 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
         out = EngineOutputs(metrics=np.zeros((n_steps, meta.model.n_q_heads, N_METRICS), np.float64),
                             slots=np.zeros((n_steps, hkv), np.int32), kept=np.full((n_rec, hkv, cap), -1, np.int32),
                             info=np.zeros(3, np.int64))
-        head_init = policy.head_state_init(hkv, meta.model.head_dim, li.wo)
+        head_init = policy.replay_head_state(hkv, meta.model.head_dim, li, layer_memo(inputs, layer))
         cfg = EngineConfig(params=policy.param_vector(li.attention), layer=layer, scale=float(li.attention.scale),
                            has_prefill=policy.has_prefill, metric_start=P, budget=b,
                            head_adaptive=policy.head_adaptive, bounded=not policy.unbounded, cap=cap,
@@ -479,6 +479,14 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
         kept_steps=np.arange(rec_start, rec_start + n_rec) if n_rec else None,
         layers=np.asarray(layers, np.int64), held_elsewhere=held_elsewhere(trace, layers), sliding=sliding,
     )
+
+
+def layer_memo(inputs: Sequence[LayerInputs], layer: int) -> dict | None:
+    """The dict where policies keep trace-only tables of one layer (``Policy.replay_head_state``: CriticalKV's
+    projected value norms), shared by every replay of these prepared inputs (``PreparedLayers.stats``), or None
+    for a plain list of inputs (computed per replay)."""
+    stats = getattr(inputs, "stats", None)
+    return None if stats is None else stats.setdefault(("layer_memo", layer), {})
 
 
 def _whole_prompt_acc(inputs: Sequence[LayerInputs], li: LayerInputs, layer: int, P: int, chunk: int,
