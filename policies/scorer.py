@@ -288,13 +288,15 @@ def _compile_composed(cls: type["ScorerPolicy"], module: str, name: str) -> dict
 
 
 @functools.lru_cache(maxsize=None)
-def _source_hash(*modules: str) -> str:
-    """Short hash of the shared eviction and stage code's sources. Numba invalidates a cached function only when
-    its own file changes, not its callees'; the composed kernels live under the scorer's file, so this hash goes
-    into their names and an edit of the shared code compiles them afresh instead of loading stale machine code."""
+def _source_hash(*files: str) -> str:
+    """Short hash of the sources the composed kernels are generated from and call (files of this package): the
+    shared eviction, the stage kernels and the combinators' code snippets. Numba invalidates a cached function only
+    when its own file changes, not its callees'; the composed kernels live under the scorer's file, so this hash
+    goes into their names and an edit of the shared code compiles them afresh instead of loading stale machine
+    code."""
     h = hashlib.sha256()
-    for m in modules:
-        h.update(Path(sys.modules[m].__file__).read_bytes())
+    for name in files:
+        h.update((Path(__file__).resolve().parent / name).read_bytes())
     return h.hexdigest()[:10]
 
 
@@ -331,8 +333,7 @@ class ScorerPolicy(Policy):
             raise PolicyError(f"{cls.__name__}: a scorer needs a score_step kernel")
         cls.protect.code(cls.schema)       # every named protection parameter exists
         tag = "".join(c if c.isalnum() else "_" for c in cls.name)
-        import policies.stages  # noqa: F401  (the stage kernels' source goes into the hash)
-        base_hash = _source_hash(__name__, "policies.stages", "policies.kernels")
+        base_hash = _source_hash("scorer.py", "stages.py", "kernels.py", "combinators.py")
         cls.step_fn, cls.prefill_fn = compose(cls, cls.score_step.py_func.__module__, f"_{tag}_{base_hash}")
 
     @classmethod
