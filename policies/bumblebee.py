@@ -190,9 +190,10 @@ def similarity_into(k, mode, S):
 
 @njit(cache=True, fastmath=_VECTOR_MATH)
 def _coverage_gain(S, e, cover):
-    """sum_v max(0, S[e, v] - cover[v]): the facility-location gain of e before normalisation (SIMD)."""
+    """sum_v max(0, S[e, v] - cover[v]): the facility-location gain of e before normalisation (SIMD). Row e of S is
+    e's similarity column: S is the whole matrix, or a buffer of columns rebuilt on demand (one sum, one order)."""
     fl = 0.0
-    for v in range(S.shape[0]):
+    for v in range(cover.shape[0]):
         fl += max(S[e, v] - cover[v], 0.0)
     return fl
 
@@ -410,25 +411,6 @@ def sim_columns(uT, rows, nr, mode, out):
         out[r, :] = one[0]
 
 
-@njit(cache=True, fastmath=_VECTOR_MATH)
-def _coverage_gain_row(C, r, cover):
-    """``_coverage_gain`` of a column held in row r of a buffer C [rows, n]: the same loop, the same sum."""
-    fl = 0.0
-    for v in range(cover.shape[0]):
-        fl += max(C[r, v] - cover[v], 0.0)
-    return fl
-
-
-@njit(cache=True)
-def _gain_row(C, r, cover, m_e, m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta):
-    """``_gain`` of the candidate whose column is row r of C."""
-    fl = _coverage_gain_row(C, r, cover)
-    imp = 0.0
-    if phi_tot > 0.0:
-        imp = (concave(m_sel + m_e, kind, alpha, beta) - phi_sel) / phi_tot
-    return lam * fl / fl_norm + (1.0 - lam) * imp
-
-
 @njit(cache=True)
 def _cover_with(C, cover):
     for v in range(cover.shape[0]):
@@ -559,7 +541,7 @@ def greedy_select_keys(uT, m, budget, forced, lam, kind, alpha, beta, lazy, mode
                     for r in range(nr):
                         e = items[r]
                         _sims_row(blk, r, e, mode, col)
-                        g = _gain_row(col, 0, cover, m[e], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
+                        g = _gain(col, 0, cover, m[e], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
                         first[e] = g
                         c = _cache_slot(ckey, cmark, -2)
                         if c >= 0 and ckey[c] < g:
@@ -578,7 +560,7 @@ def greedy_select_keys(uT, m, budget, forced, lam, kind, alpha, beta, lazy, mode
                     g = first[best]
                 elif slot[best] >= 0:
                     _sims_row(cache, slot[best], best, mode, col)
-                    g = _gain_row(col, 0, cover, m[best], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
+                    g = _gain(col, 0, cover, m[best], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
                 else:
                     nr = _next_uncached(heap, n_heap, bound, stamp, slot, it, items, kb, open_)
                     n_batches += 1
@@ -591,7 +573,7 @@ def greedy_select_keys(uT, m, budget, forced, lam, kind, alpha, beta, lazy, mode
                     cosines_into(uT, items, nr, cache, dst, acc)
                     computed += nr
                     _sims_row(cache, slot[best], best, mode, col)
-                    g = _gain_row(col, 0, cover, m[best], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
+                    g = _gain(col, 0, cover, m[best], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
                 bound[best] = g
                 if slot[best] >= 0:
                     ckey[slot[best]] = g
@@ -615,7 +597,7 @@ def greedy_select_keys(uT, m, budget, forced, lam, kind, alpha, beta, lazy, mode
                 for r in range(nr):
                     e = items[r]
                     _sims_row(blk, r, e, mode, col)
-                    g = _gain_row(col, 0, cover, m[e], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
+                    g = _gain(col, 0, cover, m[e], m_sel, phi_sel, lam, fl_norm, phi_tot, kind, alpha, beta)
                     evals += 1
                     if best < 0 or g > best_g:
                         best, best_g = e, g
