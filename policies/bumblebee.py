@@ -149,6 +149,24 @@ def _cos_from(dot, ni, nj):
 
 
 @njit(cache=True)
+def unit_keys(k):
+    """The rows of k [n, d] over their L2 norms (the norm summed in float64, the result in k's dtype; a zero key
+    stays zero): the one normalisation behind both the full similarity matrix and the bounded path's columns, so
+    their cosines agree to the bit."""
+    n, d = k.shape
+    u = np.zeros((n, d), k.dtype)
+    for i in range(n):
+        s = 0.0
+        for x in range(d):
+            s += np.float64(k[i, x]) ** 2
+        if s > 0.0:
+            inv = 1.0 / np.sqrt(s)
+            for x in range(d):
+                u[i, x] = np.float64(k[i, x]) * inv
+    return u
+
+
+@njit(cache=True)
 def similarity_matrix(k, mode):
     """sim of all pairs of rows of k [n, d] (float64 [n, n]; a zero key has cosine 0 with every other key)."""
     S = np.empty((k.shape[0], k.shape[0]), np.float64)
@@ -165,16 +183,8 @@ def similarity_into(k, mode, S):
     and caches hold them: SGEMM, ~3x a float64 one at d = 64; cosines to ~1e-7), symmetrised from the lower
     triangle in tiles.
     """
-    n, d = k.shape
-    u = np.zeros((n, d), k.dtype)
-    for i in range(n):
-        s = 0.0
-        for x in range(d):
-            s += np.float64(k[i, x]) ** 2
-        if s > 0.0:
-            inv = 1.0 / np.sqrt(s)
-            for x in range(d):
-                u[i, x] = np.float64(k[i, x]) * inv
+    n = k.shape[0]
+    u = unit_keys(k)
     C = np.dot(u, u.T)
     B = 16       # tile by tile, so that the mirrored writes S[j, i] stay within a few pages
     for b0 in range(0, n, B):
@@ -340,18 +350,13 @@ def _fma1(acc, a, b):
 
 @njit(cache=True)
 def unit_keys_t(k):
-    """The rows of k [n, d] normalised as ``similarity_into`` does (float64 norm, float32 result), transposed:
-    uT [d, n] float32 (a zero key stays zero)."""
-    n, d = k.shape
-    uT = np.zeros((d, n), np.float32)
+    """``unit_keys(k)`` transposed, in float32: uT [d, n], the layout the bounded selection reads columns from."""
+    u = unit_keys(k)
+    n, d = u.shape
+    uT = np.empty((d, n), np.float32)
     for i in range(n):
-        s = 0.0
         for x in range(d):
-            s += np.float64(k[i, x]) ** 2
-        if s > 0.0:
-            inv = 1.0 / np.sqrt(s)
-            for x in range(d):
-                uT[x, i] = np.float64(k[i, x]) * inv
+            uT[x, i] = u[i, x]
     return uT
 
 
