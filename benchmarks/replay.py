@@ -46,7 +46,7 @@ from sim.metrics import N_METRICS  # noqa: E402
 from sim.replay import layer_memo, load_layers, replay, replay_budgets, replay_oracle  # noqa: E402
 from sim.threads import limit_threads  # noqa: E402
 from traces.format import load_trace  # noqa: E402
-from traces.recorder import cache_keyword, returned_cache  # noqa: E402
+from traces.hf.forward import CachedForward, forward_in_chunks  # noqa: E402
 
 #: the SmolLM2-135M trace (recorded on first use) and the registered model (traces/models.py) it comes from
 DEFAULT_TRACE = "kvsim-out/smollm2-135m-1024-256"
@@ -151,16 +151,15 @@ def policy_profile(trace, policy, inputs, budget: int, repeat: int = 2) -> dict:
 
 # ----- running the model -----
 def hf_token_by_token(model, ids: list[int]) -> float:
-    """Seconds for the plain HF model to process ``ids`` one token per forward with its own KV cache."""
+    """Seconds for the plain HF model to process ``ids`` one token per forward with its own KV cache (the model
+    adapter's chunked forward, `traces.hf.forward`, at one token per chunk)."""
     import torch
 
     with torch.no_grad():
-        past = None
+        x = torch.tensor([ids])
         t0 = time.perf_counter()
-        for i, tok in enumerate(ids):
-            out = model(input_ids=torch.tensor([[tok]]), use_cache=True, position_ids=torch.tensor([[i]]),
-                        **{cache_keyword(model): past})
-            past = returned_cache(out)
+        for _ in forward_in_chunks(model, x, 1):
+            pass
         return time.perf_counter() - t0
 
 
@@ -170,13 +169,12 @@ def hf_prefill_then_decode(model, ids: list[int], n_prompt: int) -> float:
     import torch
 
     with torch.no_grad():
+        x = torch.tensor([ids])
+        fwd = CachedForward(model)
         t0 = time.perf_counter()
-        out = model(input_ids=torch.tensor([ids[:n_prompt]]), use_cache=True)
-        past = returned_cache(out)
+        fwd(x[:, :n_prompt])
         for i in range(n_prompt, len(ids)):
-            out = model(input_ids=torch.tensor([[ids[i]]]), use_cache=True, position_ids=torch.tensor([[i]]),
-                        **{cache_keyword(model): past})
-            past = returned_cache(out)
+            fwd(x[:, i:i + 1])
         return time.perf_counter() - t0
 
 

@@ -131,7 +131,8 @@ def transfer() -> int:
     import json
 
     from benchmarks._util import RESULTS, machine, write_result
-    from gpu_validate.needle import FEATURES, prediction_table, split_report
+    from gpu_validate.needle import FEATURES, prediction_table
+    from gpu_validate.needle_report import split_report
     from sim.store import ResultStore
 
     tables = {}

@@ -1,6 +1,6 @@
 """`BatchRunner`: many closed-loop configurations decoded as one batch through the model.
 
-The model's attention modules are routed to the runner (`gpu_validate.routing`). The prompt runs once with the
+The model's attention modules are routed to the runner (`traces.hf.routing`). The prompt runs once with the
 model's own causal attention (`gpu_validate.prompt_store`), then enters each row's compressed cache, prefilled or
 streamed (`gpu_validate.prompt_loading`). Then every token is fed alone: its k/v are appended to each layer's
 cache, the query attends over the retained slots, the per-slot probabilities go to the policy's jitted ``step``
@@ -8,7 +8,8 @@ cache, the query attends over the retained slots, the per-slot probabilities go 
 (`gpu_validate.host_steps`). On a GPU the cache is the Triton `VarlenKVCache` (compaction kernel); on the CPU it
 is `HostKVCache`, padded numpy arrays that the steps read as views and compact in place (numba), with torch's
 attention arithmetic. The module docstring of `gpu_validate.runner` tells the semantics (RoPE, logit scaling,
-open loop, hybrid models).
+open loop, hybrid models). What is read of the model and done to it (geometry, each layer's attention, W_O, routing,
+forwards) is the model adapter's, `traces.hf`.
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ from gpu_validate.host_steps import row_post, row_prep
 from gpu_validate.jobs import BatchJob, RunResult, ValidateError, check_run_args
 from gpu_validate.prompt_loading import PromptLoading
 from gpu_validate.prompt_store import PromptCapture, PromptLayers
-from gpu_validate.routing import layer_idx, model_geometry, routed
 from policies.base import Policy, PolicyError, compiled, unit_logit_scale
 from sim.contract import OK, check_allocation, check_scale, raise_on, slot_capacity
+from traces.hf.forward import forward_at
+from traces.hf.geometry import layer_attention, model_shape, output_projection
+from traces.hf.routing import attention_call, routed
 
 
 class _Row:
@@ -98,8 +101,9 @@ class BatchRunner(PromptLoading):
             raise ValidateError(f"sliding must be 'keep' or 'compress', got {sliding!r}")
         self.model, self.jobs, self.backend, self.sliding = model, list(jobs), backend, sliding
         self.open_loop, self.record_kept, self.keep_logits = open_loop, record_kept, keep_logits
-        self.n_layers, self.n_q, self.n_kv, self.head_dim = model_geometry(model)
-        self.group = self.n_q // self.n_kv
+        self.shape = model_shape(model)
+        self.n_layers, self.n_q, self.n_kv = self.shape.n_layers, self.shape.n_q_heads, self.shape.n_kv_heads
+        self.head_dim, self.group = self.shape.head_dim, self.shape.group
         self.device = next(model.parameters()).device
         self.cache_dtype = cache_dtype or next(model.parameters()).dtype
         self.mode = "prompt"
@@ -110,11 +114,12 @@ class BatchRunner(PromptLoading):
 
     # ----- attention entry point (called by every attention module) -----
     def attention(self, module, query, key, value, attention_mask, **kwargs):
-        layer = layer_idx(module)
-        scaling = kwargs.get("scaling")
-        scaling = float(scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
+        """The routed attention of one layer's call (`traces.hf.routing.routed`): the model's own during the prompt
+        forward (captured), then attention over the rows' compressed caches."""
+        call = attention_call(module, query, kwargs)
+        layer = call.layer
         if self.mode == "prompt":
-            return self.capture.attention(layer, scaling, module, query, key, value, attention_mask, **kwargs)
+            return self.capture.attention(call, module, query, key, value, attention_mask, **kwargs)
         C = query.shape[2]
         if query.shape[0] != len(self.rows) or key.shape[2] != C or not 1 <= C <= self.chunk:
             raise ValidateError(f"decode steps feed one token (or a prompt chunk of {self.chunk}) per batch row at a "
@@ -313,11 +318,7 @@ class BatchRunner(PromptLoading):
         self.t = t
         ids = torch.tensor([[int(x) for x in row] for row in tokens], device=self.device)
         pos = (t + torch.arange(ids.shape[1], device=self.device, dtype=torch.int64))[None, :].expand(len(tokens), -1)
-        if not logits:
-            self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False)
-            return None
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
-        return out.logits[:, -1].float()
+        return forward_at(self.model, ids, pos, logits=logits)
 
     def _record(self, rows: list[_Row], logits: torch.Tensor, r: int) -> None:
         """Store prediction r of every row (argmax, NLL of the teacher-forced token, logits if asked)."""
@@ -334,14 +335,17 @@ class BatchRunner(PromptLoading):
             if self.keep_logits:
                 row.logits.append(logits[b].cpu())
 
-    def run(self) -> list[RunResult]:
-        """Run every job of the batch; results in job order."""
+    def start(self) -> torch.Tensor:
+        """The prompt phase of every job: the prompt forward, the rows' caches set up, and the prompt prefilled or
+        streamed into them; returns the logits [rows, V] after each row's prompt (its prediction 0). Afterwards the
+        runner is in decode mode: a model forward routed to it (`traces.hf.routing.routed`) with one token per
+        row at position ``self.t`` appends, attends and steps the policies (`run` feeds them; so does
+        `gpu_validate.generation` for transformers' ``generate``)."""
         jobs = self.jobs
         P, n_pred, streams = len(jobs[0].prompt), jobs[0].n_pred, jobs[0].streams
         if P < 1 or n_pred < 1:
             raise ValidateError(f"need a prompt of >= 1 token and >= 1 token to predict, got {P} and {n_pred}")
-        max_pos = getattr(self.model.config, "max_position_embeddings", None) or getattr(
-            self.model.config, "n_positions", None)
+        max_pos = self.shape.max_positions
         if max_pos and P + n_pred - 1 > max_pos:
             raise ValidateError(f"{P + n_pred - 1} positions exceed the model's context of {max_pos}")
         n_total = P + n_pred - 1   # tokens the cache will have seen after the last decode step
@@ -355,7 +359,7 @@ class BatchRunner(PromptLoading):
         self.layer_scale, self.layer_window = self.capture.scale, self.capture.window   # set by the prompt forward
         self.mode = "prompt"
         self.model.eval()
-        with torch.no_grad(), routed(self.model, self):
+        with torch.no_grad(), routed(self.model, self.attention):
             last = self._prompt_forward(list(prompts))[self.prompt_of]
             if len(self.capture.k) != self.n_layers:
                 raise ValidateError(f"only {len(self.capture.k)} of {self.n_layers} layers called the attention "
@@ -408,6 +412,13 @@ class BatchRunner(PromptLoading):
                 for t in range(t_model, P, self.chunk):
                     stop = min(P, t + self.chunk)
                     last = self._forward([row.prompt[t:stop] for row in rows], t, logits=stop == P)
+        return last
+
+    def run(self) -> list[RunResult]:
+        """Run every job of the batch; results in job order."""
+        last = self.start()
+        rows, P, n_pred = self.rows, len(self.jobs[0].prompt), self.jobs[0].n_pred
+        with torch.no_grad(), routed(self.model, self.attention):
             elem = torch.empty((), dtype=self.cache_dtype).element_size()
             self._record(rows, last, 0)
             if self.device.type == "cuda":
@@ -442,8 +453,6 @@ class BatchRunner(PromptLoading):
 
     def _layer_attention(self) -> None:
         """Each layer's attention as its prompt call ran it, and which layers the rows' policies compress."""
-        from traces.capture import layer_attention
-
         self.attn = [layer_attention(self.model.config, l, self.layer_scale[l], self.layer_window[l])
                      for l in range(self.n_layers)]
         self.compressed = [self.sliding == "compress" or not a.sliding for a in self.attn]
@@ -480,8 +489,6 @@ class BatchRunner(PromptLoading):
 
     def _wo(self, layer: int) -> np.ndarray:
         """The model's W_O of ``layer`` (for policies that read it), read once per batch."""
-        from traces.recorder import output_projection
-
         if layer not in self._wo_cache:
             wo = output_projection(self.model, layer)
             if wo is None:

@@ -10,9 +10,9 @@ import numpy as np
 
 from gpu_validate.chunked_forward import full_model_logits
 from gpu_validate.jobs import RunResult, ValidateError
-from gpu_validate.routing import model_geometry
 from gpu_validate.runner import CompressedRunner
 from policies.base import Policy
+from traces.hf.geometry import model_shape
 
 
 def text_metrics(model, ids: Sequence[int], n_prompt: int, policy: Policy, budget: int, *,
@@ -61,10 +61,10 @@ def full_cache_bytes(res: RunResult, model, n_prompt: int) -> float:
     """Mean K+V bytes a full cache would hold over the same decode steps (same dtype and geometry)."""
     if res.n_decode_steps == 0 or res.kv_bytes.size == 0:
         return float("nan")
-    n_layers, _, n_kv, d = model_geometry(model)
+    shape = model_shape(model)
     elem = res.extra["cache_elem_bytes"]
     seen = np.arange(n_prompt + 1, n_prompt + 1 + res.n_decode_steps)
-    return float((seen * n_layers * n_kv * 2 * d * elem).mean())
+    return float((seen * shape.n_layers * shape.n_kv_heads * 2 * shape.head_dim * elem).mean())
 
 
 def passkey_prompt(tokenizer, filler_ids: Sequence[int], depth: float, n_context: int, key: str) -> tuple[list[int], list[int]]:

@@ -11,11 +11,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpu_validate.backends import BACKENDS
+from gpu_validate.errors import ValidateError  # noqa: F401  (re-exported: the runner modules' error)
 from policies.base import Policy, PolicyError
-
-
-class ValidateError(ValueError):
-    """Bad runner input (policy, budget, backend, model, token counts) or a policy that broke its contract."""
 
 
 @dataclass

@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 
 from gpu_validate.fidelity import MODEL_COLUMNS, SIM_LOSSES, pair_agreement
-from gpu_validate.needle import ACCURACY, AGREEMENT, PREDICTED_ACCURACY, confusion_scores
+from gpu_validate.needle import ACCURACY, AGREEMENT, PREDICTED_ACCURACY
+from gpu_validate.needle_report import confusion_scores
 from gpu_validate.segments import SEGMENT_COLUMNS
 from sim.metrics import COLUMNS, Column
 from sim.runinfo import kvsim_version, machine, now
@@ -71,7 +72,7 @@ def run_info() -> dict[str, str]:
     return {"kvsim": kvsim_version(), "date": now(), "machine": machine()}
 
 
-def _run_facts(page: Page, report: Mapping[str, Any], command: str | None) -> None:
+def run_facts(page: Page, report: Mapping[str, Any], command: str | None) -> None:
     """The facts every page ends its header with: device, kvsim version, date and machine of the run."""
     if report.get("device"):
         page.fact("device", "device", f"{report['device']}, backend {report.get('backend', '?')}")
@@ -138,7 +139,7 @@ def fidelity_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: s
     page.fact("policies", "policies", f"{len(report['policies'])}" + (f" (skipped: {', '.join(skipped)}, which "
                                                                        "cannot run closed loop)" if skipped else ""))
     page.fact("budgets", "budgets", f"{', '.join(map(str, report['budgets']))} slots per KV head and layer")
-    _run_facts(page, report, command)
+    run_facts(page, report, command)
 
     target = report.get("target", {})
     rel_text = (lambda k: f"the model's own reliability: {fmt3(rel[k])} (split-half over blocks of "
@@ -212,7 +213,7 @@ def segments_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: s
                                   f"prompt + {report['n_decode']:,} teacher-forced, scored)")
     page.fact("policies", "policies", str(len(report["policies"])))
     page.fact("budgets", "budgets", f"{', '.join(map(str, report['budgets']))} slots per KV head and layer")
-    _run_facts(page, report, command)
+    run_facts(page, report, command)
 
     head = "err_wo_mean" if "err_wo_mean" in losses else "err_mean"
     boxes = []
@@ -312,7 +313,7 @@ def needle_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: str
                                     f"{', '.join(map(str, report['seeds']))}")
     page.fact("policies", "policies", f"{len(report['policies'])} + the full cache (reference)")
     page.fact("budgets", "budgets", f"{', '.join(map(str, report['budgets']))} slots per KV head and layer")
-    _run_facts(page, report, command)
+    run_facts(page, report, command)
 
     boxes = [(fmt3(report["full_accuracy"]), "full-cache accuracy", "the model itself, every token kept: the ceiling "
                                                                     "of every policy")]
@@ -410,7 +411,7 @@ def needle_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: str
 
 
 def _confusion(c: Mapping[str, int]) -> dict[str, dict[str, int]]:
-    """`gpu_validate.needle.prediction_report`'s flat confusion as rows (model outcome) x columns (prediction)."""
+    """`gpu_validate.needle_report.prediction_report`'s flat confusion as rows (model outcome) x columns (prediction)."""
     return {"model_ok": {"pred_ok": c["model_ok_pred_ok"], "pred_fail": c["model_ok_pred_fail"]},
             "model_fail": {"pred_ok": c["model_fail_pred_ok"], "pred_fail": c["model_fail_pred_fail"]}}
 

@@ -20,8 +20,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from gpu_validate.chunked_forward import PROMPT_CHUNK, forward_in_chunks
 from gpu_validate.jobs import ValidateError
+from traces.hf.forward import DEFAULT_CHUNK, forward_in_chunks
+from traces.hf.routing import model_attention
+
+#: prompt tokens per model forward when a batch's prompts go through the model with its own attention
+PROMPT_CHUNK = DEFAULT_CHUNK
 
 
 @dataclass
@@ -49,16 +53,14 @@ class PromptCapture:
         self.scale: dict[int, float] = {}
         self.window: dict[int, int | None] = {}
 
-    def attention(self, layer: int, scale: float, module, query, key, value, attention_mask, /, **kwargs):
-        """A layer's attention call during the prompt forward: the model's own (SDPA, given ``kwargs`` as the model
-        passed them), with the layer's softmax ``scale`` and window noted and its q/k/v captured (`_capture`)."""
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        self.scale[layer] = scale
-        self.window[layer] = kwargs.get("sliding_window") or None
-        kwargs.setdefault("dropout", 0.0)
-        out, w = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        self._capture(layer, query, key, value)
+    def attention(self, call, module, query, key, value, attention_mask, /, **kwargs):
+        """A layer's attention call during the prompt forward: the model's own (`traces.hf.routing.model_attention`),
+        with the layer's softmax scale and window noted (``call``: `traces.hf.routing.AttentionCall`) and its q/k/v
+        captured (`_capture`)."""
+        self.scale[call.layer] = call.scale
+        self.window[call.layer] = call.window
+        out, w = model_attention(module, query, key, value, attention_mask, **kwargs)
+        self._capture(call.layer, query, key, value)
         return out, w
 
     def _capture(self, layer: int, query, key, value) -> None:

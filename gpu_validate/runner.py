@@ -1,6 +1,7 @@
 """Closed-loop runner: an HF decoder model whose attention runs over a policy-compressed varlen KV cache.
 
-The model's attention modules are routed (transformers' AttentionInterface, as the recorder does) to this runner.
+The model's attention modules are routed (transformers' AttentionInterface, the same mechanism the recorder uses:
+`traces.hf.routing`) to this runner.
 The prompt runs once with the model's own causal attention, in chunks; of its q/k/v each layer keeps, at the
 model's dtype and preallocated, only what the runs read (q on the layers the policies compress, for their allocator
 and prefill selector; a kept sliding layer's k/v over its last window, unless a streamed prompt needs them all:
@@ -31,9 +32,10 @@ from the model's config per layer.
 This module holds the entry points: `run_batch` (jobs grouped into batches) and `CompressedRunner` (one
 configuration). Under them: `gpu_validate.batch_runner` (the batched decode loop), `gpu_validate.prompt_store`
 (the prompt forward and its captures), `gpu_validate.prompt_loading` (prefill and fast-forward),
-`gpu_validate.host_steps` (the jitted per-row work around a policy step), `gpu_validate.routing` (attention
-routing, model geometry), `gpu_validate.chunked_forward` (the model's own forward in chunks, full-cache logits) and
-`gpu_validate.jobs` (jobs, results, argument checks, `ValidateError`).
+`gpu_validate.host_steps` (the jitted per-row work around a policy step), `gpu_validate.chunked_forward` (the
+full-cache reference logits) and `gpu_validate.jobs` (jobs, results, argument checks, `ValidateError`). Everything
+read of or done to the transformers model -- its geometry, each layer's attention, W_O, attention routing, chunked
+and positioned forwards -- is the model adapter's, `traces.hf` (shared with the recorder).
 """
 from __future__ import annotations
 

@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_validate import needle
-from gpu_validate.needle import (DIAGNOSTICS, FEATURES, FIT_OBJECTIVES, binary_scores, confusion_scores, fit_threshold, make_grid,
-                                 make_prompt, needle_features, plot_needle, prediction_report, run_needle,
-                                 stored_features, summarize)
+from gpu_validate.needle import (DIAGNOSTICS, FEATURES, make_grid, make_prompt, needle_features, run_needle,
+                                 stored_features)
+from gpu_validate.needle_report import (FIT_OBJECTIVES, binary_scores, confusion_scores, fit_threshold, plot_needle,
+                                        prediction_report, summarize)
 from gpu_validate.jobs import ValidateError
 from policies.registry import get_policy
 from sim.store import ResultStore

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from gpu_validate.fidelity import MODEL_COLUMNS, pair_agreement, token_reliability
-from gpu_validate.needle import prediction_report, seed_reliability, summarize
+from gpu_validate.needle_report import prediction_report, seed_reliability, summarize
 from gpu_validate.pages import fidelity_page, needle_page, segments_page
 from gpu_validate.segments import fidelity_by_text
 from policies import get_policy
@@ -350,7 +350,7 @@ def test_needle_prediction_has_its_base_rate_and_per_configuration_numbers():
 
 
 def test_needle_page(tmp_path):
-    from gpu_validate.needle import plot_needle
+    from gpu_validate.needle_report import plot_needle
 
     rep, df = _needle_report()
     png = plot_needle(df, tmp_path / "n.png")
@@ -376,7 +376,7 @@ def test_needle_page(tmp_path):
 def test_needle_page_of_a_result_stored_before_balanced_accuracy(tmp_path):
     """Results stored before the prediction carried balanced accuracy and MCC still render: the overall scores from
     the confusion, the per-policy base rate from the accuracy, the rest left blank."""
-    from gpu_validate.needle import confusion_scores
+    from gpu_validate.needle_report import confusion_scores
 
     rep, _ = _needle_report()
     pred = rep["prediction"]

@@ -1,4 +1,9 @@
-"""Faithfulness of a recorded trace: attention recomputed from stored q/k/v vs the model's own output."""
+"""Faithfulness of a recorded trace: attention recomputed from stored q/k/v vs the model's own output.
+
+The recorder (`traces.recorder`) checks every layer with `layer_faithfulness` before writing it;
+`verify_trace_against_model` re-runs a model over a written trace (capture: `traces.capture`, the forward:
+`traces.hf.forward`). Nothing here imports the recorder.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,7 +66,7 @@ def verify_trace_against_model(trace, model, *, tol: float | None = None) -> lis
     import torch
 
     from traces.capture import Capture, capturing
-    from traces.recorder import ChunkedFeeder
+    from traces.hf.forward import forward_in_chunks
 
     tokens = trace.tokens
     if tokens is None:
@@ -75,10 +80,10 @@ def verify_trace_against_model(trace, model, *, tol: float | None = None) -> lis
     with tempfile.TemporaryDirectory(prefix="kvsim-verify-") as spill:
         cap = Capture(tuple(trace.meta.model.layer_ids), kv_heads, group, np.dtype(np.float32), len(ids), Path(spill))
         try:
-            feeder = ChunkedFeeder(model)
+            x = torch.tensor([ids], device=next(model.parameters()).device)
             with torch.no_grad(), capturing(model, cap):
-                for c0 in range(0, len(ids), feeder.chunk):
-                    feeder.feed(ids[c0:c0 + feeder.chunk], [])
+                for _ in forward_in_chunks(model, x):
+                    pass
             for i, layer in enumerate(trace.meta.model.layer_ids):
                 la = trace.layer(i)
                 attn = trace.meta.attention(i)

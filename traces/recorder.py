@@ -9,6 +9,11 @@ length the model supports.
 
 tokens.parquet row t describes position t: ``token_id`` fed at t, ``nll`` = -log p(token_t | tokens_<t)
 and ``top1_id`` = argmax p(. | tokens_<t) under the full cache (NaN / -1 at t = 0, which has no context).
+
+Where things live: everything done to the transformers model is `traces.hf` (`geometry`: its shape, each layer's
+attention and W_O; `routing`: its attention routed to the capture; `forward`: the chunked forward over its own
+cache); `traces.capture` holds the captured q/k/v, `traces.faithful` the faithfulness check and `traces.format`
+the writer. This module runs the model and scores the fed tokens.
 """
 from __future__ import annotations
 
@@ -20,9 +25,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from traces.capture import Capture, CaptureError, capturing, layer_attention, model_shape
+from traces.capture import Capture, CaptureError, capturing
 from traces.faithful import LayerFaithfulness, assert_faithful, default_tolerance, layer_faithfulness
 from traces.format import LayerArrays, ModelInfo, TraceMeta, TraceWriter
+from traces.hf.forward import DEFAULT_CHUNK, CachedForward
+from traces.hf.geometry import layer_attention, model_shape, output_projection
 
 
 class RecordError(ValueError):
@@ -50,11 +57,6 @@ def _check_subset(name: str, values: Sequence[int] | None, n: int) -> tuple[int,
     return vals
 
 
-def _max_positions(config: Any) -> int | None:
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-
-
 def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prompt: int, n_decode: int,
                  tokenizer: Any = None, layers: Sequence[int] | None = None, kv_heads: Sequence[int] | None = None,
                  dtype: str = "float32", teacher_forced: bool = False, model_id: str | None = None,
@@ -75,7 +77,7 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
     """
     import torch
 
-    shape = model_shape(model.config)
+    shape = model_shape(model)
     if dtype not in ("float16", "float32"):
         raise RecordError(f"dtype must be 'float16' or 'float32', got {dtype!r}")
     if int(n_prompt) < 1:
@@ -91,12 +93,12 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
     total = n_prompt + n_decode
     if single_pass and not teacher_forced:
         raise RecordError("single_pass needs teacher_forced (greedy decode must run token by token)")
-    max_pos = _max_positions(model.config)
-    if max_pos and total > max_pos:
-        raise RecordError(f"n_prompt + n_decode = {total} exceeds the model's context of {max_pos} positions")
+    if shape.max_positions and total > shape.max_positions:
+        raise RecordError(f"n_prompt + n_decode = {total} exceeds the model's context of {shape.max_positions} "
+                          "positions")
     layer_ids = _check_subset("layers", layers, shape.n_layers)
     kv = _check_subset("kv_heads", kv_heads, shape.n_kv_heads)
-    group = shape.n_q_heads // shape.n_kv_heads
+    group = shape.group
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (use overwrite to replace it)")
@@ -126,32 +128,65 @@ def _run_model(model, ids: list[int], *, n_prompt: int, total: int, teacher_forc
                chunk: int | None, progress: bool, prompt_scores: bool = True
                ) -> tuple[list[int], list[float], list[int], int]:
     """Feed the prompt (with ``single_pass`` the whole teacher-forced text) in chunks, then decode token by
-    token; returns the fed tokens, each position's NLL and top-1 (NaN / -1 at position 0, and at every prompt
-    position without ``prompt_scores``) and the chunk used."""
+    token on the same cache (`traces.hf.forward.CachedForward`); returns the fed tokens, each position's NLL and
+    top-1 (NaN / -1 at position 0, and at every prompt position without ``prompt_scores``) and the chunk used.
+    The LM head runs only on the rows whose predictions are read (and each chunk's last, for the next token)."""
+    import torch
     from tqdm.auto import tqdm
 
-    feeder = ChunkedFeeder(model, chunk)
-    fed: list[int] = []
+    fwd = CachedForward(model)
+    chunk = max(1, int(chunk or DEFAULT_CHUNK))
+    first = total if single_pass else n_prompt
+    fed: list[int] = list(ids[:first])
     nll, top1 = [math.nan], [-1]          # position 0 has no context; position p >= 1 is predicted by p - 1
+
+    def read(c0: int, c1: int) -> tuple[int, int]:
+        """The rows [lo, hi) of chunk [c0, c1) whose predictions are scored: those of a fed token (hi), less the
+        ones predicting prompt tokens without ``prompt_scores``."""
+        hi = min(c1, first - 1) - c0
+        return (0 if prompt_scores else min(max(0, min(c1, n_prompt - 1) - c0), hi)), hi
+
+    def keep(c0: int, c1: int) -> int:
+        lo, hi = read(c0, c1)
+        return c1 - c0 - (lo if hi > lo else c1 - c0 - 1)
+
     with tqdm(total=total, desc="record", unit="tok", disable=not progress) as bar:
-        first = total if single_pass else n_prompt
-        for c0 in range(0, first, feeder.chunk):
-            c1 = min(first, c0 + feeder.chunk)
-            skip = 0 if prompt_scores else max(0, min(c1, n_prompt - 1) - c0)   # rows predicting prompt tokens
-            got_nll, got_top1 = feeder.feed(ids[c0:c1], ids[c0 + 1:min(c1 + 1, first)], skip=skip)
-            fed.extend(ids[c0:c1])
+        x = torch.tensor([ids[:first]], device=fwd.device)
+        for c0, c1, logits in fwd.chunks(x, chunk, keep):
+            lo, hi = read(c0, c1)
+            got_nll, got_top1 = _next_token_scores(logits[0], c1 - c0 - logits.shape[1], lo, ids[c0 + 1:c0 + 1 + hi])
             nll.extend(got_nll)
             top1.extend(got_top1)
+            last = torch.log_softmax(logits[0, -1].float(), dim=-1)
             bar.update(c1 - c0)
         for step in range(total - first):
-            last = feeder.last
             tok = ids[n_prompt + step] if teacher_forced else int(last.argmax())
             nll.append(float(-last[tok]))
             top1.append(int(last.argmax()))
             fed.append(tok)
-            feeder.feed([tok], [])
+            last = torch.log_softmax(fwd([tok])[0, -1].float(), dim=-1)
             bar.update(1)
-    return fed, nll, top1, feeder.chunk
+    return fed, nll, top1, chunk
+
+
+#: logits rows turned into float32 log-probabilities at a time (a 262 k-token vocabulary never makes a whole chunk's)
+SCORE_ROWS = 64
+
+
+def _next_token_scores(logits, row0: int, skip: int, targets: Sequence[int]) -> tuple[list[float], list[int]]:
+    """The NLL of ``targets[i]`` and the argmax of the prediction of chunk row i, for every i < len(targets);
+    ``logits`` holds rows ``row0`` on, and the first ``skip`` rows get none (NaN, -1)."""
+    import torch
+
+    nll: list[float] = [math.nan] * skip
+    top1: list[int] = [-1] * skip
+    for r0 in range(skip, len(targets), SCORE_ROWS):
+        r1 = min(len(targets), r0 + SCORE_ROWS)
+        lp = torch.log_softmax(logits[r0 - row0:r1 - row0].float(), dim=-1)
+        tgt = torch.tensor(list(targets[r0:r1]), device=lp.device)
+        nll.extend((-lp.gather(1, tgt[:, None])[:, 0]).tolist())
+        top1.extend(lp.argmax(-1).tolist())
+    return nll, top1
 
 
 def _describe(model, cap: Capture, shape, layer_ids: tuple[int, ...], kv: tuple[int, ...], group: int,
@@ -225,72 +260,3 @@ def _check_and_write(model, cap: Capture, meta: TraceMeta, tokens: Any, out_dir:
         w.set_tokens(tokens)
     return faith
 
-
-DEFAULT_CHUNK = 512
-"""Tokens per forward when a prompt (or a teacher-forced text) is fed through the model: each chunk attends over the
-model's cache plus itself, so no layer builds a T x T mask and the logits of one chunk are all that is held."""
-
-
-class ChunkedFeeder:
-    """Feeds tokens through an HF causal LM with its own KV cache, ``chunk`` tokens per forward, and keeps what
-    a trace needs of the logits: the NLL of each next token and its argmax, computed on row slices (a 262 k-token
-    vocabulary never turns a whole chunk into float32 log-probabilities at once); ``last`` holds the
-    log-probabilities after the newest position (for greedy decoding and the next token's NLL)."""
-
-    ROWS = 64
-
-    def __init__(self, model, chunk: int | None = None) -> None:
-        import torch
-
-        self.model, self.chunk = model, max(1, int(chunk or DEFAULT_CHUNK))
-        self.kw = cache_keyword(model)
-        self.device = next(model.parameters()).device
-        self.past = None
-        self.last: Any = None
-        self._torch = torch
-
-    def feed(self, ids: Sequence[int], targets: Sequence[int], skip: int = 0) -> tuple[list[float], list[int]]:
-        """Run ``ids`` (one chunk) through the model; for the first ``len(targets)`` of them return the NLL of
-        ``targets[i]`` (the token at the next position) and the argmax of their prediction. The first ``skip``
-        rows get none (NaN, -1); the LM head runs only on the rows read (and the last, for ``last``)."""
-        torch = self._torch
-        kw = {self.kw: self.past} if self.past is not None else {}
-        skip = min(max(0, int(skip)), len(targets))
-        first = skip if len(targets) > skip else len(ids) - 1     # the first row whose logits are read
-        out = self.model(input_ids=torch.tensor([list(ids)], device=self.device), use_cache=True,
-                         logits_to_keep=len(ids) - first, **kw)
-        self.past = returned_cache(out)
-        logits = out.logits[0]                                   # rows first .. len(ids) - 1
-        nll: list[float] = [math.nan] * skip
-        top1: list[int] = [-1] * skip
-        for r0 in range(skip, len(targets), self.ROWS):
-            r1 = min(len(targets), r0 + self.ROWS)
-            lp = torch.log_softmax(logits[r0 - first:r1 - first].float(), dim=-1)
-            tgt = torch.tensor(list(targets[r0:r1]), device=lp.device)
-            nll.extend((-lp.gather(1, tgt[:, None])[:, 0]).tolist())
-            top1.extend(lp.argmax(-1).tolist())
-        self.last = torch.log_softmax(logits[-1].float(), dim=-1)
-        return nll, top1
-
-
-def cache_keyword(model) -> str:
-    """The keyword a model's forward takes its KV cache by: ``cache`` (transformers >= 5.2x, where
-    ``past_key_values`` is deprecated) or ``past_key_values`` (earlier releases)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def returned_cache(out: Any) -> Any:
-    """The KV cache a forward returned, under either release's name."""
-    return out["cache"] if "cache" in out else out.past_key_values
-
-
-def output_projection(model, layer: int) -> np.ndarray | None:
-    """The attention output projection W_O [hidden, Hq*d] of decoder layer ``layer`` in torch's Linear layout
-    (``o = W_O @ concat(heads)``), float32; None for an architecture without ``self_attn.o_proj``."""
-    try:
-        lin = model.get_decoder().layers[layer].self_attn.o_proj
-    except (AttributeError, IndexError, TypeError):
-        return None
-    return lin.weight.detach().float().cpu().numpy()

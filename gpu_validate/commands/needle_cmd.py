@@ -38,7 +38,7 @@ def _tasks(text: str) -> dict[str, int | None]:
 
 DEFAULT_POLICIES = ("streaming_llm; h2o; tova; cascading; snapkv; pyramidkv; ada_snapkv; bumblebee; buzz; window; "
                     "random; d2o")
-#: kept in step with `gpu_validate.needle.FIT_OBJECTIVES` (not imported here: the command's module loads light)
+#: kept in step with `gpu_validate.needle_report.FIT_OBJECTIVES` (not imported here: the command's module loads light)
 FIT_OBJECTIVES = ("balanced_accuracy", "agreement")
 
 
@@ -109,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from gpu_validate.needle import (make_grid, passing_cells, plot_needle, prediction_report, prediction_table,
-                                     run_needle, seed_reliability, stored_features, summarize, wrong_calls)
+    from gpu_validate.needle import make_grid, prediction_table, run_needle, stored_features
+    from gpu_validate.needle_report import (passing_cells, plot_needle, prediction_report, seed_reliability,
+                                            summarize, wrong_calls)
     from gpu_validate.pages import needle_page, needle_tables, run_info
     from sim.commands._common import command_line
     from sim.table import print_tables
