@@ -80,10 +80,11 @@ def cell_key(model_id: str, seg: Segment, n_prompt: int, policy: Policy, budget:
 
 
 def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy, int]], store, *, n_prompt: int,
-                model_id: str, max_rows: int = 48, progress: bool = True,
+                model_id: str, max_rows: int = 48, progress: bool = True, backend: str = "torch",
                 log: Callable[[str], None] = print) -> "Any":
     """ΔNLL and top-1 disagreement (vs the full cache) of every segment × (policy, budget) not yet in ``store``,
-    run batched through the model; each batch is stored as soon as it finishes. Returns the store's table."""
+    run batched through the model (``backend``: the runner's cache kernels); each batch is stored as soon as it
+    finishes. Returns the store's table."""
     from tqdm.auto import tqdm
 
     done = store.keys()
@@ -113,7 +114,7 @@ def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Poli
                 bar.update(1)
 
             run_batch(model, [BatchJob(p, b, s.ids[:n_prompt], continuation=s.ids[n_prompt:]) for s, p, b in chunk],
-                      max_rows=max_rows, on_result=finished)
+                      max_rows=max_rows, on_result=finished, backend=backend)
             store.add(rows)
             bar.write(f"batch of {len(rows)}: mean ΔNLL {np.mean([r['delta_nll'] for r in rows]):.4f}")
             sys.stdout.flush()
@@ -161,6 +162,7 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
                                  "text": seg.text, "label": pol.label(), "budget": int(b),
                                  **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean")},
                                  "miss_mass": 1.0 - s["mass_mean"], "err_by_layer": s["err_by_layer"],
+                                 "kv_bytes_mean": s["kv_bytes_mean"],
                                  "err_wo_mean": float(err_wo.mean()), "err_wo_by_layer": err_wo.tolist()})
             if store is not None:
                 store.add([{**r, "model": model_id} for r in seg_rows])
