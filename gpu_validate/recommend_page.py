@@ -22,6 +22,8 @@ TERMS = {
     "simulated": "the simulator's loss of the configuration (its ranking key), the mean over the segments",
     "predicted": "the model loss the calibration (a power law fitted on the confirmed runs) predicts from it",
     "measured": "the model's loss in the closed loop (the policy evicting inside the model), mean over the segments",
+    "bound": "the measured mean plus 1.645 standard errors (one-sided 95%; token blocks over the segments): a budget "
+             "meets the target when this does, since the best of several noisy measurements is optimistic",
     "confirmed": "run in the model; a budget's choice is its best confirmed configuration, else the simulator's "
                  "first",
     "pair agreement": "among pairs of configurations confirmed at the same budget, the share the simulator ordered "
@@ -44,11 +46,14 @@ def budget_rows(report: Mapping[str, Any]) -> list[list[object]]:
     for r in report["per_budget"]:
         p = r["pick"]
         rows.append([r["budget"], p["label"], r["source"], len(r["confirmed"]), p["simulated"], p["predicted"],
-                     "—" if p["measured"] is None else p["measured"], _mib(p["kv_bytes"])])
+                     "—" if p["measured"] is None else p["measured"],
+                     "—" if p.get("upper_bound") is None else p["upper_bound"], _mib(p["kv_bytes"])])
     return rows
 
 
-BUDGET_HEADERS = ["budget", "choice", "from", "confirmed", "simulated", "predicted", "measured", "K/V held"]
+#: "bound": the measured mean plus the margin (`gpu_validate.recommend.MARGIN_Z` standard errors): what must meet
+#: the target
+BUDGET_HEADERS = ["budget", "choice", "from", "confirmed", "simulated", "predicted", "measured", "bound", "K/V held"]
 
 
 def print_report(report: Mapping[str, Any]) -> None:
@@ -60,7 +65,7 @@ def print_report(report: Mapping[str, Any]) -> None:
 
     table = Table(title=escape(f"kvsim recommend — {report['model']}, target {report['target']} "
                                f"({report['target_column']} ≤ {report['target_limit']:g})"), box=box.SIMPLE_HEAD,
-                  caption="from: confirmed = best of the configurations run in the model at that budget; simulator = "
+                  caption="from: confirmed = the configuration run in the model at that budget with the lowest bound; simulator = "
                           "the simulator's first (not run)")
     for h in BUDGET_HEADERS:
         table.add_column(h, justify="left" if h in ("choice", "from") else "right", no_wrap=True)
@@ -161,7 +166,8 @@ def answer_lines(report: dict[str, Any], command_model: str) -> list[str]:
     unit = "nats/token" if report["target_column"] == "delta_nll" else "(top-1 disagreement)"
 
     def loss(c: dict[str, Any]) -> str:
-        return f"measured {c['measured']:.4f}, predicted {c['predicted']:.4f} {unit}"
+        return (f"measured {c['measured']:.4f} (upper bound {c['upper_bound']:.4f}), predicted {c['predicted']:.4f} "
+                f"{unit}")
 
     lines = [("Meets the target " if a["met"] else "NOT met at any budget tried; best at the largest ")
              + f"{report['target']}: {ch['label']} at budget {ch['budget']} "
