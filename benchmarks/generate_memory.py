@@ -65,15 +65,16 @@ def one(args: argparse.Namespace) -> dict:
         x = torch.tensor([ids])
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new_tokens, do_sample=False,
                              min_new_tokens=args.new_tokens, streamer=streamer)
+        from traces.hf.geometry import model_shape
+
         new = out[0, len(ids):].tolist()
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        elem = next(model.parameters()).element_size()
-        n_kv, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+        shape = model_shape(model)
+        per_slot = shape.n_kv_heads * 2 * shape.head_dim * next(model.parameters()).element_size()
         seen = len(ids) + len(new) - 1
-        kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-        window = getattr(cfg, "sliding_window", None) or seen
-        held = sum(min(seen, window) if k == "sliding_attention" else seen for k in kinds) * n_kv * 2 * d * elem
-        row = {"kv_bytes_held": int(held), "kv_bytes_full_cache": int(seen * len(kinds) * n_kv * 2 * d * elem)}
+        kinds = shape.layer_types or ("full_attention",) * shape.n_layers
+        window = shape.sliding_window or seen
+        held = sum(min(seen, window) if k == "sliding_attention" else seen for k in kinds) * per_slot
+        row = {"kv_bytes_held": int(held), "kv_bytes_full_cache": int(seen * len(kinds) * per_slot)}
     else:
         from gpu_validate.generation import generate
 

@@ -17,8 +17,6 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-#: the simulated losses compared (means over the segments)
-SIM_LOSSES = ("err_mean", "err_p95", "kl_mean", "l1_mean", "miss_mass", "err_wo_mean")
 #: targets whose recommendations are judged besides the model's headline one (``dnll=`` values)
 EXTRA_TARGETS = (0.1, 0.2)
 VALIDATE = 3
@@ -90,7 +88,7 @@ def summarise(cells: Sequence[dict], recs: Sequence[dict], reliable_only: bool) 
 def report(args, load) -> int:
     from benchmarks._util import machine, write_result
     from gpu_validate.fidelity import split_half_reliability
-    from gpu_validate.recommend import SIM_LOSS, Recommender
+    from gpu_validate.recommend import SIM_LOSS, SIM_LOSSES, Recommender
     from gpu_validate.recommend_grid import Target, budget_ladder, candidates
     from gpu_validate.segments import simulated
     from sim.runinfo import kvsim_version, now

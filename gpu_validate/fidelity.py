@@ -200,6 +200,14 @@ MODEL_COLUMNS = {
 }
 
 
+def block_means(per_token: Sequence[float], block: int) -> np.ndarray:
+    """Means of consecutive blocks of ``block`` per-token values (a partial last block is dropped): the units of
+    the model-side statistics, since neighbouring tokens share their errors."""
+    x = np.asarray(per_token, float)
+    n = len(x) // block
+    return x[:n * block].reshape(n, block).mean(1)
+
+
 def token_reliability(rows: Sequence[dict[str, Any]], block: int = 8, n_splits: int = 200,
                       seed: int = 0) -> dict[str, Any] | None:
     """How reproducible the model's own ranking is on this one text: the scored tokens are cut into blocks of
@@ -216,7 +224,7 @@ def token_reliability(rows: Sequence[dict[str, Any]], block: int = 8, n_splits: 
         return None
 
     def blocks(r: dict[str, Any]) -> np.ndarray:
-        return np.asarray(r["nll_per_token"][:n * block], float).reshape(n, block).mean(1)
+        return block_means(r["nll_per_token"][:n * block], block)
 
     by_budget = {}
     for b in sorted({int(r["budget"]) for r in lossy}):

@@ -30,10 +30,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pandas as pd
 
+from gpu_validate.fidelity import SIM_LOSSES as FIDELITY_SIM_LOSSES
 from gpu_validate.jobs import ValidateError
 from gpu_validate.recommend_grid import Candidate, Target
 from gpu_validate.segments import Segment, cell_key, closed_loop, simulated
 
+#: the simulated losses of a recommendation's table: `gpu_validate.fidelity`'s and the error after W_O
+SIM_LOSSES = (*FIDELITY_SIM_LOSSES, "err_wo_mean")
 #: the simulated loss the recommendation ranks by: the L1 distance of the attention distributions. It ranked 31
 #: SmolLM2 configurations of a text kvsim had never seen best (Spearman rho 0.81 against the model's ΔNLL; the error
 #: after W_O 0.69, the mean error 0.47; issue 38), and again on the shipped `idle` text (mean within-budget rho
@@ -107,6 +110,7 @@ class Recommender:
             raise ValidateError(f"--validate must be >= 1 (configurations confirmed per budget), got {validate}")
         self.model, self.segments, self.target = model, list(segments), target
         self.cands = {c.label: c for c in cands}
+        self.family = {c.label: c.family for c in cands}
         self.budgets = sorted(int(b) for b in budgets)
         self.n_prompt, self.model_id, self.backend = n_prompt, model_id, backend
         self.validate, self.per_family, self.sim_loss = validate, per_family, sim_loss
@@ -129,12 +133,11 @@ class Recommender:
         rows = simulated(self.model, self.segments, configs, n_prompt=self.n_prompt, model_id=self.model_id,
                          store=self.sim_store, progress=self.progress)
         df = pd.DataFrame(rows)
-        cols = [c for c in ("err_mean", "err_p95", "kl_mean", "l1_mean", "miss_mass", "err_wo_mean", "kv_bytes_mean")
-                if c in df]
-        if self.sim_loss not in cols:
-            raise ValidateError(f"unknown simulated loss {self.sim_loss!r}; choose from {cols}")
+        if self.sim_loss not in SIM_LOSSES:
+            raise ValidateError(f"unknown simulated loss {self.sim_loss!r}; choose from {SIM_LOSSES}")
+        cols = [*SIM_LOSSES, "kv_bytes_mean"]
         table = df.groupby(["label", "budget"])[cols].mean().reset_index()
-        table["family"] = table.label.map(lambda lab: self.cands[lab].family)
+        table["family"] = table.label.map(self.family)
         self.table = table
         return table
 
@@ -165,12 +168,11 @@ class Recommender:
         binomial one over the scored tokens."""
         import json
 
+        from gpu_validate.fidelity import block_means
+
         if self.target.column == "delta_nll":
-            blocks = []
-            for per_token in rows["nll_per_token"]:
-                x = np.asarray(json.loads(per_token) if isinstance(per_token, str) else per_token, float)
-                n = len(x) // SE_BLOCK
-                blocks += list(x[:n * SE_BLOCK].reshape(n, SE_BLOCK).mean(1))
+            blocks = np.concatenate([block_means(json.loads(x) if isinstance(x, str) else x, SE_BLOCK)
+                                     for x in rows["nll_per_token"]])
             return float(np.std(blocks, ddof=1) / np.sqrt(len(blocks))) if len(blocks) > 1 else float("inf")
         n = len(rows) * max(1, len(self.segments[0].ids) - self.n_prompt - 1)
         p = min(max(mean, 1 / n), 1 - 1 / n)
@@ -188,8 +190,8 @@ class Recommender:
         return lab, v
 
     def _confirm_rung(self, budget: int) -> None:
-        fams = {lab: self.cands[lab].family for lab in self.cands}
-        self.confirm([(lab, budget) for lab in shortlist(self.ranked(budget), fams, self.validate, self.per_family)])
+        top = shortlist(self.ranked(budget), self.family, self.validate, self.per_family)
+        self.confirm([(lab, budget) for lab in top])
 
     def search(self) -> int | None:
         """Index of the smallest rung whose confirmed best meets the target (None: no rung does)."""

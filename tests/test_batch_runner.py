@@ -12,6 +12,7 @@ from gpu_validate.jobs import BatchJob, ValidateError
 from gpu_validate.runner import CompressedRunner, run_batch
 from policies.registry import get_policy, list_policies
 from sim.specs import parse_policy
+from tests.random_models import random_gemma3, random_llama
 
 torch.set_num_threads(1)
 CLOSED_LOOP = [n for n in list_policies() if not get_policy(n).is_oracle]
@@ -21,18 +22,9 @@ CLOSED_LOOP = [n for n in list_policies() if not get_policy(n).is_oracle]
 NORM_TIES = {"knorm", "ada(knorm)", "decoding(knorm)", "critical(knorm)"}
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg).eval()
-
-
 @pytest.fixture(scope="module")
 def llama():
-    return _llama()
+    return random_llama()
 
 
 def _ids(seed: int, n: int = 40) -> list[int]:
@@ -157,15 +149,8 @@ def test_batches_hold_budgets_of_one_tier_so_small_caches_are_not_padded_to_larg
     assert _budget_tiers([], [], 4) == []
 
 
-def _gemma3_tiny():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
-                           sliding_window=8, max_position_embeddings=256,
-                           layer_types=["sliding_attention", "full_attention", "sliding_attention"])
-    return Gemma3ForCausalLM(cfg).eval()
+#: a 3-layer Gemma-3: one global layer between two sliding ones
+GEMMA3_TINY = ("sliding_attention", "full_attention", "sliding_attention")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -174,7 +159,7 @@ def test_host_cache_equals_the_device_cache_path(llama, arch, monkeypatch):
     the device-cache path gives (flat masks, `TorchVarlenKVCache.compact`, the per-head merge reference): logits,
     kept sets, memory; streamed and prefilled rows, merging (D2O), logit-scaled (BUZZ), head-adaptive and
     layer-allocating policies, mixed widths, a sliding layer kept or compressed."""
-    model = llama if arch == "llama" else _gemma3_tiny()
+    model = llama if arch == "llama" else random_gemma3(GEMMA3_TINY)
     names = ["h2o", "d2o", "streaming_llm", "cascading", "tova", "snapkv", "pyramidkv", "ada_snapkv", "buzz",
              "critical(h2o)", "full"]
     ids = _ids(7)
@@ -195,7 +180,7 @@ def test_prompt_captures_keep_a_kept_sliding_layers_window_and_are_reused(monkey
     batch of the same prompt after it needs them all and captures again; both equal fresh runs."""
     import gpu_validate.prompt_store as prompt_store
 
-    model = _gemma3_tiny()
+    model = random_gemma3(GEMMA3_TINY)
     ids = _ids(8)
     pre = [BatchJob(get_policy("snapkv"), 6, ids[:24], continuation=ids[24:30])]
     stream = [BatchJob(get_policy("h2o"), 6, ids[:24], continuation=ids[24:30])]

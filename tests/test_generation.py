@@ -21,40 +21,20 @@ from sim.specs import parse_policy
 from traces.format import load_trace
 from traces.hf.forward import cache_keyword
 from traces.recorder import record_trace
+from tests.random_models import random_gemma3, random_llama
 
 torch.set_num_threads(1)
 WINDOW = 8
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def _gemma3():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
-                           sliding_window=WINDOW, max_position_embeddings=256,
-                           layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                        "sliding_attention"])
-    return Gemma3ForCausalLM(cfg).eval()
-
-
 @pytest.fixture(scope="module")
 def llama():
-    return _llama()
+    return random_llama()
 
 
 @pytest.fixture(scope="module")
 def gemma():
-    return _gemma3()
+    return random_gemma3(window=WINDOW)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from policies.registry import get_policy, list_policies
 from sim.replay import replay
 from traces.format import load_trace
 from traces.recorder import record_trace
+from tests.random_models import random_gemma3
 
 torch.set_num_threads(1)
 WINDOW = 8
@@ -24,18 +25,6 @@ CLOSED_LOOP = [n for n in list_policies() if not get_policy(n).is_oracle]
 #: raw key-norm rankings tie on this random model and the single-pass trace breaks ties differently from the
 #: token-by-token runner (as in tests/test_validate.py)
 NORM_TIES = {"knorm", "ada(knorm)", "decoding(knorm)", "critical(knorm)"}
-
-
-def _gemma3():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
-                           sliding_window=WINDOW, max_position_embeddings=256,
-                           layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                        "sliding_attention"])
-    return Gemma3ForCausalLM(cfg).eval()
 
 
 def _qwen3():
@@ -49,7 +38,7 @@ def _qwen3():
 
 @pytest.fixture(scope="module")
 def gemma():
-    return _gemma3()
+    return random_gemma3(window=WINDOW)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from gpu_validate.needle_report import (FIT_OBJECTIVES, binary_scores, confusion
 from gpu_validate.jobs import ValidateError
 from policies.registry import get_policy
 from sim.store import ResultStore
+from tests.random_models import random_llama
 
 torch.set_num_threads(1)
 TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards quietly judge the boxing match. " * 8)
@@ -42,12 +43,7 @@ class CharTok:
 
 @pytest.fixture(scope="module")
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(cfg).eval()
+    return random_llama(max_positions=512)
 
 
 def test_prompt_has_exact_length_and_key_positions():

@@ -25,6 +25,7 @@ from policies.registry import get_policy, list_policies
 from sim.cli import main
 from traces.format import load_trace
 from traces.recorder import record_trace
+from tests.random_models import random_llama
 
 torch.set_num_threads(1)
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" and torch.cuda.is_available() else "cpu"
@@ -32,12 +33,7 @@ CLOSED_LOOP = [n for n in list_policies() if not get_policy(n).is_oracle]
 
 
 def _llama(n_kv: int = 2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=n_kv, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg).eval().to(DEVICE)
+    return random_llama(n_kv=n_kv).to(DEVICE)
 
 
 def _gpt2():
