@@ -3,20 +3,22 @@
 Steps, each recorded with its outcome and time (one failing step does not stop the others; the JSON is rewritten
 after each, so a killed run keeps what finished):
 
-1. ``kernel_tests``: the Triton kernel tests (tests/test_kernels_*.py) compiled on the device (TRITON_INTERPRET=0).
-2. ``kernel_benchmark``: ``benchmarks/kernels.py --quick`` (its own JSON, benchmarks/results/kernels.json).
-3. ``generate``: for a random-weight Llama-3-8B-shaped model (4 layers) and a Gemma-3-270M-shaped one (sliding
-   window 512), at 8 k and 32 k prompt tokens, greedy ``generate()`` over kvsim's cache with ``POLICY`` at
+1. ``generate``: for a random-weight Llama-3-8B-shaped model (4 layers) and a Gemma-3-270M-shaped one (sliding
+   window 512), in bf16, at 8 k and 32 k prompt tokens, greedy ``generate()`` over kvsim's cache with ``POLICY`` at
    ``BUDGET`` on the Triton backend and on the torch backend: the same kept sets (every layer, step and KV head),
    logits within tolerance up to the first differing token, the K+V bytes held against the full cache's, and
    decode tokens/s against transformers' own cache (SDPA, ``model.generate`` timed at N and at 1 new token).
+2. ``kernel_tests``: the Triton kernel tests (tests/test_kernels_*.py) compiled on the device (TRITON_INTERPRET=0;
+   hypothesis's ``dev`` profile, 10 examples a property, since every new shape is a new compile).
+3. ``kernel_benchmark``: ``benchmarks/kernels.py --quick`` (its own JSON, benchmarks/results/kernels.json).
 
 ``--dry-run`` runs the same steps on the CPU at toy sizes (one kernel test file under the Triton interpreter,
 ``kernels.py --interpret-smoke``, toy-sized configs of the same two shapes with 48/96-token prompts) in well
 under a minute; tests/test_gpu_check.py runs it, so the script cannot rot.
 
-Run: python benchmarks/gpu_check.py [--dry-run] [--out PATH]   (default benchmarks/results/gpu_check.json, or
-gpu_check_dry_run.json for a dry run)
+Run: python benchmarks/gpu_check.py [--dry-run] [--out PATH] [--steps S ...] [--models M ...]   (default
+benchmarks/results/gpu_check.json, or gpu_check_dry_run.json for a dry run; a rerun of one step or model on a short
+device lease: ``--steps generate --models llama3-8b-shaped-4l``)
 """
 from __future__ import annotations
 
@@ -91,21 +93,24 @@ def gemma3_shaped(toy: bool):
 
 
 MODELS: dict[str, Callable[[bool], Any]] = {"llama3-8b-shaped-4l": llama3_shaped, "gemma3-270m-shaped": gemma3_shaped}
+#: the steps, in their default order (the end-to-end check first: it matters most)
+STEPS = ("generate", "kernel_tests", "kernel_benchmark")
 
 
 def run_subprocess(argv: list[str], timeout_s: int, compiled: bool) -> dict[str, Any]:
     """One command in a child process (Triton compiled on the GPU, or interpreted on the CPU): ok, return code,
     time and the last lines of its output."""
-    env = {**os.environ, "TRITON_INTERPRET": "0" if compiled else "1",
+    env = {**os.environ, "TRITON_INTERPRET": "0" if compiled else "1", "HYPOTHESIS_PROFILE": "dev",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     try:
         p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
         rc, out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, out = None, f"timed out after {timeout_s} s\n{e.stdout or ''}"
+    except subprocess.TimeoutExpired as e:         # its stdout comes back as bytes, whatever text= said
+        partial = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc, out = None, f"{partial}\ntimed out after {timeout_s} s"
     return {"ok": rc == 0, "returncode": rc, "seconds": time.perf_counter() - t0,
-            "output_tail": "\n".join(str(out).strip().splitlines()[-15:])}
+            "output_tail": "\n".join(out.strip().splitlines()[-40:])}
 
 
 def _run_generate(model, ids, n: int, backend: str, budget: int, P: int) -> dict[str, Any]:
@@ -159,11 +164,16 @@ def generate_check(name: str, model, P: int, sizes: Sizes) -> dict[str, Any]:
     same = next((i for i, (a, b) in enumerate(zip(tri["tokens"], ref["tokens"])) if a != b), n)
     diff = float((tri["logits"][:same + 1] - ref["logits"][:same + 1]).abs().max())
     scale = float(ref["logits"].abs().max())
-    kept = compare_kept(tri["kept"], ref["kept"], n - 1)
+    # decode step r feeds token r: past the first differing token the inputs differ, and so may the kept sets
+    steps = max(1, min(same, n - 1))
+    kept = compare_kept(tri["kept"], ref["kept"], steps)
+    per_layer = [compare_kept(tri["kept"][l:l + 1], ref["kept"][l:l + 1], steps)["kept_agreement"]
+                 for l in range(tri["kept"].shape[0])]
     hf = _transformers_decode(model, ids, n)
     row = {"model": name, "prompt_tokens": P, "new_tokens": n, "policy": POLICY, "budget": sizes.budget,
            "tokens_equal_prefix": same, "logit_max_abs_diff": diff, "logit_max_abs": scale,
-           "kept_agreement": kept["kept_agreement"], "kept_jaccard": kept["kept_jaccard"],
+           "kept_steps_compared": steps, "kept_agreement": kept["kept_agreement"], "kept_jaccard": kept["kept_jaccard"],
+           "kept_symmetric_difference_max": kept["symmetric_difference_max"], "kept_agreement_per_layer": per_layer,
            "kv_bytes_held": tri["kv_bytes_held"], "kv_bytes_full_cache": tri["kv_bytes_full_cache"],
            "kv_bytes_held_torch_backend": ref["kv_bytes_held"],
            "tokens_per_s_triton": tri["tokens_per_s"], "tokens_per_s_torch": ref["tokens_per_s"],
@@ -174,21 +184,27 @@ def generate_check(name: str, model, P: int, sizes: Sizes) -> dict[str, Any]:
     return row
 
 
-def generate_step(sizes: Sizes, device: str) -> dict[str, Any]:
-    """`generate_check` for every model shape and prompt length (each model built once, from its config)."""
+def generate_step(sizes: Sizes, device: str, models: list[str], on_row: Callable[[list], None]) -> dict[str, Any]:
+    """`generate_check` for each of ``models`` at every prompt length (each model built once, from its config, and
+    warmed up first: a short generate on each backend compiles the Triton and numba kernels outside the timings);
+    ``on_row(rows)`` after each row, so a killed run keeps what finished."""
     import torch
 
-    rows = []
-    for name, make in MODELS.items():
+    rows: list[dict[str, Any]] = []
+    for name in models:
         torch.manual_seed(0)
         with torch.device(device):
-            model = make(sizes.toy)
-        model = model.to(torch.bfloat16 if device == "cuda" else torch.float32).eval()
+            model = MODELS[name](sizes.toy)
+        model = model.to(torch.bfloat16).eval()
+        warm = torch.randint(0, model.config.vocab_size, (1, 2 * sizes.budget), device=device)
+        for backend in ("triton", "torch"):
+            _run_generate(model, warm, 3, backend, sizes.budget // 2, warm.shape[1])
         for P in sizes.prompts:
             try:
                 rows.append(generate_check(name, model, P, sizes))
             except Exception as e:  # noqa: BLE001 - recorded, and the other checks still run
                 rows.append({"model": name, "prompt_tokens": P, "ok": False, "error": f"{type(e).__name__}: {e}"})
+            on_row(rows)
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -199,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU at toy sizes")
     ap.add_argument("--out", type=Path, default=None, help="the JSON written (default: benchmarks/results/...)")
+    ap.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="the steps run, in this order")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                    help="the model shapes of the generate step")
     args = ap.parse_args(argv)
     sizes = DRY if args.dry_run else GPU
     os.environ.setdefault("TRITON_INTERPRET", "1" if args.dry_run else "0")    # before triton is imported
@@ -223,24 +242,32 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
         "sizes": asdict(sizes), "tolerances": {"logit_share_of_max": LOGIT_TOLERANCE, "kept_agreement": KEPT_AGREEMENT},
         "steps": {}}
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--tb=line", "--durations=5"]
+
+    def write() -> None:
+        report["ok"] = all(s["ok"] for s in report["steps"].values())
+        report["seconds"] = time.perf_counter() - t_all
+        atomic_write_text(out, json.dumps(report, indent=1, default=float))
+
+    def generate_progress(rows: list) -> None:
+        report["steps"]["generate"] = {"ok": False, "partial": True, "runs": rows}
+        write()
+
     steps: dict[str, Callable[[], dict[str, Any]]] = {
-        "kernel_tests": lambda: run_subprocess([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                                *sizes.kernel_tests], sizes.timeout_s, compiled),
+        "generate": lambda: generate_step(sizes, device, args.models, generate_progress),
+        "kernel_tests": lambda: run_subprocess([*pytest, *sizes.kernel_tests], sizes.timeout_s, compiled),
         "kernel_benchmark": lambda: run_subprocess([sys.executable, "benchmarks/kernels.py", *sizes.kernel_benchmark],
                                                    sizes.timeout_s, compiled),
-        "generate": lambda: generate_step(sizes, device),
     }
     t_all = time.perf_counter()
-    for name, step in steps.items():
-        t0 = time.perf_counter()
+    for name in args.steps:
+        step, t0 = steps[name], time.perf_counter()
         try:
             report["steps"][name] = step()
         except Exception as e:  # noqa: BLE001 - recorded; the next step still runs
             report["steps"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         report["steps"][name]["step_seconds"] = time.perf_counter() - t0
-        report["ok"] = all(s["ok"] for s in report["steps"].values())
-        report["seconds"] = time.perf_counter() - t_all
-        atomic_write_text(out, json.dumps(report, indent=1, default=float))
+        write()
         print(f"{name}: {'ok' if report['steps'][name]['ok'] else 'FAILED'} "
               f"({report['steps'][name]['step_seconds']:.0f} s)", flush=True)
     print(f"wrote {out}")

@@ -211,7 +211,10 @@ class BatchRunner(PromptLoading):
     def _host_padded(self, layer: int, cache, x: torch.Tensor, fill: float) -> np.ndarray:
         """``cache.padded(x)`` as one numpy gather: [B*Hkv, width, ...] with ``fill`` past each head's length."""
         lengths = cache.length.cpu().numpy()
-        out = x.detach().cpu().numpy()[self.slot_index[layer]]
+        x = x.detach()
+        if x.dtype == torch.bfloat16:           # numpy has no bfloat16; every float reader upcasts anyway
+            x = x.float()
+        out = x.cpu().numpy()[self.slot_index[layer]]
         out[~(np.arange(cache.max_capacity)[None, :] < lengths[:, None])] = fill
         return out
 
@@ -325,7 +328,7 @@ class BatchRunner(PromptLoading):
         top1 = logits.argmax(-1).tolist()
         nll = None
         if rows[0].cont is not None:
-            logp = torch.log_softmax(logits, -1)
+            logp = torch.log_softmax(logits.float(), -1)     # bf16/fp16 logits: the NLL in fp32
             tgt = torch.tensor([row.cont[r] for row in rows], device=logits.device)
             nll = (-logp.gather(1, tgt[:, None])[:, 0]).double().cpu().numpy()
         for b, row in enumerate(rows):
@@ -333,7 +336,7 @@ class BatchRunner(PromptLoading):
             if nll is not None:
                 row.nlls.append(float(nll[b]))
             if self.keep_logits:
-                row.logits.append(logits[b].cpu())
+                row.logits.append(logits[b].float().cpu())
 
     def start(self) -> torch.Tensor:
         """The prompt phase of every job: the prompt forward, the rows' caches set up, and the prompt prefilled or

@@ -135,9 +135,9 @@ def kept_set_agreement(model, trace, policy: Policy, budget: int, n_steps: int, 
 
 
 def compare_kept(gpu: np.ndarray, sim: np.ndarray, n_steps: int) -> dict[str, Any]:
-    """Kept-set agreement of two [L, >= n_steps, Hkv, W] position records (-1 padded): share of equal sets
-    and mean Jaccard overlap over (layer, step, KV head)."""
-    equal, jac, n = 0, 0.0, 0
+    """Kept-set agreement of two [L, >= n_steps, Hkv, W] position records (-1 padded): share of equal sets,
+    mean Jaccard overlap, and the most positions in one set's symmetric difference, over (layer, step, KV head)."""
+    equal, jac, n, worst = 0, 0.0, 0, 0
     for l in range(gpu.shape[0]):
         for r in range(n_steps):
             for h in range(gpu.shape[2]):
@@ -145,5 +145,7 @@ def compare_kept(gpu: np.ndarray, sim: np.ndarray, n_steps: int) -> dict[str, An
                 b = set(sim[l, r, h][sim[l, r, h] >= 0].tolist())
                 equal += a == b
                 jac += len(a & b) / max(1, len(a | b))
+                worst = max(worst, len(a ^ b))
                 n += 1
-    return {"kept_agreement": equal / n, "kept_jaccard": jac / n, "n_compared": n, "n_steps": n_steps}
+    return {"kept_agreement": equal / n, "kept_jaccard": jac / n, "symmetric_difference_max": worst,
+            "n_compared": n, "n_steps": n_steps}

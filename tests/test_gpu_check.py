@@ -23,7 +23,8 @@ def test_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     for r in runs:      # Triton (interpreted) and torch backends: the same tokens, kept sets and bytes
         assert r["tokens_equal_prefix"] == r["new_tokens"] and r["kept_agreement"] == 1.0
         assert 0 < r["kv_bytes_held"] == r["kv_bytes_held_torch_backend"] < r["kv_bytes_full_cache"]
-        assert r["logit_max_abs_diff"] < 1e-4 and r["tokens_per_s_transformers_sdpa"] > 0
+        # in bf16, as on the GPU: the two backends' logits agree to about bf16's resolution (2^-8 relative)
+        assert r["logit_max_abs_diff"] <= 0.02 * r["logit_max_abs"] and r["tokens_per_s_transformers_sdpa"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")

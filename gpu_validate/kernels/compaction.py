@@ -56,7 +56,10 @@ def _merge_kernel(
             has = r < cnt
             src = tl.load(ORDER + lo + r, mask=has, other=0)
             w = tl.load(MERGE_W + src, mask=has, other=0.0)
-            smask = has[:, None] & (offs_d < HEAD_DIM)[None, :]
+            # masked on w (0 where the row has no r-th source) rather than on `has`: Triton 3.6 fails to compile
+            # `has[:, None] & ...` here (RemoveLayoutConversions: "mask type matches ptr type"), seen on an H100;
+            # a zero weight adds nothing either way
+            smask = (w[:, None] != 0.0) & (offs_d < HEAD_DIM)[None, :]
             k += w[:, None] * tl.load(K + src[:, None] * stride_kn + offs_d[None, :], mask=smask, other=0.0).to(
                 tl.float32
             )
