@@ -140,7 +140,7 @@ def policy_profile(trace, policy, inputs, budget: int, repeat: int = 2) -> dict:
         for layer, li in enumerate(inputs):
             params = policy.param_vector(meta.attention(layer))
             head = np.ascontiguousarray(policy.replay_head_state(hkv, meta.model.head_dim, li,
-                                                                 layer_memo(inputs, layer)), np.float64)
+                                                                 layer_memo(inputs, layer), P), np.float64)
             kernel(params, layer, budgets[layer], li.q[:P], li.k[:P], li.v[:P], float(meta.softmax_scale),
                    np.ones((hkv, P), np.uint8), np.zeros((hkv, P, policy.slot_fields)), head)
 

@@ -315,11 +315,14 @@ class Policy:
         constants there (``needs_wo`` policies get the layer's W_O [hidden, Hq*d], e.g. CriticalKV)."""
         return np.zeros((n_kv_heads, self.head_fields))
 
-    def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None) -> np.ndarray:
+    def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None,
+                          n_prompt: int = 0) -> np.ndarray:
         """The initial head state of a replay of a recorded layer (``sim.replay.LayerInputs``: its q, k, v and W_O
-        are all known in advance): ``head_state_init`` unless a policy adds tables that depend on the trace only
-        (CriticalKV: every position's projected value norm), kept in ``memo`` (a dict shared by the replays of the
-        same prepared layer, ``sim.replay.layer_memo``) so that they are computed once, not per budget."""
+        are all known in advance; its first ``n_prompt`` tokens are the prompt): ``head_state_init`` unless a
+        policy adds tables that depend on the trace only (CriticalKV: every position's projected value norm;
+        BumbleBee: every prompt key's importance), kept in ``memo`` (a dict shared by the replays of the same
+        prepared layer, ``sim.replay.layer_memo``) so that they are computed once, not per budget. The array
+        returned is the replay's own (the engine writes into it)."""
         return self.head_state_init(n_kv_heads, head_dim, layer.wo)
 
     def kernels(self) -> tuple[Callable, Callable, Callable]:

@@ -33,6 +33,8 @@ Default 0.5 (the even split of its H2+Local baseline); 0 is Alg. 2 alone, which 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import njit
 
@@ -682,8 +684,9 @@ def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state
     n_prompt = k.shape[0]
     full = n_prompt <= FULL_MATRIX_MAX
     S = np.empty((n_prompt if full else 0, n_prompt if full else 0), np.float64)
+    memoised = n_prompt > 0 and head_state.shape[1] == n_prompt     # a replay's importance table (replay_head_state)
     for h in range(k.shape[1]):
-        m = prompt_importance(q, k, scale, h, int(params[P.group_reduce]))
+        m = head_state[h].copy() if memoised else prompt_importance(q, k, scale, h, int(params[P.group_reduce]))
         recent = recent_slots(budget[h], params[P.recent_ratio])
         forced = np.zeros(n_prompt, np.uint8)
         forced[max(0, n_prompt - recent):] = 1
@@ -861,3 +864,22 @@ class BumbleBee(Policy):
 
     def guarantees(self, budget: int) -> Guarantees:
         return Guarantees(recent=int(recent_slots(budget, self.params["recent_ratio"])))
+
+    def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None,
+                          n_prompt: int = 0) -> np.ndarray:
+        """Every prompt key's importance [Hkv, n_prompt] (``prompt_importance``, O(P^2 G d), most of a replay's
+        time): it depends on the trace and ``group_reduce`` only, so it is computed once per prepared layer and
+        kept in ``memo`` for the other budgets; the prefill reads it (the same bits) instead of recomputing. The
+        closed loop's head state has no columns, and its prefill computes the importance itself."""
+        if n_prompt < 1:
+            return super().replay_head_state(n_kv_heads, head_dim, layer, memo, n_prompt)
+        mode = int(self.param_vector(layer.attention)[P.group_reduce])
+        scale = float(layer.attention.scale)
+        key = ("bumblebee.importance", n_prompt, mode, scale)
+        table = None if memo is None else memo.get(key)
+        if table is None:
+            q, k = layer.q[:n_prompt], layer.k[:n_prompt]
+            table = np.stack([prompt_importance(q, k, scale, h, mode) for h in range(n_kv_heads)])
+            if memo is not None:
+                memo[key] = table
+        return table.copy()

@@ -221,14 +221,15 @@ class Combined(ScorerPolicy):
         in pairs into the float64 head state (read by ``stages.wo_l1``)."""
         return self._head_state(n_kv_heads, head_dim, wo)
 
-    def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None) -> np.ndarray:
+    def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None,
+                          n_prompt: int = 0) -> np.ndarray:
         """``head_state_init``, and with a ``critical`` stage every position's projected value norm appended
         (``stages.projected_norms``: the trace's values are known in advance, and a value never changes in a
         scorer's cache), computed once per layer and kept in ``memo`` for the other replays of the same inputs.
         The steps then read a new slot's norm instead of projecting its value through W_O (G * hidden * d
         multiply-adds per slot, more than the step's attention), and the prefill reads the prompt's."""
         if CriticalStage not in self.chain:
-            return super().replay_head_state(n_kv_heads, head_dim, layer, memo)
+            return super().replay_head_state(n_kv_heads, head_dim, layer, memo, n_prompt)
         key = ("critical.projected_norms", n_kv_heads, head_dim)
         table = None if memo is None else memo.get(key)
         if table is None:

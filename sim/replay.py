@@ -456,7 +456,7 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
         out = EngineOutputs(metrics=np.zeros((n_steps, meta.model.n_q_heads, N_METRICS), np.float64),
                             slots=np.zeros((n_steps, hkv), np.int32), kept=np.full((n_rec, hkv, cap), -1, np.int32),
                             info=np.zeros(3, np.int64))
-        head_init = policy.replay_head_state(hkv, meta.model.head_dim, li, layer_memo(inputs, layer))
+        head_init = policy.replay_head_state(hkv, meta.model.head_dim, li, layer_memo(inputs, layer), n_prompt=P)
         cfg = EngineConfig(params=policy.param_vector(li.attention), layer=layer, scale=float(li.attention.scale),
                            has_prefill=policy.has_prefill, metric_start=P, budget=b,
                            head_adaptive=policy.head_adaptive, bounded=not policy.unbounded, cap=cap,

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import get_policy
-from policies.base import PolicyError
+from policies.base import Policy, PolicyError
 from policies.bumblebee import (CONCAVE, COL_W, F_ACC, F_NN, F_NNPOS, F_NORM, FULL_MATRIX_MAX, SIMILARITY, _prefill,
                                 _step, concave, greedy_select, greedy_select_keys, objective, prompt_importance,
                                 sim_columns, similarity_into, similarity_matrix, unit_keys_t)
@@ -408,3 +408,29 @@ def test_lazy_and_naive_policies_replay_identically():
     a = replay(trace, get_policy("bumblebee"), 12)
     b = replay(trace, get_policy("bumblebee", greedy="naive"), 12)
     np.testing.assert_array_equal(a.metrics, b.metrics)
+
+
+@pytest.mark.parametrize("group_reduce", ["mean", "max"])
+def test_replay_importance_table_is_computed_once_and_changes_nothing(group_reduce, monkeypatch):
+    """A replay over prepared layers reads every prompt key's importance from a table computed once per layer and
+    group reduction (``replay_head_state``); the prefill computing it itself gives the same bits, so the same run."""
+    from policies.bumblebee import prompt_importance
+    from sim.replay import load_layers
+
+    trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=6, n_kv_heads=2, head_dim=16, n_tokens=80,
+                                 n_prompt=50, seed=3)
+    pol = get_policy("bumblebee", group_reduce=group_reduce)
+    inputs = load_layers(trace)
+    li, memo = inputs[0], {}
+    table = pol.replay_head_state(2, 16, li, memo, n_prompt=50)
+    mode = int(pol.param_vector(li.attention)[pol.P.group_reduce])
+    for h in range(2):
+        np.testing.assert_array_equal(table[h], prompt_importance(li.q[:50], li.k[:50], li.attention.scale, h, mode))
+    assert len(memo) == 1 and pol.replay_head_state(2, 16, li, memo, n_prompt=50) is not table
+    assert pol.replay_head_state(2, 16, li, memo).shape == (2, 0)          # no prompt length: the closed loop's
+    memoised = [replay(trace, pol, b, inputs=inputs, record_kept=(50, 30)) for b in (12, 24)]
+    monkeypatch.setattr(type(pol), "replay_head_state", Policy.replay_head_state)   # the prefill computes it
+    plain = [replay(trace, pol, b, inputs=inputs, record_kept=(50, 30)) for b in (12, 24)]
+    for a, b in zip(memoised, plain):
+        np.testing.assert_array_equal(a.kept, b.kept)
+        np.testing.assert_array_equal(a.metrics, b.metrics)
