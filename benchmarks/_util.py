@@ -7,21 +7,9 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
-
-import numpy as np
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def best_time(fn: Callable[[], Any], repeat: int = 3) -> float:
-    """Best wall time of ``repeat`` calls (the first call is not special: warm up separately)."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def machine() -> dict[str, Any]:
@@ -46,12 +34,12 @@ def user_env(**extra: str) -> dict[str, str]:
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:
-    """Write benchmarks/results/<name>.json atomically."""
+    """Write benchmarks/results/<name>.json atomically (`traces.format.atomic_write_text`)."""
+    from traces.format import atomic_write_text
+
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=float))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(payload, indent=1, default=float))
     return path
 
 

@@ -15,7 +15,7 @@ and the replay's float32 copies of it included) and its wall seconds. Two kinds 
 "before" is policies/bumblebee.py as of --before (a git revision: the last full-matrix version by default), loaded
 in place of the current module; "after" is the working tree. Before at 32 k needs ~13 GB (--before-long).
 
-Run: PYTHONPATH=. python benchmarks/bumblebee_long.py [--quick] -> benchmarks/results/bumblebee_long.json
+Run: python -m benchmarks.bumblebee_long [--quick] -> benchmarks/results/bumblebee_long.json
 """
 from __future__ import annotations
 
@@ -152,8 +152,8 @@ def child(kind: str, trace_dir: str, budget: int, version: str, rev: str) -> dic
 def measure(kind: str, trace_dir: Path, budget: int, version: str, rev: str) -> dict:
     """Run ``child`` in a fresh process under /usr/bin/time: its report plus peak RSS and wall seconds."""
     load0 = os.getloadavg()[0]
-    cmd = ["/usr/bin/time", "-f", "TIME %M KB %e s", sys.executable, str(Path(__file__).resolve()), "--child", kind,
-           str(trace_dir), str(budget), version, rev]
+    cmd = ["/usr/bin/time", "-f", "TIME %M KB %e s", sys.executable, "-m", "benchmarks.bumblebee_long", "--child",
+           kind, str(trace_dir), str(budget), version, rev]
     p = subprocess.run(cmd, capture_output=True, text=True, env=user_env(), cwd=ROOT)
     m = re.search(r"TIME (\d+) KB ([\d.]+) s", p.stderr)
     if p.returncode != 0 or m is None:

@@ -2,7 +2,7 @@
 recomputes every nearest neighbour (O(budget^2 d), what Alg. 2 costs without cached statistics), and the lazy
 vs naive greedy of the prompt selector (Alg. 1), each pair measured side by side in this process.
 
-Run: PYTHONPATH=. python benchmarks/bumblebee_step.py  -> benchmarks/results/bumblebee_step.json
+Run: python -m benchmarks.bumblebee_step  -> benchmarks/results/bumblebee_step.json
 """
 from __future__ import annotations
 

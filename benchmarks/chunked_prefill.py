@@ -6,18 +6,13 @@ alongside.
 Per budget: each policy's error at every C, and Spearman's rho between the ranking of all policies at C = 1 and at
 each other C. Writes benchmarks/results/chunked_prefill.json.
 
-    python benchmarks/chunked_prefill.py [--trace DIR] [--budgets 64,128,256]
+    python -m benchmarks.chunked_prefill [--trace DIR] [--budgets 64,128,256]
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks._util import machine, write_result  # noqa: E402
+from benchmarks._util import machine, write_result
 
 DEFAULT_TRACE = "kvsim-out/smollm2-135m-1024-256"
 
@@ -28,7 +23,9 @@ def main(argv: list[str] | None = None) -> None:
     from scipy.stats import spearmanr
 
     from policies import get_policy, list_policies
-    from sim.replay import effective_chunk, load_layers, replay
+    from sim.layer_inputs import load_layers
+    from sim.replay import replay
+    from sim.replay_plan import effective_chunk
     from sim.threads import limit_threads
     from traces.format import load_trace
 

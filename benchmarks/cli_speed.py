@@ -13,7 +13,7 @@ variables: the CLI's own thread budgeting is what is measured).
 
 Writes benchmarks/results/cli.json (the part not rerun is kept from the previous file).
 
-    python benchmarks/cli_speed.py [--demo] [--repeat 3] [--venv DIR]
+    python -m benchmarks.cli_speed [--demo] [--repeat 3] [--venv DIR]
 """
 from __future__ import annotations
 
@@ -27,9 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from benchmarks._util import RESULTS, machine, user_env, write_result  # noqa: E402
+from benchmarks._util import RESULTS, machine, user_env, write_result
 
 #: the issue's goals, seconds (best of 3 on a quiet machine; the first demo from a fresh clone)
 GOALS = {"help": 0.5, "policies": 1.5, "replay_warm": 2.5, "demo_first": 120.0}

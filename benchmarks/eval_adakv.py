@@ -6,14 +6,13 @@ Each (trace, policy, budget) is replayed over the decode steps after the prompt;
 the retained attention mass, plus the layer-scope oracle at the same memory. Writes
 benchmarks/results/eval_adakv.json and .png.
 
-    PYTHONPATH=. python benchmarks/eval_adakv.py [--trace DIR] [--quick] [--real-only]
+    python -m benchmarks.eval_adakv [--trace DIR] [--quick] [--real-only]
 
 (--real-only: the real trace alone, written to eval_adakv_<model>_<context>k.json.)
 """
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -22,7 +21,9 @@ import numpy as np
 
 from benchmarks._util import add_real_trace_args, machine, real_model_trace, result_name, trace_fields, write_result
 from policies import get_policy
-from sim.replay import load_layers, replay, replay_oracle
+from sim.layer_inputs import load_layers
+from sim.oracle_replay import replay_oracle
+from sim.replay import replay
 from sim.threads import limit_threads
 from traces.format import InMemoryTrace, LayerArrays, ModelInfo, Trace, TraceMeta
 from traces.synthetic import make_synthetic_trace
@@ -108,10 +109,9 @@ def improvement_table(rows: list[dict]) -> list[dict]:
 
 def plot(rows: list[dict], table: list[dict], path: Path) -> None:
     """Top: loss curves of each pair (log scale); bottom: Ada's relative change of loss and bound per trace."""
-    import matplotlib
+    from sim.plotting import agg_pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = agg_pyplot()
 
     traces = sorted({r["trace"] for r in rows})
     fig, axes = plt.subplots(2, len(traces), figsize=(4.6 * len(traces), 7.0), squeeze=False)
@@ -143,9 +143,7 @@ def plot(rows: list[dict], table: list[dict], path: Path) -> None:
         top.legend(fontsize=6)
         bottom.legend(fontsize=6)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=100)
 
 
 def main() -> None:

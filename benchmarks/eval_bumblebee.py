@@ -2,7 +2,7 @@
 model registry, or --trace DIR, on a subset of layers: --layers) and on synthetic traces, each synthetic one also
 in a variant with near-duplicate keys (runs of jittered copies of one token's key and value).
 
-Run: PYTHONPATH=. python benchmarks/eval_bumblebee.py -> benchmarks/results/eval_bumblebee.{json,png}
+Run: python -m benchmarks.eval_bumblebee -> benchmarks/results/eval_bumblebee.{json,png}
 (--trace DIR --real-only: the real trace alone, to eval_bumblebee_<model>_<context>k.{json,png}. The prompt's
 exact greedy holds a P x P similarity per layer being replayed: 12 B x P^2, 1.9 GB at P = 8 k, 12.7 GB at 32 k.)
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +19,9 @@ import numpy as np
 from benchmarks._util import (RESULTS, add_real_trace_args, machine, real_model_trace, result_name, trace_fields,
                               write_result)
 from policies import get_policy, list_policies
-from sim.replay import load_layers, replay, replay_oracle
+from sim.layer_inputs import load_layers
+from sim.oracle_replay import replay_oracle
+from sim.replay import replay
 from traces.format import InMemoryTrace, LayerArrays, Trace
 from traces.reference import full_attention_reference
 from traces.synthetic import make_synthetic_trace
@@ -72,9 +73,9 @@ def evaluate(traces: dict[str, Trace]) -> list[dict]:
 
 
 def plot(rows: list[dict], path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sim.plotting import agg_pyplot, save_figure
+
+    plt = agg_pyplot()
 
     tnames = list(dict.fromkeys(r["trace"] for r in rows))
     labels = list(dict.fromkeys(r["label"] for r in rows))
@@ -93,10 +94,7 @@ def plot(rows: list[dict], path) -> None:
                 ax.set_yscale("log")
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """BUZZ evaluation: (a) BUZZ and BUZZ-log-n vs H2O, StreamingLLM and the oracle at equal peak cache size;
 (b) Theorem 3.1 as an experiment: at s = 5 and a fixed cache, sweep T/w and find where the loss is lowest.
 
-Writes benchmarks/results/eval_buzz.json and eval_buzz.png. Run: PYTHONPATH=. python benchmarks/eval_buzz.py
+Writes benchmarks/results/eval_buzz.json and eval_buzz.png. Run: python -m benchmarks.eval_buzz
 (--quick for a smoke run). Real-model part: SmolLM2-135M through the model registry (or --trace DIR), on the layers given by --layers.
 At length: --trace DIR --real-only --fractions 0.1,0.2,0.4 (budgets as the paper's "cache budget": fractions of the
 full cache's mean size over the decode steps) writes eval_buzz_<model>_<context>k.json, the real trace alone.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +20,9 @@ from benchmarks._util import (RESULTS, add_real_trace_args, machine, real_model_
                               write_result)
 from policies._buzz_model import held_trajectory, old_sequence, predicted_ratio
 from policies.registry import get_policy
-from sim.replay import load_layers, replay, replay_oracle
+from sim.layer_inputs import load_layers
+from sim.oracle_replay import replay_oracle
+from sim.replay import replay
 from sim.threads import limit_threads
 from traces.format import Trace
 from traces.synthetic import make_synthetic_trace
@@ -120,9 +121,9 @@ def mean_table(rows: list[dict]) -> dict:
 
 
 def plot(cmp_rows: list[dict], sweep: list[dict], fp: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sim.plotting import agg_pyplot, save_figure
+
+    plt = agg_pyplot()
 
     fig, ax = plt.subplots(2, 3, figsize=(17, 9.5))
     names = sorted({r["trace"] for r in cmp_rows})
@@ -170,9 +171,7 @@ def plot(cmp_rows: list[dict], sweep: list[dict], fp: dict, path: Path) -> None:
     a.set_title("Appendix D.1 criterion: old = w")
     a.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=90)
 
 
 def main() -> None:

@@ -7,28 +7,27 @@ it (and how much of the needle queries' attention it retains) as a function of i
 sink cache's window |C| and the cascade's approximate context length L~ (eq. 4).
 (3) on the real trace: the reach of every cache, from the positions it holds at each decode step -- the share of
 its non-sink slots beyond the sink cache's window |C| = budget - n_sinks, their largest age, against L~.
-Run: python benchmarks/eval_cascading.py [--trace DIR] [--layers 0,10,20,29] [--budgets 64,128,256] [--real-only]
+Run: python -m benchmarks.eval_cascading [--trace DIR] [--layers 0,10,20,29] [--budgets 64,128,256] [--real-only]
 (writes benchmarks/results/eval_cascading.{json,png}; with --real-only only the real trace, to
 eval_cascading_<model>_<context>k.json)
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from benchmarks._util import (RESULTS, add_real_trace_args, machine, real_model_trace, result_name,  # noqa: E402
+from benchmarks._util import (RESULTS, add_real_trace_args, machine, real_model_trace, result_name,
                               trace_fields, write_result)
-from policies import get_policy  # noqa: E402
-from policies.cascading import approximate_context_length  # noqa: E402
-from sim.replay import load_layers, replay, replay_oracle  # noqa: E402
-from traces.synthetic import make_synthetic_trace  # noqa: E402
+from policies import get_policy
+from policies.cascading import approximate_context_length
+from sim.layer_inputs import load_layers
+from sim.oracle_replay import replay_oracle
+from sim.replay import replay
+from traces.synthetic import make_synthetic_trace
 
 KINDS = ("mixed", "zipf", "recall", "topic_shift", "local", "passkey")
 BUDGETS = (64, 128, 256)
@@ -108,9 +107,9 @@ def passkey_sweep() -> dict:
 
 
 def plot(rows: list[dict], sweep: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sim.plotting import agg_pyplot, save_figure
+
+    plt = agg_pyplot()
 
     names = POLICIES + ("oracle",)
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
@@ -142,10 +141,7 @@ def plot(rows: list[dict], sweep: dict, path: Path) -> None:
     ax.set_ylabel("retained mass, needle queries")
     ax.set_title("needle queries' attention mass")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path, dpi=90)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ merging reduce the attention-output error ||o_full - o_cache|| / ||o_full|| comp
 tokens, and does the layer allocation help? Writes benchmarks/results/eval_d2o.json and .png, and the per-layer
 budgets of each allocation reading to d2o_layer_budgets.png.
 
-    PYTHONPATH=. python benchmarks/eval_d2o.py [--trace DIR] [--layers all] [--budgets 64,128,256 | --rhos 0.2,0.4,0.8]
+    python -m benchmarks.eval_d2o [--trace DIR] [--layers all] [--budgets 64,128,256 | --rhos 0.2,0.4,0.8]
         [--betas 0.5,0.6,0.7,0.8,0.9 | --betas ''] [--real-only] [--quick]
 
 (--real-only: the real trace alone, written to eval_d2o_<model>_<context>k.json.)
@@ -16,7 +16,6 @@ budgets of each allocation reading to d2o_layer_budgets.png.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,8 @@ import numpy as np
 from benchmarks._util import add_real_trace_args, machine, real_model_trace, result_name, trace_fields, write_result
 from policies import get_policy
 from policies.d2o import UNCOMPRESSED
-from sim.replay import load_layers, replay
+from sim.layer_inputs import load_layers
+from sim.replay import replay
 from traces.format import Trace, load_trace
 from traces.synthetic import make_synthetic_trace
 
@@ -90,9 +90,9 @@ def best_betas(grid: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], grid: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sim.plotting import agg_pyplot, save_figure
+
+    plt = agg_pyplot()
 
     traces = sorted({r["trace"] for r in rows})
     fig, axes = plt.subplots(2, len(traces), figsize=(5.5 * len(traces), 8), squeeze=False)
@@ -113,17 +113,15 @@ def plot(rows: list[dict], grid: list[dict], path: Path) -> None:
         ax.set(xlabel="beta", ylabel="mean rel. output error", yscale="log", title="EMA beta grid (merging on)")
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=110)
 
 
 def plot_layer_budgets(rows: list[dict], path: Path) -> None:
     """Per-layer budgets of each allocation reading, one panel per budget (of the real-model trace if any);
     uncompressed layers (``exempt_layers``) are marked at the top."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sim.plotting import agg_pyplot, save_figure
+
+    plt = agg_pyplot()
 
     real = [r for r in rows if r["trace"].startswith("real:")]
     keys = sorted({(r["trace"], r["budget"]) for r in (real or rows)})   # the real model's when there is one
@@ -145,9 +143,7 @@ def plot_layer_budgets(rows: list[dict], path: Path) -> None:
         ax.set(yscale="log", xlabel="layer", ylabel="slots per KV head", title=f"{tr}, budget {b}")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:

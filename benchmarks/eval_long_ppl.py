@@ -10,7 +10,7 @@ one batch per kind, streamed or prefill selector, and budget tier, the prompt's 
 budgets 256-2048 padded every row to 2048 slots: 1.7 s a streamed token on SmolLM2-135M here). Writes
 benchmarks/results/eval_long_ppl_<model>_<context>k.json.
 
-    PYTHONPATH=. python benchmarks/eval_long_ppl.py --model smollm2-135m --prompt 7936 --decode 256 \\
+    python -m benchmarks.eval_long_ppl --model smollm2-135m --prompt 7936 --decode 256 \\
         --budgets 256,512,1024,2048
 
 ``--policies`` picks the rows (default cascading, streaming_llm, h2o, buzz); a short run (``--prompt 512
@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 POLICIES = ("cascading", "streaming_llm", "h2o", "buzz")
 

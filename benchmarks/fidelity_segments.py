@@ -11,7 +11,7 @@ sliding window matters and the 3 global layers, the only ones a policy compresse
    predictor fitted on one text (per-layer weights of the error) is judged on the other.
 Writes benchmarks/results/fidelity_<model>.json, .png and .html, the page (fidelity_smollm2, fidelity_gemma3).
 
-    python benchmarks/fidelity_segments.py [--model gemma3-270m] [--segments 8] [--store results/fidelity_segments]
+    python -m benchmarks.fidelity_segments [--model gemma3-270m] [--segments 8] [--store results/fidelity_segments]
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
            "layer_weights": weights,
            "rows": merged.drop(columns=["nll_per_token", "err_by_layer", "err_wo_by_layer"]).to_dict("records"),
            "seconds": time.perf_counter() - t0, "machine": machine(),
-           "kvsim": kvsim_version(), "date": now(), "command": "python benchmarks/fidelity_segments.py "
+           "kvsim": kvsim_version(), "date": now(), "command": "python -m benchmarks.fidelity_segments "
                                                                + " ".join(sys.argv[1:])}
     path = write_result(f"fidelity_{args.name}", out)
     png = plot_segment_fidelity(res, RESULTS / f"fidelity_{args.name}.png",

@@ -8,7 +8,7 @@ between the first and the last new token (a streamer stamps each), so the prompt
 side. CPU, torch backend, one process at a time. SmolLM2's prompt is 8 064 tokens: with the 64 new ones it fills
 its 8 192 positions.
 
-    python benchmarks/generate_memory.py [--model smollm2-135m] [--prompt-tokens 8064] [--budgets 256,1024,4096]
+    python -m benchmarks.generate_memory [--model smollm2-135m] [--prompt-tokens 8064] [--budgets 256,1024,4096]
 """
 from __future__ import annotations
 
@@ -20,10 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks._util import machine, user_env, write_result  # noqa: E402
+from benchmarks._util import machine, user_env, write_result
 
 DEFAULTS = {"smollm2-135m": {"prompt": 8064, "sliding": ["keep"]},
             "gemma3-270m": {"prompt": 16384, "sliding": ["keep", "compress"]}}
@@ -93,9 +90,10 @@ def timed_one(model: str, prompt_file: str, prompt_tokens: int, new_tokens: int,
               budget: int = 0, sliding: str = "keep") -> dict:
     """`one` in a fresh process under /usr/bin/time (peak RSS of the whole process)."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
-        cmd = ["/usr/bin/time", "-f", "%M", "-o", tf.name, sys.executable, __file__, "--one", "--model", model,
-               "--prompt-file", prompt_file, "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens),
-               "--cache", cache, "--policy", policy, "--budget", str(budget), "--sliding", sliding]
+        cmd = ["/usr/bin/time", "-f", "%M", "-o", tf.name, sys.executable, "-m", "benchmarks.generate_memory", "--one",
+               "--model", model, "--prompt-file", prompt_file, "--prompt-tokens", str(prompt_tokens),
+               "--new-tokens", str(new_tokens), "--cache", cache, "--policy", policy, "--budget", str(budget),
+               "--sliding", sliding]
         proc = subprocess.run(cmd, env=user_env(), capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"{cache} {policy} {budget} failed: {proc.stderr[-3000:]}")

@@ -6,8 +6,8 @@ FlashAttention's `flash_attn_with_kvcache` on the same retained lengths (uniform
 achieved bandwidth = minimum bytes moved / median time, as a fraction of the device's datasheet HBM peak
 and of a measured device-to-device copy; plus compaction costs (one eviction + one append per head, with
 and without a D2O-style merge). Targets: >= 75% of peak at budget >= 2k, <= 1.1x SDPA's time with scores.
-Run: python benchmarks/kernels.py [--quick]   (writes benchmarks/results/kernels.json; needs a CUDA device)
-     python benchmarks/kernels.py --interpret-smoke   (tiny CPU correctness pass, writes no numbers)
+Run: python -m benchmarks.kernels [--quick]   (writes benchmarks/results/kernels.json; needs a CUDA device)
+     python -m benchmarks.kernels --interpret-smoke   (tiny CPU correctness pass, writes no numbers)
 """
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Datasheet HBM bandwidth (bytes/s), matched by substring of torch.cuda.get_device_name(); first match wins.
 PEAK_BANDWIDTH = [

@@ -9,7 +9,7 @@ query head of its KV head and read back for the output, d multiply-adds each); t
 a layer's float32 inputs. Every policy is assumed to cost what H2O costs (the engine's attention dominates; BUZZ,
 D2O and expected attention cost more per step). The trace's size is the format's (README, Traces).
 
-    python benchmarks/layer_split.py [--trace kvsim-out/long/smollm2-8k]   ->  benchmarks/results/layer_split.json
+    python -m benchmarks.layer_split [--trace kvsim-out/long/smollm2-8k]   ->  benchmarks/results/layer_split.json
 """
 from __future__ import annotations
 
@@ -17,15 +17,13 @@ import argparse
 import math
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from benchmarks._util import machine, write_result  # noqa: E402
-from traces.format import ModelInfo  # noqa: E402
+from benchmarks._util import machine, write_result
+from traces.format import ModelInfo
 
 #: the extrapolation's target: Llama-3-8B's attention geometry, 128 k tokens
 LLAMA = dict(model_id="Llama-3-8B", n_layers=32, n_q_heads=32, n_kv_heads=8, head_dim=128, hidden_size=4096)
@@ -51,7 +49,9 @@ def measure(trace_dir: str, budget: int) -> tuple[dict, ModelInfo]:
     """Time the load and the replay of layer 0 as the first group of a split into single layers (after loading
     the kernels); the record and the trace's geometry."""
     from policies import get_policy
-    from sim.replay import LayerLoader, layer_groups, load_layers, replay, replay_budgets
+    from sim.layer_groups import layer_groups
+    from sim.layer_inputs import LayerLoader, load_layers
+    from sim.replay import replay, replay_budgets
     from traces.format import load_trace
     from traces.synthetic import make_synthetic_trace
 
@@ -77,7 +77,7 @@ def measure(trace_dir: str, budget: int) -> tuple[dict, ModelInfo]:
 
 def extrapolate(m: dict, small: ModelInfo) -> dict:
     """The 128 k-token Llama-3-8B figures from the measurement ``m`` on a trace of geometry ``small``."""
-    from sim.replay import layer_input_bytes
+    from sim.layer_inputs import layer_input_bytes
 
     big = ModelInfo(**LLAMA)
     slots = slot_steps(m["n_tokens"], m["budget"])

@@ -13,7 +13,7 @@ timed and measured for peak resident memory (``/usr/bin/time``):
 
 Writes benchmarks/results/long_context.json after every run (resumable: finished rows are kept).
 
-    python benchmarks/long_context.py [--only recordings|replay|closed_loop] [--policies ...]
+    python -m benchmarks.long_context [--only recordings|replay|closed_loop] [--policies ...]
 """
 from __future__ import annotations
 
@@ -21,15 +21,13 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from benchmarks._util import RESULTS, kvsim_command, machine, user_env, write_result  # noqa: E402
+from benchmarks._util import RESULTS, kvsim_command, machine, user_env, write_result
 
 TRACES = {
     "smollm2-135m": {"dir": "kvsim-out/long/smollm2-8k", "prompt": 7936, "decode": 256, "text": "long-default"},
@@ -91,9 +89,9 @@ def recordings(out: dict) -> None:
 
 def replays(out: dict, policies: list[str]) -> None:
     """Each policy x budget, and x prompt chunk for a policy that streams its prompt in chunks (for the others a
-    chunk changes nothing: ``sim.replay.effective_chunk``)."""
+    chunk changes nothing: ``sim.replay_plan.effective_chunk``)."""
     from policies import get_policy
-    from sim.replay import effective_chunk
+    from sim.replay_plan import effective_chunk
 
     done = {(r["model"], r["policy"], r["budget"], r["chunk"]) for r in out["replay"]}
     for model, t in TRACES.items():

@@ -1,7 +1,7 @@
 """Needle retrieval on SmolLM2-135M, closed loop on CPU (torch backend), with the simulator's prediction:
 `kvsim needle` with the settings of the committed results (benchmarks/results/needle.json and .png).
 
-    python benchmarks/needle.py [--model smollm2-135m] [extra `kvsim needle` arguments]
+    python -m benchmarks.needle [--model smollm2-135m] [extra `kvsim needle` arguments]
 
 The grid was sized for a shared 2-core machine (see the JSON for what ran); the store is resumable, so a
 larger grid (more --lengths / --seeds) adds only the missing cells.

@@ -15,7 +15,7 @@ Writes benchmarks/results/pages.json (checks per page), the screenshots to kvsim
 page's to benchmarks/results/demo_page.png, the README's. Needs chromium (``apt-get install chromium``) or
 ``KVSIM_BROWSER=/path/to/chrome``.
 
-    PYTHONPATH=. python benchmarks/pages.py [--demo kvsim-out] [--height 2750]
+    python -m benchmarks.pages [--demo kvsim-out] [--height 2750]
 """
 from __future__ import annotations
 

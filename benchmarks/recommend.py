@@ -11,8 +11,8 @@ against an exhaustive closed-loop grid there.
    many model runs it used; within-family Spearman rho per family; the model's own split-half reliability.
    Writes benchmarks/results/recommend_<model>.json.
 
-    python benchmarks/recommend.py --model smollm2-135m --stage grid
-    python benchmarks/recommend.py --model smollm2-135m --stage report
+    python -m benchmarks.recommend --model smollm2-135m --stage grid
+    python -m benchmarks.recommend --model smollm2-135m --stage report
 """
 from __future__ import annotations
 

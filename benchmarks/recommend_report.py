@@ -205,7 +205,7 @@ def report(args, load) -> int:
            "summary": summary, "recommendations": recs, "cells": cells,
            "recommendations_validate_every_family": more_recs, "rows": rows,
            "seconds": time.perf_counter() - t0, "machine": machine(), "kvsim": kvsim_version(), "date": now(),
-           "command": "python benchmarks/recommend.py " + " ".join(sys.argv[1:])}
+           "command": "python -m benchmarks.recommend " + " ".join(sys.argv[1:])}
     path = write_result(f"recommend_{args.model}", out)
     for k, v in summary.items():
         print(f"{k}: {v}")

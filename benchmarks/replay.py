@@ -18,7 +18,7 @@ Writes benchmarks/results/replay.json with
     each policy's replay over both;
   - ``kvsim sweep`` of all registered policies x 8 budgets on 2 worker processes, run from the CLI in a plain
     user environment as a user runs it (wall seconds).
-Run: python benchmarks/replay.py [--trace DIR] [--model DIR] [--quick]
+Run: python -m benchmarks.replay [--trace DIR] [--model DIR] [--quick]
 (the trace is recorded from the model with teacher forcing when DIR does not exist yet).
 """
 from __future__ import annotations
@@ -27,26 +27,26 @@ import argparse
 import builtins
 import json
 import os
-import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-from numba import njit  # noqa: E402
+import numpy as np
+from numba import njit
 
-from benchmarks._util import RESULTS, cli_seconds, machine, write_result  # noqa: E402
-from policies import get_policy, list_policies  # noqa: E402
-from sim.engine import profile_attention, profile_parts  # noqa: E402
-from sim.metrics import N_METRICS  # noqa: E402
-from sim.replay import layer_memo, load_layers, replay, replay_budgets, replay_oracle  # noqa: E402
-from sim.threads import limit_threads  # noqa: E402
-from traces.format import load_trace  # noqa: E402
-from traces.hf.forward import CachedForward, forward_in_chunks  # noqa: E402
+from benchmarks._util import RESULTS, cli_seconds, machine, write_result
+from policies import get_policy, list_policies
+from sim.engine import profile_attention, profile_parts
+from sim.metrics import N_METRICS
+from sim.layer_inputs import layer_memo, load_layers
+from sim.oracle_replay import replay_oracle
+from sim.replay import replay, replay_budgets
+from sim.threads import limit_threads
+from traces.format import load_trace
+from traces.hf.forward import CachedForward, forward_in_chunks
 
 #: the SmolLM2-135M trace (recorded on first use) and the registered model (traces/models.py) it comes from
 DEFAULT_TRACE = "kvsim-out/smollm2-135m-1024-256"

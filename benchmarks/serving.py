@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import simpy
 
 from policies.registry import get_policy
 from sim.threads import environment_record
+from traces.format import atomic_write_text
 from sim.serving import (CostModel, SchedulerConfig, get_gpu, get_model, kv_pool_bytes, memory_tables,
                          poisson_workload, policy_footprint, simulate, summarize)
 
@@ -77,10 +77,7 @@ def main() -> None:
                 "numpy": np.__version__, "machine": platform.machine()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=args.out.parent, suffix=".json")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(out, fh, indent=2)
-    os.replace(tmp, args.out)
+    atomic_write_text(args.out, json.dumps(out, indent=2))
     print(json.dumps({k: out[k] for k in ("aggregated", "per_step", "speedup_aggregated_vs_per_step",
                                           "identical_results")}, indent=2))
 

@@ -2,22 +2,18 @@
 
 Target: all registered policies x 8 budgets in under a minute on 2 cores. Also measured side by side: the
 same sweep on one worker process, so the parallel speed-up is a ratio from the same run.
-Run: python benchmarks/sweep.py   (writes benchmarks/results/sweep.json)
+Run: python -m benchmarks.sweep   (writes benchmarks/results/sweep.json)
 """
 from __future__ import annotations
 
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._util import machine, write_result  # noqa: E402
-from policies import list_policies  # noqa: E402
-from sim.executors import TraceRef, default_workers  # noqa: E402
-from sim.store import ResultStore  # noqa: E402
-from sim.sweep import parse_policy_grid, plan, run_sweep  # noqa: E402
+from benchmarks._util import machine, write_result
+from policies import list_policies
+from sim.executors import TraceRef, default_workers
+from sim.store import ResultStore
+from sim.sweep import parse_policy_grid, plan, run_sweep
 
 BUDGETS = [16, 32, 64, 128, 256, 512, 1024, 2048]
 

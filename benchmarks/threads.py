@@ -10,23 +10,19 @@ kvsim's own budgeting in ``sim/threads.py`` limits the pools) and with every thr
 
 Each command runs ``--repeat`` times per environment, alternating, into a fresh store; the best time counts.
 Writes benchmarks/results/threads.json with every time, the ratios and the environment.
-Run: python benchmarks/threads.py [--trace DIR] [--repeat 2] [--skip-ray]
+Run: python -m benchmarks.threads [--trace DIR] [--repeat 2] [--skip-ray]
 """
 from __future__ import annotations
 
 import argparse
 import builtins
 import importlib.util
-import sys
 import tempfile
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks._util import cli_seconds, machine, user_env, write_result  # noqa: E402
-from sim.threads import thread_env  # noqa: E402
+from benchmarks._util import cli_seconds, machine, user_env, write_result
+from sim.threads import thread_env
 
 print = partial(builtins.print, flush=True)
 DEFAULT_TRACE = "kvsim-out/smollm2-135m-1024-256"

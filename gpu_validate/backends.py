@@ -197,3 +197,11 @@ def make_cache(backend: str, **kwargs) -> VarlenKVCache:
     if backend == "torch":
         return TorchVarlenKVCache(**kwargs)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def pick_device(device: str | None = None, backend: str | None = None) -> tuple[str, str]:
+    """(device, backend) of a closed-loop run where ``device`` / ``backend`` are not given: CUDA when a GPU is
+    present, else the CPU; the Triton cache on CUDA, the torch one elsewhere. The one place the model commands
+    (`validate`, `fidelity`, `needle`, `generate`, `recommend`) choose them."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, backend or ("triton" if device.startswith("cuda") else "torch")

@@ -67,7 +67,9 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
     """All policies × budgets through the simulator and the model; returns the JSON-ready report."""
     from tqdm.auto import tqdm
 
-    from sim.replay import effective_chunk, load_layers, replay
+    from sim.layer_inputs import load_layers
+    from sim.replay import replay
+    from sim.replay_plan import effective_chunk
     from traces.format import load_trace
     from traces.recorder import record_trace
 
@@ -108,8 +110,8 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
                 m = metrics_of_run(res, model, ids, n_prompt, full)
                 a = compare_kept(opened[i].kept[sims[i].layer_index], sims[i].kept, n_open)
                 row = {"policy": policy.name, "label": policy.label(), "budget": budget,
-                       **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean", "mass_mean", "slots_mean")},
-                       "miss_mass": 1.0 - s["mass_mean"], **m, "top1_disagreement": 1.0 - m["top1_agreement"],
+                       **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean", "mass_mean", "slots_mean",
+                                            "miss_mass")}, **m, "top1_disagreement": 1.0 - m["top1_agreement"],
                        **a, "elapsed_seconds": time.perf_counter() - t_start}
                 rows[i] = row
                 bar.update(1)

@@ -81,8 +81,8 @@ class BatchJob:
     @property
     def prompt_chunk(self) -> int:
         """Prompt tokens per policy step: ``chunk`` for a streamed prompt of a policy that can take several new
-        tokens per step, else 1 (as the simulator's ``sim.replay.effective_chunk``)."""
-        from sim.replay import effective_chunk
+        tokens per step, else 1 (as the simulator's ``sim.replay_plan.effective_chunk``)."""
+        from sim.replay_plan import effective_chunk
 
         return effective_chunk(self.policy, self.chunk) if self.streams else 1
 

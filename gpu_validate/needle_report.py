@@ -1,8 +1,9 @@
 """How well the simulator's needle prediction calls the model's retrieval: the scores of a yes/no call
 (`binary_scores`, `confusion_scores`: agreement next to its base rate, balanced accuracy, Matthews correlation), the
 predictor and its threshold fitted on some seeds and judged on the others (`fit_threshold`, `prediction_report`,
-`split_report`), the wrong calls named (`wrong_calls`), accuracy summaries and the heatmaps (`plot_needle`). The
-prompts, the closed-loop runs and the simulator's features are `gpu_validate.needle`'s.
+`split_report`), the wrong calls named (`wrong_calls`), accuracy summaries, the result's table columns and the
+heatmaps (`plot_needle`). The prompts are `gpu_validate.needle_prompts`', the closed-loop runs
+`gpu_validate.needle`'s and the simulator's features `gpu_validate.needle_prediction`'s.
 """
 from __future__ import annotations
 
@@ -13,7 +14,18 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from gpu_validate.jobs import ValidateError
-from gpu_validate.needle import DIAGNOSTICS, FEATURES, NeedlePrompt
+from gpu_validate.needle_prediction import DIAGNOSTICS, FEATURES
+from gpu_validate.needle_prompts import NeedlePrompt
+from sim.metrics import Column
+
+#: the retrieval columns of a needle result (header, label, direction, doc) for the page's tables and legend
+ACCURACY = Column("accuracy", "accuracy", "retrieval accuracy", "higher",
+                  "share of the prompts whose pass key greedy decoding reproduces exactly, closed loop in the model")
+PREDICTED_ACCURACY = Column("predicted_accuracy", "predicted", "the simulator's predicted accuracy", "higher",
+                            "share of the held-out prompts the simulator predicts retrieved (the predictor at or above "
+                            "its threshold)")
+AGREEMENT = Column("agreement", "agreement", "agreement of the prediction with the model", "higher",
+                   "share of the held-out prompts where the simulator's call (retrieved or not) is the model's outcome")
 
 
 # ----- scoring a yes/no prediction -----

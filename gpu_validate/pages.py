@@ -19,8 +19,7 @@ import numpy as np
 import pandas as pd
 
 from gpu_validate.fidelity import MODEL_COLUMNS, SIM_LOSSES, pair_agreement
-from gpu_validate.needle import ACCURACY, AGREEMENT, PREDICTED_ACCURACY
-from gpu_validate.needle_report import confusion_scores
+from gpu_validate.needle_report import ACCURACY, AGREEMENT, PREDICTED_ACCURACY, confusion_scores
 from gpu_validate.segments import SEGMENT_COLUMNS
 from sim.metrics import COLUMNS, Column
 from sim.runinfo import kvsim_version, machine, now

@@ -303,6 +303,7 @@ def recommend_texts(model: str, texts: Sequence[str], target: str, *, out: str |
     cache, else the torch one. The report also names the texts, device and backend."""
     import torch
 
+    from gpu_validate.backends import pick_device
     from gpu_validate.recommend_grid import budget_ladder, candidates
     from gpu_validate.segments import make_segments
     from traces.model import read_text
@@ -312,8 +313,7 @@ def recommend_texts(model: str, texts: Sequence[str], target: str, *, out: str |
     cands = candidates(policies)
     ladder = budget_ladder(prompt_tokens, budgets)
     torch.set_grad_enabled(False)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = "triton" if device.startswith("cuda") else "torch"
+    device, backend = pick_device(device)
     hf, tok = load_model(model, device=device, progress=progress)
     ids = {spec: tok(read_text(spec)[0], verbose=False)["input_ids"] for spec in texts}   # a spec names its segments
     segs = make_segments(ids, segments, prompt_tokens + decode_tokens)

@@ -23,7 +23,7 @@ equal a trace recorded from the same model and text), while the compressed cache
 alongside on the kernel's probabilities; kept sets can then be compared slot for slot with the simulator.
 
 Hybrid models (Gemma-3): each layer's attention is what its call says (``scaling``, ``sliding_window``). With
-``sliding="keep"`` (default, as in ``sim.replay``) a sliding layer holds the model's own window (the
+``sliding="keep"`` (default, as in ``sim.replay_plan``) a sliding layer holds the model's own window (the
 ``window`` policy at budget window - 1, which is exactly it) and the row's policy compresses the global layers;
 with ``sliding="compress"`` the policy runs on the sliding layers too, under their window
 (``sim.contract.apply_window``). Parameters that come from the layer (expected attention's RoPE base) are read

@@ -130,7 +130,8 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
     from tqdm.auto import tqdm
 
     from sim.projected_error import projected_errors
-    from sim.replay import load_layers, replay
+    from sim.layer_inputs import load_layers
+    from sim.replay import replay
     from traces.format import load_trace
     from traces.recorder import record_trace
 
@@ -160,8 +161,8 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
                                           trace.meta.softmax_scale)
                 seg_rows.append({"key": cell_key(model_id, seg, n_prompt, pol, b), "segment": seg.name,
                                  "text": seg.text, "label": pol.label(), "budget": int(b),
-                                 **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean")},
-                                 "miss_mass": 1.0 - s["mass_mean"], "err_by_layer": s["err_by_layer"],
+                                 **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean", "miss_mass")},
+                                 "err_by_layer": s["err_by_layer"],
                                  "kv_bytes_mean": s["kv_bytes_mean"],
                                  "err_wo_mean": float(err_wo.mean()), "err_wo_by_layer": err_wo.tolist()})
             if store is not None:

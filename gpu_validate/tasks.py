@@ -2,8 +2,8 @@
 
 A task turns a seeded random generator and a depth into a `TaskSpec`: an instruction, the needle lines with the
 relative depth each goes to in the filler text, the question, the canonical answer (the text the simulator's
-prediction teacher-forces) and the values a correct generation must contain. `gpu_validate.needle.make_prompt`
-lays a spec into exactly ``length`` tokens of real filler text.
+prediction teacher-forces) and the values a correct generation must contain.
+`gpu_validate.needle_prompts.make_prompt` lays a spec into exactly ``length`` tokens of real filler text.
 
 The four tasks follow RULER (Hsieh et al., 2024) in kind, written as completions ("... The pass key is"), which a
 small base model continues with the answer far more reliably than it follows an instruction to answer:

@@ -1,10 +1,11 @@
 """The attention of one KV head's G query heads over its cached slots, the engine's inner loop (sim.engine).
 
 q.k in float32 blocks of eight keys x up to three heads (sixteen keys for a lone head), each key loaded once for
-the heads and the keys' 16-lane partial sums reduced together; softmax with a vectorised exp; p.v with the heads'
-output slices held in registers over the slots, float32 sums over blocks of 256 slots added into float64. The q.k
-and p.v kernels are LLVM vector IR (numba intrinsics; d % 16 == 0, numba loops otherwise): numba's own loops
-reload the outputs at every slot (no alias information) and reduce each dot product on its own.
+the heads and the keys' 16-lane partial sums reduced together; p.v with the heads' output slices held in registers
+over the slots, float32 sums over blocks of 256 slots added into float64 (the softmax between them:
+`sim.softmax_kernels`). The q.k and p.v kernels are LLVM vector IR (numba intrinsics; d % 16 == 0, numba loops
+otherwise): numba's own loops reload the outputs at every slot (no alias information) and reduce each dot product
+on its own.
 """
 from __future__ import annotations
 
@@ -549,64 +550,3 @@ def weighted_sums(e, inv, h, g_n, cv, n, oacc, acc):
     for g in range(g_n):
         for x in range(d):
             oacc[g, x] *= inv[g]
-
-
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)
-_LN2_LO = np.float32(-2.12194440e-4)
-
-
-#: the softmax passes also assume finite values (the trace loader rejects NaN/inf): max and sum reductions vectorise
-_SOFTMAX_MATH = {"reassoc", "contract", "nnan", "nsz"}
-
-
-@njit(cache=True, nogil=True, fastmath=_SOFTMAX_MATH)
-def _exp_shifted(dots, g, n, f, shift, ibuf, fbuf, out):
-    """out[i] = exp(dots[g, i] * f - shift) for logits <= shift in float32, vectorised (no libm call per element);
-    returns the float64 sum of out[:n]. ``fbuf`` is ``ibuf`` viewed as float32 (made once with the scratch).
-
-    Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial for e^r (relative error
-    < 2e-7) and 2^k built from its IEEE-754 bits. Arguments are clamped to [-87, 0] (below: ~1e-38, not 0):
-    an absolute error below 2e-38 on values normalised by a sum >= 1.
-    """
-    for i in range(n):
-        # clamped to <= 0 as well: `contract` may fuse dots * f - shift into one FMA, which leaves the largest
-        # logit the rounding error of shift (~1e21 for logits ~1e30) above 0 instead of exactly 0
-        x = min(max(dots[g, i] * f - shift, np.float32(-87.0)), np.float32(0.0))
-        k = np.floor(x * _LOG2E + np.float32(0.5))
-        r = x - k * _LN2_HI - k * _LN2_LO
-        p = np.float32(1.0 / 720.0)
-        p = p * r + np.float32(1.0 / 120.0)
-        p = p * r + np.float32(1.0 / 24.0)
-        p = p * r + np.float32(1.0 / 6.0)
-        p = p * r + np.float32(0.5)
-        p = p * r + np.float32(1.0)
-        p = p * r + np.float32(1.0)
-        out[i] = p
-        ibuf[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
-    tot = 0.0
-    for i in range(n):
-        out[i] *= fbuf[i]
-        tot += out[i]
-    return tot
-
-
-@njit(cache=True, nogil=True, fastmath=_SOFTMAX_MATH)
-def _normalise(ebuf, n, inv, row):
-    """row[:n] = ebuf[:n] * inv in float64 (one query head's probabilities)."""
-    for i in range(n):
-        row[i] = ebuf[i] * inv
-
-
-@njit(cache=True, nogil=True)
-def softmax_rows(dots, dmax, h, g_n, n, f, probs, ebuf, ibuf, fbuf, inv, lse_caches):
-    """The G query heads' softmax over the float32 logits dots[g, :n] * f (f > 0), shifted by the largest logit
-    (the largest dot times f: rounding is monotone): the float32 numerators into the scratch's ``ebuf`` [G, n], their
-    normalisers 1 / sum into ``inv`` and the log-sum-exp into ``lse_caches``, the probabilities (float64) into
-    probs[h]."""
-    for g in range(g_n):
-        mx = dmax[g] * f
-        tot = _exp_shifted(dots, g, n, f, mx, ibuf, fbuf, ebuf[g])
-        inv[g] = 1.0 / tot
-        _normalise(ebuf[g], n, inv[g], probs[h, g])
-        lse_caches[g] = np.float64(mx) + np.log(tot)

@@ -23,9 +23,10 @@ from numba import njit, objmode, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from sim.attention_kernels import qk_dot32, qk_dots, softmax_rows, weighted_sums
+from sim.attention_kernels import qk_dot32, qk_dots, weighted_sums
 from sim.contract import OK, OVER_CAPACITY, apply_window, check_kept, check_scale, check_step
 from sim.metrics import N_METRICS, measure
+from sim.softmax_kernels import softmax_rows
 
 @njit(cache=True, nogil=True)
 def _merged_mass_kl(t, h, g, hq, n, q, k, lse, scale, cpos, dirty, probs, dots, lse_cache):

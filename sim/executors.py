@@ -6,7 +6,7 @@ task runs with its share of the cores (``sim.threads``).
 
 A configuration may also run as several jobs, one per group of its layers (``Executor.run_split``,
 ``--split-layers N``): the policy's allocation over all layers is computed once in the process that splits it
-and travels with each group (``sim.replay.LayerGroup``); the groups' results are merged back into one result,
+and travels with each group (``sim.layer_groups.LayerGroup``); the groups' results are merged back into one result,
 identical to the unsplit run.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from policies import Policy, get_policy
 from sim.threads import ThreadPlan, available_cores, limit_threads, plan_threads, thread_env
 
 if TYPE_CHECKING:
-    from sim.replay import LayerGroup, ReplayResult
+    from sim.layer_groups import LayerGroup
+    from sim.replay_result import ReplayResult
 
 _TRACE_CACHE: dict[tuple, Any] = {}
 
@@ -29,8 +30,8 @@ _TRACE_CACHE: dict[tuple, Any] = {}
 class TraceRef:
     """How to (re)open a trace in any process: a directory or ``synthetic:KIND`` plus generator sizes, whether
     to verify the files' checksums and finiteness (``--no-verify`` travels with the work), and what a policy
-    does on a hybrid model's sliding-window layers (``sim.replay.SLIDING_MODES``) and the prompt chunk of
-    chunked prefill (``sim.replay.effective_chunk``)."""
+    does on a hybrid model's sliding-window layers (``sim.replay_plan.SLIDING_MODES``) and the prompt chunk of
+    chunked prefill (``sim.replay_plan.effective_chunk``)."""
 
     spec: str
     n_tokens: int = 1024
@@ -42,7 +43,7 @@ class TraceRef:
     chunk: int = 1
 
     def open(self):
-        from sim.replay import layer_inputs
+        from sim.layer_inputs import layer_inputs
         from sim.specs import open_trace
 
         key = (self.spec, self.n_tokens, self.n_prompt, self.n_layers, self.seed, self.verify)
@@ -76,7 +77,8 @@ class Job:
 def replay_job(job: Job) -> tuple[list[ReplayResult], float]:
     """Replay a job's configuration (its layer group only, when it has one): one result per budget, in order,
     and the seconds the replay took."""
-    from sim.replay import effective_chunk, replay_budgets
+    from sim.replay import replay_budgets
+    from sim.replay_plan import effective_chunk
 
     trace, inputs = job.trace.open()
     policy = job.make_policy()
@@ -89,7 +91,7 @@ def replay_job(job: Job) -> tuple[list[ReplayResult], float]:
 def job_rows(job: Job, results: Sequence[ReplayResult], seconds: float) -> list[dict[str, Any]]:
     """The job's result rows, one per budget: each result's summary plus what identifies the configuration, and
     ``elapsed_s``, the replay's seconds per budget (summed over the layer groups of a split configuration)."""
-    from sim.replay import effective_chunk
+    from sim.replay_plan import effective_chunk
     from sim.specs import trace_id, trace_name
 
     trace, _ = job.trace.open()
@@ -117,9 +119,9 @@ def run_group(job: Job) -> tuple[Job, list[ReplayResult], float]:
 
 
 def split_job(job: Job, n_groups: int) -> list[Job]:
-    """``job`` as ``n_groups`` jobs of consecutive layers (``sim.replay.layer_groups``): the allocation over all
+    """``job`` as ``n_groups`` jobs of consecutive layers (``sim.layer_groups.layer_groups``): the allocation over all
     its layers is computed here, once, and each job carries its group's rows of it."""
-    from sim.replay import layer_groups
+    from sim.layer_groups import layer_groups
 
     trace, inputs = job.trace.open()
     groups = layer_groups(trace, job.make_policy(), job.budgets, n_groups, inputs=inputs, sliding=job.trace.sliding)
@@ -183,7 +185,7 @@ class Executor:
         """Run each job's configuration as ``n_groups`` jobs of consecutive layers (``split_job``, all split
         here before any runs, so a bad ``n_groups`` fails at once) and yield (job, its results in budget order,
         the replay seconds summed over its groups) as soon as the job's last group is back."""
-        from sim.replay import merge_layer_groups
+        from sim.layer_groups import merge_layer_groups
 
         groups = {job: split_job(job, n_groups) for job in jobs}
         parts: dict[Job, list[list[ReplayResult]]] = {job: [] for job in jobs}
@@ -245,7 +247,7 @@ def replay_split(ref: TraceRef, policy: Policy, budget: int, n_groups: int, *, w
     """``sim.replay.replay`` of one configuration with its layers run as ``n_groups`` jobs on an ``Executor``
     (at most ``n_groups`` local workers, or Ray): the same result. It refuses a prompt chunk the policy cannot
     take, as ``replay`` does (a sweep instead runs such a policy token by token)."""
-    from sim.replay import check_chunk
+    from sim.replay_plan import check_chunk
 
     check_chunk(policy, ref.chunk)
     job = Job(ref, policy.name, tuple(sorted(policy.params.items())), (int(budget),), ("",))   # "": no store

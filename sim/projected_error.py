@@ -20,7 +20,7 @@ def projected_errors(inputs: Sequence, kept: np.ndarray, wo: Sequence[np.ndarray
                      scale: float) -> np.ndarray:
     """Per layer, the mean over decode steps P+1 .. P+R-1 of ``||W_O (o_cache - o_full)|| / ||W_O o_full||``.
 
-    ``inputs``: the replay's `sim.replay.LayerInputs` (q, k, v, o of every position), ``kept`` [L, R, Hkv, W]:
+    ``inputs``: the replay's `sim.layer_inputs.LayerInputs` (q, k, v, o of every position), ``kept`` [L, R, Hkv, W]:
     positions held after steps P .. P+R-1 (-1 padded; `replay(..., record_kept=(P, R))`), ``wo``: per layer the
     o_proj weight [hidden, Hq * d] (as torch's Linear stores it)."""
     L, R, hkv, _ = kept.shape

@@ -11,7 +11,7 @@ import numpy as np
 from policies.base import Policy
 from sim.contract import apply_window, check_kept, check_scale, check_step, raise_on, slot_capacity
 from sim.metrics import N_METRICS, measure
-from sim.replay import LayerInputs
+from sim.layer_inputs import LayerInputs
 
 
 def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: np.ndarray, n_prompt: int,

@@ -21,16 +21,6 @@ def split_sliding(df: pd.DataFrame) -> pd.DataFrame:
     return df.assign(trace=np.where(other, df.trace + " (sliding: " + df.sliding.fillna("keep") + ")", df.trace))
 
 
-def ranked_table(df: pd.DataFrame, metric: str = "err_mean") -> pd.DataFrame:
-    """The ranked tables (`sim.table.ranked_tables`) as one DataFrame: trace, sliding, label, role, rank, the
-    metric per budget (``err_mean@64``), its mean and the other means; references first, then best first."""
-    frames = [t.frame().assign(trace=t.trace, sliding=t.sliding) for t in ranked_tables(df, metric)]
-    if not frames:
-        return pd.DataFrame()
-    out = pd.concat(frames, ignore_index=True)
-    return out[["trace", "sliding", *[c for c in out if c not in ("trace", "sliding")]]]
-
-
 def print_ranked(df: pd.DataFrame, metric: str = "err_mean", title: str = "kvsim results") -> None:
     """Print the ranked tables to the terminal (rich): one per trace, a column per budget, then the legend; the
     same tables the HTML page shows (`sim.table`)."""
@@ -206,7 +196,8 @@ def plot_occupancy(kept: np.ndarray, steps: np.ndarray, n_tokens: int, title: st
 def occupancy_figure(trace, policies, budget: int, path: str | Path, *, sliding: str = "keep") -> Path:
     """`plot_occupancy` of the given policies (those that keep every token, such as the full cache, have no map and
     are left out) replayed on ``trace`` at one budget, one panel each."""
-    from sim.replay import load_layers, replay
+    from sim.layer_inputs import load_layers
+    from sim.replay import replay
 
     drawn = [pol for pol in policies if not pol.unbounded]
     if not drawn:

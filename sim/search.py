@@ -13,7 +13,7 @@ import pandas as pd
 from policies import Param, get_policy, policy_class
 from sim.executors import Executor, Job, TraceRef
 from sim.metrics import OBJECTIVES, metric
-from sim.replay import effective_chunk
+from sim.replay_plan import effective_chunk
 from sim.specs import trace_id
 from sim.store import ResultStore, config_key
 

@@ -55,7 +55,8 @@ def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequen
          done: set[str] = frozenset()) -> list[Job]:
     """Jobs for every valid configuration not in ``done``; a one-pass strategy (the oracle's) gets one job per
     trace for all its budgets, the others one job per budget."""
-    from sim.replay import effective_chunk, strategy_of
+    from sim.replay import strategy_of
+    from sim.replay_plan import effective_chunk
 
     jobs: list[Job] = []
     for ref in traces:

@@ -123,11 +123,6 @@ class RankedTable:
             seen.setdefault(c.metric.key, c.metric)
         return [(m.short, m) for m in seen.values()]
 
-    def frame(self) -> pd.DataFrame:
-        """The table as a DataFrame (label, role, rank, then one column per value column key)."""
-        return pd.DataFrame([{"label": r.label, "role": r.role, "rank": r.rank,
-                              **{c.key: v for c, v in zip(self.columns, r.values)}} for r in self.rows])
-
 
 def _as_column(metric: str | Column) -> Column:
     return metric if isinstance(metric, Column) else column(metric)
@@ -201,11 +196,6 @@ def legend_items(table: RankedTable) -> list[tuple[str, str]]:
     items.append(("rank", f"mean over the budgets of each policy's rank by {table.metric.short} among the evicting "
                           "policies (1 = best)"))
     return items
-
-
-def legend_lines(table: RankedTable) -> list[str]:
-    """`legend_items` as lines (``term: meaning``) for the terminal."""
-    return [f"{term}: {meaning}" for term, meaning in legend_items(table)]
 
 
 def print_tables(tables: Sequence[RankedTable], title: str = "kvsim results", *, console=None) -> None:

@@ -74,7 +74,8 @@ def test_critical_norm_table_is_what_the_steps_compute():
     closed loop and the numpy reference project each new value: the same numbers bit for bit, so the same run."""
     from policies import get_policy
     from policies.stages import projected_norms, wo_l1
-    from sim.replay import load_layers, replay
+    from sim.layer_inputs import load_layers
+    from sim.replay import replay
     from traces.synthetic import make_synthetic_trace
 
     trace = make_synthetic_trace("mixed", n_layers=1, n_q_heads=6, n_kv_heads=2, head_dim=32, n_tokens=90,

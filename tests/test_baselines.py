@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from policies import PolicyError, get_policy
-from sim.replay import BudgetError, replay
+from sim.replay import replay
+from sim.replay_plan import BudgetError
 from traces.synthetic import make_synthetic_trace
 
 

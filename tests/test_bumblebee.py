@@ -415,7 +415,7 @@ def test_replay_importance_table_is_computed_once_and_changes_nothing(group_redu
     """A replay over prepared layers reads every prompt key's importance from a table computed once per layer and
     group reduction (``replay_head_state``); the prefill computing it itself gives the same bits, so the same run."""
     from policies.bumblebee import prompt_importance
-    from sim.replay import load_layers
+    from sim.layer_inputs import load_layers
 
     trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=6, n_kv_heads=2, head_dim=16, n_tokens=80,
                                  n_prompt=50, seed=3)

@@ -253,7 +253,7 @@ def test_window_prefill_worked_example(warmup):
                                     {"head_reduce": "median", "n_cascades": 3, "accept_base": 3}])
 def test_variants_match_numpy_reference_engine(params):
     from sim.reference_replay import reference_replay_layer
-    from sim.replay import load_layers
+    from sim.layer_inputs import load_layers
 
     trace = make_synthetic_trace("mixed", n_layers=1, n_tokens=80, n_prompt=30, head_dim=16, seed=5)
     p = get_policy("cascading", **params)

@@ -11,7 +11,9 @@ import torch
 from gpu_validate.evaluate import kept_set_agreement
 from policies import PolicyError, get_policy, list_policies
 from sim.reference_replay import reference_replay_layer
-from sim.replay import effective_chunk, load_layers, replay
+from sim.layer_inputs import load_layers
+from sim.replay import replay
+from sim.replay_plan import effective_chunk
 from traces.format import load_trace
 from traces.recorder import record_trace
 from traces.synthetic import make_synthetic_trace

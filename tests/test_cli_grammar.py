@@ -171,7 +171,7 @@ def test_shared_options_have_one_type_everywhere():
                 continue
             for flag in a.option_strings:
                 if flag in ("--budget", "--budgets", "--tokens", "--prompt", "--layers", "--seed", "--workers",
-                            "--out", "--no-verify", "--policy", "--policies"):
+                            "--out", "--no-verify", "--policy", "--policies", "--device", "--backend"):
                     types.setdefault(flag, set()).add((getattr(a.type, "__name__", a.type), type(a).__name__))
     for flag, kinds in types.items():
         assert len(kinds) == 1, f"{flag} has different types across commands: {kinds}"

@@ -13,7 +13,8 @@ from policies.registry import get_policy
 from sim.contract import (BAD_MERGE, BAD_SCALE, OK, OVER_BUDGET, PolicyContractError, check_allocation, check_kept,
                           check_merges, check_scale, check_step, contract_error, slot_capacity)
 from sim.reference_replay import reference_replay_layer
-from sim.replay import load_layers, replay
+from sim.layer_inputs import load_layers
+from sim.replay import replay
 from traces.synthetic import make_synthetic_trace
 
 

@@ -333,7 +333,8 @@ def test_layer_variances_are_computed_once_per_prepared_inputs(monkeypatch):
     """D2O's prompt statistics do not depend on the budget: the replays of several budgets (and a sweep worker's
     jobs) on the same prepared inputs compute them once, with the same results as computing them each time."""
     import policies.d2o as d2o_module
-    from sim.replay import load_layers, replay_budgets
+    from sim.layer_inputs import load_layers
+    from sim.replay import replay_budgets
     from traces.synthetic import make_synthetic_trace
 
     trace = make_synthetic_trace("mixed", n_layers=3, n_tokens=96, n_prompt=64, seed=2)

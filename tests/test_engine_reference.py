@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from policies import get_policy, list_policies
 from sim.reference_replay import reference_replay_layer
-from sim.replay import load_layers, replay
+from sim.layer_inputs import load_layers
+from sim.replay import replay
 from traces.synthetic import make_synthetic_trace
 
 POLICIES = [n for n in list_policies() if not get_policy(n).is_oracle]
@@ -61,7 +62,7 @@ def test_profiling_hooks_time_the_engine_parts():
     """benchmarks/replay.py times the engine through these public hooks; they run the engine's own kernels."""
     from sim.engine import profile_attention, profile_parts
     from sim.metrics import N_METRICS
-    from sim.replay import load_layers
+    from sim.layer_inputs import load_layers
 
     trace = make_synthetic_trace("mixed", n_tokens=80, n_prompt=40, n_layers=1, head_dim=16)
     li = load_layers(trace)[0]

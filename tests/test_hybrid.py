@@ -12,7 +12,10 @@ import pytest
 
 from policies import PolicyError, get_policy, list_policies
 from sim.reference_replay import reference_replay_layer
-from sim.replay import compressed_layers, load_layers, replay, replay_oracle
+from sim.layer_inputs import load_layers
+from sim.oracle_replay import replay_oracle
+from sim.replay import replay
+from sim.replay_plan import compressed_layers
 from traces.format import LayerAttention, TraceError, load_trace
 from traces.reference import full_attention_reference
 from traces.synthetic import make_synthetic_trace

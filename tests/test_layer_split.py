@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 from policies import PolicyError
 from sim.cli import main
 from sim.executors import Job, TraceRef, execute, replay_split
-from sim.replay import effective_chunk, layer_groups, load_layers, merge_layer_groups, replay, replay_budgets
+from sim.layer_groups import layer_groups, merge_layer_groups
+from sim.layer_inputs import load_layers
+from sim.replay import replay, replay_budgets
+from sim.replay_plan import effective_chunk
 from sim.specs import parse_policy
 from traces.synthetic import make_synthetic_trace
 

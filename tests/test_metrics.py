@@ -6,7 +6,8 @@ import pytest
 
 from policies import get_policy
 from sim.metrics import COLUMNS, METRICS, M, N_METRICS, NAMES, column, measure, metric
-from sim.replay import replay, replay_oracle
+from sim.oracle_replay import replay_oracle
+from sim.replay import replay
 from traces.synthetic import make_synthetic_trace
 
 

@@ -8,9 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_validate import needle
-from gpu_validate.needle import (DIAGNOSTICS, FEATURES, make_grid, make_prompt, needle_features, run_needle,
-                                 stored_features)
+from gpu_validate import needle_prediction
+from gpu_validate.needle import run_needle
+from gpu_validate.needle_prediction import DIAGNOSTICS, FEATURES, needle_features, stored_features
+from gpu_validate.needle_prompts import make_grid, make_prompt
 from gpu_validate.needle_report import (FIT_OBJECTIVES, binary_scores, confusion_scores, fit_threshold, plot_needle,
                                         prediction_report, summarize)
 from gpu_validate.jobs import ValidateError
@@ -237,7 +238,7 @@ def test_feature_store_resumes_and_recomputes_only_missing_cells(monkeypatch, tm
         calls.append((prompt.prompt_id, [(p.label(), b) for p, b in configs]))
         return [{f: b / 100 for f in FEATURES} for _, b in configs]
 
-    monkeypatch.setattr(needle, "needle_features", fake)
+    monkeypatch.setattr(needle_prediction, "needle_features", fake)
     store = ResultStore(tmp_path / "sim")
     snap, h2o = get_policy("snapkv"), get_policy("h2o")
     df = stored_features(None, prompts, [(snap, 16), (h2o, 16)], store, model_id="tiny", progress=False,
@@ -263,14 +264,12 @@ def test_cli_fit_objectives_match_the_library():
     assert needle_cmd.FIT_OBJECTIVES == FIT_OBJECTIVES
 
 
-def test_needle_cli_on_tiny_local_model(llama, tmp_path, capsys, monkeypatch):
-    import json
+def _save_local_model(llama, tmp_path) -> None:
+    """The tiny model with a character-level HF tokenizer at tmp_path/m, and the filler text at tmp_path/text.txt."""
     import string
 
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from sim.cli import main
 
     vocab = {c: i for i, c in enumerate(string.printable[:100])} | {"[UNK]": 100}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -278,6 +277,66 @@ def test_needle_cli_on_tiny_local_model(llama, tmp_path, capsys, monkeypatch):
     PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(tmp_path / "m")
     llama.save_pretrained(tmp_path / "m")
     (tmp_path / "text.txt").write_text(TEXT)
+
+
+def test_pick_device_prefers_cuda_and_triton(monkeypatch):
+    from gpu_validate.backends import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pick_device() == ("cuda", "triton")
+    assert pick_device("cpu") == ("cpu", "torch") and pick_device(None, "torch") == ("cuda", "torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device() == ("cpu", "torch") and pick_device("cuda:1") == ("cuda:1", "triton")
+
+
+def test_needle_cli_hands_device_and_backend_to_the_experiment(monkeypatch, tmp_path):
+    """`kvsim needle` is the experiment's API with the parsed options: --device/--backend reach it (None: the
+    experiment picks CUDA and Triton when a GPU is present)."""
+    from gpu_validate import needle_experiment
+    from sim.cli import main
+
+    seen = []
+
+    def fake(spec, *, command=None, progress=True):
+        seen.append((spec, command))
+        return needle_experiment.NeedleResult({}, pd.DataFrame())
+
+    monkeypatch.setattr(needle_experiment, "run_needle_experiment", fake)
+    assert main(["needle", "--model", "m", "--out", str(tmp_path / "n.json"), "--quiet"]) == 1   # nothing reported
+    assert main(["needle", "--model", "m", "--device", "cuda", "--backend", "torch", "--budgets", "8",
+                 "--out", str(tmp_path / "n.json"), "--quiet"]) == 1
+    (a, cmd), (b, _) = seen
+    assert (a.device, a.backend, b.device, b.backend) == (None, None, "cuda", "torch")
+    assert a.lengths == needle_experiment.NeedleSpec().lengths and b.budgets == [8]
+    assert cmd.startswith("kvsim needle --model m")
+
+
+def test_needle_experiment_api_returns_the_report(llama, tmp_path):
+    """The library call the CLI and benchmarks/ruler.py make: the report comes back as a dict (on the device and
+    backend it ran with), a caller's fields join it before the one atomic write."""
+    import json
+
+    from gpu_validate.needle_experiment import NeedleSpec, run_needle_experiment, write_needle_report
+
+    _save_local_model(llama, tmp_path)
+    spec = NeedleSpec(model=str(tmp_path / "m"), text=str(tmp_path / "text.txt"), lengths=[260], depths=[0.0, 1.0],
+                      seeds=[1], policies="streaming_llm", budgets=[16], store=str(tmp_path / "store"), device="cpu")
+    res = run_needle_experiment(spec, command="test", progress=False, log=lambda s: None)
+    assert not res.empty and res.report["device"] == "cpu" and res.report["backend"] == "torch"
+    assert res.report["command"] == "test" and set(res.table.policy) == {"full", "streaming_llm"}
+    res.report["extra_field"] = 1
+    out = write_needle_report(res, tmp_path / "o" / "needle.json", log=lambda s: None)
+    rep = json.loads(out.read_text())
+    assert rep["extra_field"] == 1 and rep["plot"] == str(tmp_path / "o" / "needle.png")
+    assert not list((tmp_path / "o").glob(".*"))                      # no temp file left behind
+
+
+def test_needle_cli_on_tiny_local_model(llama, tmp_path, capsys, monkeypatch):
+    import json
+
+    from sim.cli import main
+
+    _save_local_model(llama, tmp_path)
     out = tmp_path / "needle.json"
     rc = main(["needle", "--model", str(tmp_path / "m"), "--text", str(tmp_path / "text.txt"), "--lengths", "260",
                "--depths", "0,1", "--seeds", "1,2", "--policies", "streaming_llm;snapkv", "--budgets", "16",
@@ -310,7 +369,7 @@ def test_needle_cli_on_tiny_local_model(llama, tmp_path, capsys, monkeypatch):
     def no_trace(*a, **k):
         raise AssertionError("features recomputed")
 
-    monkeypatch.setattr(needle, "needle_features", no_trace)
+    monkeypatch.setattr(needle_prediction, "needle_features", no_trace)
     assert main(["needle", "--model", str(tmp_path / "m"), "--text", str(tmp_path / "text.txt"), "--lengths", "260",
                  "--depths", "0,1", "--seeds", "1,2", "--policies", "streaming_llm;snapkv", "--budgets", "16",
                  "--predict", "--train-seeds", "1", "--store", str(tmp_path / "store"), "--out", str(out),

@@ -7,7 +7,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from policies import get_policy, list_policies
-from sim.replay import replay, replay_oracle
+from sim.oracle_replay import replay_oracle
+from sim.replay import replay
 from traces.synthetic import KINDS, make_synthetic_trace
 
 ALL = list_policies()

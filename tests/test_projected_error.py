@@ -4,7 +4,8 @@ import pytest
 
 from policies.registry import get_policy
 from sim.projected_error import projected_errors
-from sim.replay import load_layers, replay
+from sim.layer_inputs import load_layers
+from sim.replay import replay
 from traces.synthetic import make_synthetic_trace
 
 

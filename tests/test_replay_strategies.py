@@ -9,7 +9,9 @@ import pytest
 
 from policies import PolicyError, get_policy
 from policies.base import Policy
-from sim.replay import STRATEGIES, load_layers, replay, replay_budgets, replay_oracle, strategy_of
+from sim.layer_inputs import load_layers
+from sim.oracle_replay import replay_oracle
+from sim.replay import STRATEGIES, replay, replay_budgets, strategy_of
 from traces.synthetic import make_synthetic_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,19 +93,20 @@ def test_callers_no_longer_special_case_the_oracle():
     for rel in ("sim/executors.py", "sim/sweep.py", "sim/commands/report_cmd.py"):
         text = (ROOT / rel).read_text()
         assert "is_oracle" not in text and '"scope"' not in text, rel
-    replay_src = (ROOT / "sim/replay.py").read_text()
-    assert replay_src.count('params["scope"]') == 1          # read once, by the oracle strategy
+    assert '"scope"' not in (ROOT / "sim/replay.py").read_text()
+    oracle_src = (ROOT / "sim/oracle_replay.py").read_text()
+    assert oracle_src.count('params["scope"]') == 1          # read once, by the oracle strategy
 
 
 def test_long_traces_replay_a_layer_at_a_time(monkeypatch):
     """Above EAGER_INPUT_BYTES the engine inputs are read layer by layer from the trace (LayerLoader), with the
     same results as the inputs prepared whole."""
-    import sim.replay as sr
+    import sim.layer_inputs as sl
 
     trace = make_synthetic_trace("mixed", n_layers=3, n_tokens=96, n_prompt=64, seed=4)
-    eager = sr.replay(trace, get_policy("d2o"), 16, inputs=sr.load_layers(trace))
-    monkeypatch.setattr(sr, "EAGER_INPUT_BYTES", 0)
-    assert isinstance(sr.layer_inputs(trace), sr.LayerLoader)
-    lazy = sr.replay(trace, get_policy("d2o"), 16)
+    eager = replay(trace, get_policy("d2o"), 16, inputs=sl.load_layers(trace))
+    monkeypatch.setattr(sl, "EAGER_INPUT_BYTES", 0)
+    assert isinstance(sl.layer_inputs(trace), sl.LayerLoader)
+    lazy = replay(trace, get_policy("d2o"), 16)
     np.testing.assert_array_equal(eager.metrics, lazy.metrics)
     np.testing.assert_array_equal(eager.budgets, lazy.budgets)

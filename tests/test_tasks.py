@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_validate.jobs import BatchJob, ValidateError
-from gpu_validate.needle import make_grid, make_prompt, run_needle
+from gpu_validate.needle import run_needle
+from gpu_validate.needle_prompts import make_grid, make_prompt
 from gpu_validate.runner import run_batch
 from gpu_validate.tasks import TASKS, build_task, retrieved
 from policies.registry import get_policy
@@ -108,12 +109,12 @@ def test_a_prompt_goes_through_the_model_once_for_streamed_and_prefilled_rows(ll
 
 
 def test_solved_only_runs_a_prompts_policies_only_where_the_full_cache_retrieves(llama, monkeypatch, tmp_path):
-    import gpu_validate.needle as needle
     import gpu_validate.prompt_store as prompt_store
+    from gpu_validate.needle_prompts import NeedlePrompt
 
     tok = CharTok()
     prompts = make_grid(tok, TEXT, [400], [0.5], [1, 2], tasks=["single"])
-    monkeypatch.setattr(needle.NeedlePrompt, "success", lambda self, generated, decode=None: self.seed == 1)
+    monkeypatch.setattr(NeedlePrompt, "success", lambda self, generated, decode=None: self.seed == 1)
     calls = []
     real = prompt_store.forward_in_chunks
 
@@ -196,7 +197,7 @@ def test_needle_cli_runs_several_tasks_and_drops_cells_the_full_cache_fails(llam
 def test_held_reads_replayed_layers_kept_windows_and_the_prompt_forward():
     from types import SimpleNamespace
 
-    from gpu_validate.needle import _held
+    from gpu_validate.needle_prediction import _held
 
     P, A, key = 20, 3, np.array([5, 17])
     kept = np.full((1, A, 1, 4), -1, np.int32)          # the one replayed layer (stored layer 1), one KV head

@@ -255,7 +255,8 @@ def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write a text file via temp file + rename so readers never see a partial file."""
+    """Write a text file via temp file + rename so readers never see a partial file: kvsim's one atomic text (and
+    JSON) writer. The file gets the permissions a plain ``open(path, "w")`` would give it (mkstemp's are 0600)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -263,6 +264,9 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
-    import os
+
     import torch
 
     from gpu_validate.fidelity import pair_agreement, plot_fidelity, run_fidelity, token_reliability
@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from sim.commands._common import command_line
     from sim.table import print_tables
     from sim.specs import parse_policy_list
+    from traces.format import atomic_write_text
     from traces.model import read_text
     from traces.models import model_id
 
@@ -53,9 +54,7 @@ def run(args: argparse.Namespace) -> int:
     png = plot_fidelity(report, out.with_suffix(".png"))
     report.update(plot=str(png), text=read_text(args.text)[1], command=command_line(args), **run_info(),
                   model_reliability=token_reliability(report["rows"]), pair_agreement=pair_agreement(report["rows"]))
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=float))
-    os.replace(tmp, out)
+    atomic_write_text(out, json.dumps(report, indent=1, default=float))
     best = report["best_sim_metric"]
     print(f"Spearman rho (sim err_mean vs ΔPPL): {report['rho_primary']:.3f}  (target >= 0.9)")
     for m, b in best.items():

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from sim.commands._common import (add_chunk_option, add_model_option, add_policy_option, add_sliding_option,
-                                 add_threads_option, apply_threads, positive_int)
+from sim.commands._common import (add_chunk_option, add_device_options, add_model_option, add_policy_option,
+                                 add_sliding_option, add_threads_option, apply_threads, positive_int)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,9 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampling at this temperature")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--backend", choices=("torch", "triton"), default=None,
-                   help="cache kernels: triton (default on cuda) or torch (default on cpu)")
+    add_device_options(p)
     add_sliding_option(p)
     add_chunk_option(p)
     add_threads_option(p)
@@ -65,6 +63,7 @@ class _TextStream:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from gpu_validate.backends import pick_device
     from gpu_validate.generation import generate
     from gpu_validate.jobs import check_run_args
     from sim.specs import parse_policy
@@ -81,20 +80,20 @@ def run(args: argparse.Namespace) -> int:
             text = f.read()
     else:
         text = args.prompt
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device, backend = pick_device(args.device, args.backend)
     model, tok = load_model(args.model, device=device)
     ids = tok(text, verbose=False)["input_ids"]
     if not ids:
         raise ValueError("the prompt has no tokens")
     res = generate(model, [ids], policy, args.budget, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, seed=args.seed, streamer=_TextStream(tok, sys.stdout),
-                   backend=args.backend, sliding=args.sliding, prefill_chunk=args.chunk)
+                   backend=backend, sliding=args.sliding, prefill_chunk=args.chunk)
     row = res.rows[0]
     out = {"text": tok.decode(row.new_tokens, skip_special_tokens=True), "new_tokens": row.new_tokens,
            "kv_bytes_held": row.kv_bytes_held, "kv_bytes_full_cache": row.kv_bytes_full_cache,
            "tokens_per_s": res.tokens_per_s, "policy": policy.label(), "budget": args.budget, "model": args.model,
            "prompt_tokens": len(ids), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-           "device": device, "backend": args.backend or ("triton" if device.startswith("cuda") else "torch"),
+           "device": device, "backend": backend,
            "sliding": args.sliding, "prefill_chunk": args.chunk, "decode_seconds": res.decode_seconds}
     if args.json:
         print(json.dumps(out))

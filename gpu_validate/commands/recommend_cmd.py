@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sim.commands._common import add_model_option, add_quiet_option, add_threads_option, int_list, positive_int
+from sim.commands._common import (add_device_options, add_model_option, add_quiet_option, add_threads_option, int_list,
+                                  positive_int)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "1/16 to 3/4 of the prompt")
     p.add_argument("--validate", type=positive_int, default=3, metavar="K",
                    help="configurations confirmed in the model per budget near the target")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    add_device_options(p, backend=False)
     p.add_argument("--out", type=Path, required=True, help="output folder (and the store a rerun resumes from)")
     add_threads_option(p)
     add_quiet_option(p)

@@ -5,9 +5,9 @@ import argparse
 import json
 import sys
 
-from sim.commands._common import (add_budget_option, add_chunk_option, add_model_option, add_policy_option,
-                                 add_sliding_option, add_text_option, add_threads_option, apply_threads,
-                                 positive_int)
+from sim.commands._common import (add_budget_option, add_chunk_option, add_device_options, add_model_option,
+                                 add_policy_option, add_sliding_option, add_text_option, add_threads_option,
+                                 apply_threads, positive_int)
 
 
 def _floats(text: str) -> list[float]:
@@ -24,9 +24,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--text/--device/--backend/--prompt shared by validate and fidelity."""
     add_model_option(p)
     add_text_option(p, what="text to score")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--backend", choices=("torch", "triton"), default=None,
-                   help="cache kernels: triton (default on cuda) or the torch reference (default on cpu)")
+    add_device_options(p)
     p.add_argument("--prompt", type=positive_int, default=256, help="prompt tokens")
     p.add_argument("--decode", type=int, default=128, help="teacher-forced continuation tokens scored")
     add_sliding_option(p)
@@ -37,14 +35,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def load_model_and_ids(args: argparse.Namespace):
     """(model, tokenizer, token ids of the text, device, backend) from the shared arguments (their --threads cap
     applied to this process)."""
-    import torch
-
+    from gpu_validate.backends import pick_device
     from traces.models import load_model
 
     apply_threads(args)
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = args.backend or ("triton" if device.startswith("cuda") else "torch")
+    device, backend = pick_device(args.device, args.backend)
     if args.prompt < 1 or args.decode < 2:
         raise ValueError(f"--prompt must be >= 1 and --decode >= 2, got {args.prompt} and {args.decode}")
     model, tok = load_model(args.model, device=device)

@@ -175,6 +175,15 @@ def apply_threads(args: argparse.Namespace) -> None:
         limit_threads(args.threads)
 
 
+def add_device_options(p: argparse.ArgumentParser, *, backend: bool = True) -> None:
+    """``--device`` and (with ``backend``) ``--backend``: where a model command runs the model and its cache
+    (``gpu_validate.backends.pick_device`` fills in what is not given)."""
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    if backend:
+        p.add_argument("--backend", choices=("torch", "triton"), default=None,
+                       help="cache kernels: triton (default on cuda) or the torch reference (default on cpu)")
+
+
 def add_quiet_option(p: argparse.ArgumentParser) -> None:
     """``--quiet``: no progress bar."""
     p.add_argument("--quiet", action="store_true", help="no progress bar")

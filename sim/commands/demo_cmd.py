@@ -100,7 +100,7 @@ def demo_trace(args: argparse.Namespace, before_slow_work: Callable[[], None] = 
 
 def describe_replayed(trace) -> str:
     """Which of the trace's layers the policies compress, and what the others keep (hybrid models)."""
-    from sim.replay import compressed_layers
+    from sim.replay_plan import compressed_layers
 
     ids = trace.meta.model.layer_ids
     comp = compressed_layers(trace)

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -105,13 +103,6 @@ def _kernel_costs(args: argparse.Namespace, cost, n_layers: int) -> tuple[Any, d
                   "bandwidth_Bps": fit.bandwidth, "r2": fit.r2, "records": fit.n_records}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the grid, print a table, write CSV/JSON and PNG plots under ``--out``."""
     from sim.serving.costs import CostModel
@@ -121,6 +112,7 @@ def main(args: argparse.Namespace) -> int:
     from sim.serving.quality import QUALITY_COLUMNS, join_quality, load_quality
     from sim.serving.scheduler import SchedulerConfig, kv_pool_bytes
     from sim.serving.workload import bursty_workload, load_csv_workload, poisson_workload
+    from traces.format import atomic_write_text
 
     model, gpu = get_model(args.model), get_gpu(args.gpu)
     if args.arrivals == "csv":
@@ -155,11 +147,11 @@ def main(args: argparse.Namespace) -> int:
         df = join_quality(df, quality)
         quality_col = next((c for c in QUALITY_COLUMNS if c in df.columns and df[c].notna().any()), None)
     args.out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(args.out / "serving.csv", df.to_csv(index=False))
+    atomic_write_text(args.out / "serving.csv", df.to_csv(index=False))
     meta = {"model": model.name, "gpu": gpu.name, "cost_model": cost.source, "kernel_fit": fit_info,
             "pool_bytes": pool, "requests": len(workload), "arrivals": args.arrivals,
             "rows": json.loads(df.to_json(orient="records"))}
-    _write_atomic(args.out / "serving.json", json.dumps(meta, indent=2))
+    atomic_write_text(args.out / "serving.json", json.dumps(meta, indent=2))
     latency_cdf(curves, args.out / "latency_cdf.png")
     throughput_vs_budget(df, args.out / "throughput_vs_budget.png", quality_col=quality_col)
     _print_table(df, quality_col)

@@ -29,6 +29,8 @@ from traces.model.corpus import (
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "kvsim-tiny-llama"
+#: training logs and state go beside the benchmark results in the checkout, not into the package
+LOGS = HERE.parents[1] / "benchmarks" / "results" / "tiny_model_training"
 EOS = "<|endoftext|>"
 # (fraction of the token budget at which the phase starts, sequence length, sequences per step)
 CURRICULUM = ((0.0, 256, 32), (0.35, 512, 16), (0.65, 1024, 8), (0.85, 2048, 4))
@@ -147,8 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--checkpoint-seconds", type=float, default=180.0)
-    ap.add_argument("--log", type=Path, default=HERE / "train_log.jsonl")
-    ap.add_argument("--state", type=Path, default=HERE / "train_state.json")
+    ap.add_argument("--log", type=Path, default=LOGS / "train_log.jsonl")
+    ap.add_argument("--state", type=Path, default=LOGS / "train_state.json")
     ap.add_argument("--init-from", type=Path, default=None, help="continue from an exported model folder")
     ap.add_argument("--curriculum", type=parse_curriculum, default=CURRICULUM,
                     help="start:seq_len:batch,... over schedule progress (default: %(default)s)")
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({k: state[k] for k in ("n_params",)} | {"train_tokens": len(train_ids),
                                                              "val_tokens": len(val_ids)}), flush=True)
     args.log.unlink(missing_ok=True)
+    for path in (args.log, args.state):
+        path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     last_ckpt = t0
     step = tokens = 0

@@ -1,0 +1,126 @@
+"""Engine inputs of a trace's layers: float32 q, k, v, the reference (lse, o) and the v-norm maxima per layer
+(`LayerInputs`), prepared once for many replays (`load_layers`), or read a layer at a time for a trace too large
+to hold whole (`LayerLoader`; `layer_inputs` picks between them by `EAGER_INPUT_BYTES`), and the prompt view a
+policy's allocator reads (`PromptLayers`).
+
+Preparing the inputs is the trace-only part of a replay: every policy and budget replayed on the same prepared
+layers shares them, and the tables policies derive from them (`PreparedLayers.stats`, `layer_memo`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from traces.format import LayerArrays, LayerAttention, ModelInfo, Trace
+from traces.reference import full_attention_reference
+
+
+@dataclass
+class LayerInputs:
+    """One layer's arrays as the engine wants them: C-contiguous float32 plus the reference and v-norm maxima."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    lse: np.ndarray
+    o: np.ndarray
+    vmax1: np.ndarray
+    wo: np.ndarray | None = None   # the layer's output projection [hidden, Hq*d] when the trace has it
+    attention: LayerAttention = LayerAttention()   # the layer's own attention (scale, window, RoPE base)
+
+    @staticmethod
+    def from_arrays(la: LayerArrays, attention: LayerAttention) -> "LayerInputs":
+        f32 = lambda a: np.array(a, dtype=np.float32, order="C")   # an owned, writable copy (traces are read-only maps)
+        q, k, v = f32(la.q), f32(la.k), f32(la.v)
+        if la.lse is None or la.o is None:
+            lse, o = full_attention_reference(q, k, v, attention.scale, window=attention.window)
+        else:
+            lse, o = f32(la.lse), f32(la.o)
+        vmax1 = np.maximum.accumulate(np.abs(v).sum(axis=2, dtype=np.float64), axis=0)
+        return LayerInputs(q, k, v, lse, o, np.ascontiguousarray(vmax1), None if la.wo is None else f32(la.wo),
+                           attention)
+
+
+class PreparedLayers(list):
+    """Engine inputs prepared once for several replays, plus ``stats``: prompt statistics allocators computed on
+    them (``policies.base.prompt_memo``), shared by every replay that uses these inputs."""
+
+    def __init__(self, items=()) -> None:
+        super().__init__(items)
+        self.stats: dict = {}
+
+
+def load_layers(trace: Trace, layers: Sequence[int] | None = None) -> PreparedLayers:
+    """Prepare the engine inputs of the chosen layers (all by default) once, for several replays."""
+    idx = range(trace.n_layers) if layers is None else layers
+    return PreparedLayers(LayerInputs.from_arrays(trace.layer(i), trace.meta.attention(i)) for i in idx)
+
+
+class LayerLoader(Sequence):
+    """The engine inputs of every layer of a trace, each prepared from the memory-mapped files when asked for
+    and not kept: a long trace's replay holds one layer per replay thread, not the whole trace (Gemma-3 at 32 k
+    tokens: 0.34 GB per layer instead of 6 GB). ``load_layers`` is the eager list for many replays of a short
+    trace."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self.stats: dict = {}
+
+    def __len__(self) -> int:
+        return self.trace.n_layers
+
+    def __getitem__(self, i: int) -> LayerInputs:   # type: ignore[override]
+        return LayerInputs.from_arrays(self.trace.layer(i), self.trace.meta.attention(i))
+
+
+#: a trace whose engine inputs (float32 q, k, v, lse, o of every layer) exceed this many bytes is replayed from a
+#: ``LayerLoader`` (a layer at a time) rather than prepared whole
+EAGER_INPUT_BYTES = 1 << 30
+
+
+def layer_input_bytes(model: ModelInfo, n_tokens: int) -> int:
+    """Bytes of one layer's float32 engine inputs (q, k, v, lse, o) over ``n_tokens`` tokens: what each replay
+    thread holds while it replays a layer."""
+    hq, hkv, d = model.n_q_heads, model.n_kv_heads, model.head_dim
+    return 4 * (2 * hq * d + 2 * hkv * d + hq) * n_tokens
+
+
+def input_bytes(trace: Trace) -> int:
+    """Bytes of float32 engine inputs the whole trace would take."""
+    return layer_input_bytes(trace.meta.model, trace.meta.n_tokens) * trace.n_layers
+
+
+def layer_inputs(trace: Trace) -> Sequence[LayerInputs]:
+    """The engine inputs for several replays of ``trace``: prepared once when they fit in ``EAGER_INPUT_BYTES``,
+    else loaded a layer at a time (``LayerLoader``)."""
+    return load_layers(trace) if input_bytes(trace) <= EAGER_INPUT_BYTES else LayerLoader(trace)
+
+
+class PromptLayers(Sequence):
+    """``allocate()``'s view of the compressed layers' prompt: (q[:P], k[:P]) float32 per layer, read from the
+    prepared inputs or, for a ``LayerLoader``, from the trace's files, only when an allocator asks."""
+
+    def __init__(self, trace: Trace, inputs: Sequence[LayerInputs], layers: Sequence[int], n_prompt: int) -> None:
+        self.trace, self.inputs, self.layers, self.P = trace, inputs, list(layers), n_prompt
+        stats = getattr(inputs, "stats", None)     # shared by the replays of these inputs, per set of layers
+        self.cache = None if stats is None else stats.setdefault((tuple(self.layers), n_prompt), {})
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, j: int) -> tuple[np.ndarray, np.ndarray]:   # type: ignore[override]
+        i, P = self.layers[j], self.P
+        if isinstance(self.inputs, LayerLoader):
+            la = self.trace.layer(i)
+            return np.array(la.q[:P], np.float32), np.array(la.k[:P], np.float32)
+        return self.inputs[i].q[:P], self.inputs[i].k[:P]
+
+
+def layer_memo(inputs: Sequence[LayerInputs], layer: int) -> dict | None:
+    """The dict where policies keep trace-only tables of one layer (``Policy.replay_head_state``: CriticalKV's
+    projected value norms), shared by every replay of these prepared inputs (``PreparedLayers.stats``), or None
+    for a plain list of inputs (computed per replay)."""
+    stats = getattr(inputs, "stats", None)
+    return None if stats is None else stats.setdefault(("layer_memo", layer), {})
