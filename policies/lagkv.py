@@ -8,6 +8,36 @@ partition (no reference yet) is not scored: it is kept whole (score +inf). Defau
 (paper and kvpress ``LagKVPress``). Ambiguity: at decode the partitions are fixed by position and hold only
 the tokens still cached, so the reference of a partition is its cached successor (the paper compresses a
 partition once, when its successor is complete).
+
+Three readings are parameters. The paper's method (a top-k within each partition and head; the last
+partition, which has no reference, and the remainder of the sequence join the sliding window), its authors'
+code (github.com/AI-Lab-China-Merchants-Bank/LagKV, ``lag_kv.py``: a ``topk`` of ``ratio * lag_size`` tokens
+in each partition, ``torch.std``, the last full partition and the remainder kept whole) and kvpress's
+``LagKVPress`` defaults all take the second value of each; kvsim's defaults are its original reading, kept so
+that existing results and the pinned kept sets (tests/data/kept_golden.json) keep their meaning:
+
+- ``cross_scoring`` (default true, kvpress ``cross_scoring=True``): the scores are compared across partitions.
+  False: a token's score is its rank within its partition, so every partition keeps the same number of tokens
+  from its top: ``(rank - m + 1) / lag_size`` for the rank 0..m-1 (ascending score, ties: the older lower) among
+  the m cached tokens of its partition. With full partitions (the prompt) this is kvpress's ``rank / lag_size``
+  less a constant; at decode, where cached partitions hold fewer tokens, it keeps evicting from the fullest.
+  Equal ranks of different partitions tie (the older goes first; kvpress's ``torch.topk`` leaves ties
+  unspecified).
+- ``partial_reference`` (default true): a partition is scored against its successor even when that one is not
+  yet complete (the remainder of the prompt), so only the last, partial partition is unscored. False: only a
+  complete successor (its ``lag_size`` positions all seen) is a reference, so the last complete partition and
+  the remainder stay unscored and kept, and a prompt shorter than ``n_sink + 2 * lag_size`` is not scored at
+  all (all its tokens tie: the oldest go first, kvpress's recency scores for that case).
+- ``std_ddof`` (default 0): the standard deviation over the channels divides by ``d - std_ddof``; 1 is
+  ``torch.std``'s default (Bessel's correction), which the authors' code and kvpress use. It rescales every
+  token's statistic by sqrt(d / (d - 1)) before the softmax, which changes how key and value scores add up,
+  so it moves near-ties in either mode (SmolLM2, d = 64: 140 of kvpress's within-partition ranks differ at
+  std_ddof=0, 10 at 1; the cross-scored kept sets match kvpress's only at 1).
+
+kvsim adds 1e-6 to the reference's min-max range; kvpress and the authors' code do not (a channel constant over
+the reference would divide by zero there). kvpress's defaults are therefore
+``lagkv:n_sink=4,n_recent=0,cross_scoring=false,partial_reference=false,std_ddof=1``
+(benchmarks/kvpress_parity.py).
 """
 import numpy as np
 from numba import njit
@@ -17,14 +47,24 @@ from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
 
 SCHEMA = protection(n_sink=4, n_recent=1) + (
-    Param("lag_size", 128, "int", 2, 4096, doc="partition length; the next partition is the reference"),)
+    Param("lag_size", 128, "int", 2, 4096, doc="partition length; the next partition is the reference"),
+    Param("cross_scoring", True, "bool", searchable=False,
+          doc="compare scores across partitions (kvpress cross_scoring=True); false: rank within each partition, "
+              "so each keeps the same count (paper, authors' code, kvpress's default)"),
+    Param("partial_reference", True, "bool", searchable=False,
+          doc="score a partition against an incomplete successor; false: only a complete one, so the last "
+              "complete partition and the remainder stay unscored (paper, authors' code, kvpress)"),
+    Param("std_ddof", 0, "int", 0, 1, searchable=False,
+          doc="channel std divides by d - std_ddof (1: torch.std's default, the authors' code and kvpress)"),
+)
 P = param_indices(SCHEMA)
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})   # SIMD sums over the channels (rounding-level differences)
-def _norm_std_softmax(x, i0, i1, r0, r1, out, add, mn, mx, z, s):
-    """out[i0:i1] (+)= softmax over the partition of std_c((x[i, c] - min_ref c) / (max_ref c - min_ref c)).
-    mn, mx, z [d] and s [n] are the caller's scratch (this runs per partition, step and head)."""
+def _norm_std_softmax(x, i0, i1, r0, r1, out, add, mn, mx, z, s, ddof=0):
+    """out[i0:i1] (+)= softmax over the partition of std_c((x[i, c] - min_ref c) / (max_ref c - min_ref c)),
+    the std dividing by d - ddof. mn, mx, z [d] and s [n] are the caller's scratch (this runs per partition,
+    step and head)."""
     d = x.shape[1]
     for c in range(d):
         mn[c] = np.inf
@@ -45,7 +85,7 @@ def _norm_std_softmax(x, i0, i1, r0, r1, out, add, mn, mx, z, s):
         ssd = 0.0
         for c in range(d):
             ssd += (z[c] - mean) ** 2
-        s[i] = np.sqrt(ssd / d)          # np.std(z)
+        s[i] = np.sqrt(ssd / (d - ddof))          # np.std(z, ddof=ddof)
         top = max(top, s[i])
     tot = 0.0
     for i in range(i0, i1):
@@ -56,8 +96,20 @@ def _norm_std_softmax(x, i0, i1, r0, r1, out, add, mn, mx, z, s):
 
 
 @njit(cache=True)
-def lag_scores(keys, values, positions, n, n_sink, lag, out):
-    """LagKV scores of n cached slots (positions increasing); sinks and the unreferenced tail get +inf."""
+def _rank_in_partition(out, i0, i1, lag):
+    """out[i0:i1] <- (rank - m + 1) / lag, rank 0..m-1 of out[i] within the partition (ascending, ties: the older
+    lower), m = i1 - i0: every partition's best token scores 0, its next -1 / lag, ..."""
+    m = i1 - i0
+    order = np.argsort(out[i0:i1], kind="mergesort")
+    for r in range(m):
+        out[i0 + order[r]] = (r - m + 1) / lag
+
+
+@njit(cache=True)
+def lag_scores(keys, values, positions, n, n_sink, lag, out, cross=True, partial_ref=True, ddof=0):
+    """LagKV scores of n cached slots (positions increasing); sinks and the unreferenced tail get +inf. A
+    partition's reference is its successor's cached slots, only once that partition is complete unless
+    ``partial_ref``; ``cross`` False ranks the scores within each partition (``_rank_in_partition``)."""
     d = keys.shape[1]
     mn = np.empty(d)
     mx = np.empty(d)
@@ -67,6 +119,7 @@ def lag_scores(keys, values, positions, n, n_sink, lag, out):
     for i in range(n):
         part[i] = (positions[i] - n_sink) // lag if positions[i] >= n_sink else -1
         out[i] = np.inf
+    seen = positions[n - 1] + 1 if n > 0 else 0     # positions 0 .. seen - 1 have been seen (the newest is cached)
     i0 = 0
     while i0 < n:
         i1 = i0
@@ -77,25 +130,34 @@ def lag_scores(keys, values, positions, n, n_sink, lag, out):
         r1 = i1
         while r1 < n and part[r1] == part[i1]:
             r1 += 1
-        if part[i0] >= 0 and part[i1] == part[i0] + 1:
-            _norm_std_softmax(keys, i0, i1, i1, r1, out, False, mn, mx, z, s)
-            _norm_std_softmax(values, i0, i1, i1, r1, out, True, mn, mx, z, s)
+        if part[i0] >= 0 and part[i1] == part[i0] + 1 and (partial_ref or n_sink + (part[i1] + 1) * lag <= seen):
+            _norm_std_softmax(keys, i0, i1, i1, r1, out, False, mn, mx, z, s, ddof)
+            _norm_std_softmax(values, i0, i1, i1, r1, out, True, mn, mx, z, s, ddof)
+            if not cross:
+                _rank_in_partition(out, i0, i1, lag)
         i0 = i1
+
+
+@njit(cache=True)
+def _modes(params):
+    return params[P.cross_scoring] != 0.0, params[P.partial_reference] != 0.0, int(params[P.std_ddof])
 
 
 @kernel(SCORE_PROMPT_SIG)
 def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     pos = np.arange(k.shape[0])
+    cross, partial_ref, ddof = _modes(params)
     for h in range(k.shape[1]):
         lag_scores(k[:, h, :], v[:, h, :], pos, k.shape[0], int(params[P.n_sink]), int(params[P.lag_size]),
-                   scores[h])
+                   scores[h], cross, partial_ref, ddof)
 
 
 @kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
+    cross, partial_ref, ddof = _modes(params)
     for h in range(lengths.shape[0]):
         lag_scores(keys[h], values[h], positions[h], lengths[h], int(params[P.n_sink]), int(params[P.lag_size]),
-                   scores[h])
+                   scores[h], cross, partial_ref, ddof)
 
 
 @register

@@ -1,0 +1,96 @@
+"""benchmarks/kvpress_parity.py without kvpress or a network: the Jaccard and diagnosis helpers on tiny arrays, the
+table of cases (JSON press specs, kvsim specs the registry accepts), and the kvsim side's "compress the prompt once"
+on a small synthetic trace (prefill selector and streamed prompt alike)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks.kvpress_parity import (CASES, available, diagnosis, fill, jaccard, kept_mask, kvsim_kept, n_kept,
+                                       press_repr, summarize)
+from sim.replay import layer_inputs
+from sim.specs import parse_policy
+from traces.synthetic import make_synthetic_trace
+
+
+def test_jaccard_of_kept_sets():
+    a = np.array([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]], bool)
+    b = np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 0]], bool)
+    assert jaccard(a, b).tolist() == [1.0, 1 / 3, 1.0]      # identical, {0,2} vs {1,2}, two empty sets
+
+
+def test_kept_mask_from_padded_positions():
+    pos = np.array([[[3, 0, -1], [1, -1, -1]]])
+    assert kept_mask(pos, 4).astype(int).tolist() == [[[1, 0, 0, 1], [0, 1, 0, 0]]]
+
+
+def test_summarize_names_the_worst_row():
+    a = np.zeros((2, 2, 6), bool)
+    a[..., :3] = True
+    b = a.copy()
+    b[1, 0, 2], b[1, 0, 5] = False, True
+    s = summarize(a, b)
+    assert s["jaccard_min"] == pytest.approx(0.5) and s["rows_identical"] == 3 and s["rows"] == 4
+    assert s["rows_differing"] == [[1, 0]]
+    assert s["worst"] == {"layer": 1, "kv_head": 0, "jaccard": 0.5, "kvpress_only": [2], "kvsim_only": [5]}
+
+
+def test_diagnosis_tells_ties_at_the_cut_from_far_differences():
+    scores = np.array([[[5.0, 4.0, 3.0, 3.0, 1.0, 0.0]]])
+    a = np.array([[[1, 1, 1, 0, 0, 0]]], bool)                 # kvpress kept 2 of the tied pair
+    b = np.array([[[1, 1, 0, 1, 0, 0]]], bool)                 # kvsim kept 3: an exact tie at the cut
+    assert diagnosis(scores, a, b) == {"differing_tokens": 2, "max_rank_from_cut": 0, "tied_with_cut_score": 2}
+    far = np.array([[[0, 1, 1, 0, 0, 1]]], bool)               # the best token dropped for the worst: far from the cut
+    assert diagnosis(scores, a, far) == {"differing_tokens": 2, "max_rank_from_cut": 2, "tied_with_cut_score": 0}
+    assert diagnosis(scores, a, a) is None
+
+
+def test_kvpress_count_rule():
+    assert n_kept(1024, 0.5) == 512 and n_kept(1024, 0.75) == 256 and n_kept(10, 0.99) == 1 and n_kept(8, 1.0) == 0
+
+
+def test_the_table_is_data():
+    assert {"SnapKV", "StreamingLLM", "Knorm", "KeyDiff", "ExpectedAttention", "LagKV", "ChunkKV(SnapKV)", "TOVA",
+            "PyramidKV", "AdaKV(SnapKV)", "CriticalKV(ExpectedAttention)"} <= set(CASES)
+    for name, case in CASES.items():
+        assert "," not in name                                 # --only splits on commas
+        json.dumps(case.press)                                 # crosses to the kvpress process as JSON
+        assert case.press["cls"].endswith("Press") and press_repr(case.press).startswith(case.press["cls"] + "(")
+        assert case.budgets in ("kvpress", "base", "prompt") and case.attn in ("sdpa", "eager")
+        if available(case) is None:                            # the registry accepts every runnable spec
+            parse_policy(fill(case.kvsim, {"tau": -1.5}))
+            for _, spec in case.diagnostics:
+                parse_policy(spec)
+        else:
+            assert available(case).startswith("not available")
+    assert press_repr(CASES["AdaKV(SnapKV)"].press) == \
+        "AdaKVPress(press=SnapKVPress(window_size=64, kernel_size=5), alpha_safeguard=0.2)"
+
+
+def test_fill_replaces_placeholders():
+    press = {"cls": "DMSPress", "press": {"cls": "KnormPress"}, "threshold": "{tau}"}
+    assert fill(press, {"tau": -2.5}) == {"cls": "DMSPress", "press": {"cls": "KnormPress"}, "threshold": -2.5}
+    assert fill("threshold(knorm, tau={tau})", {"tau": -2.5}) == "threshold(knorm, tau=-2.5)"
+    assert fill("snapkv:window_size=64", {}) == "snapkv:window_size=64"
+
+
+@pytest.fixture(scope="module")
+def small():
+    trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=33,
+                                 n_prompt=32, seed=5)
+    return trace, layer_inputs(trace)
+
+
+def test_kvsim_side_compresses_the_prompt_once(small):
+    trace, inputs = small
+    budgets = np.array([[12, 12], [9, 9]])
+    kept = kvsim_kept(trace, inputs, parse_policy("knorm:n_sink=0,n_recent=0"), budgets)
+    assert kept.shape == (2, 2, 32) and (kept.sum(-1) == budgets).all()
+    k = np.asarray(trace.layer(1).k[:32, 0], np.float64)    # knorm: the lowest key norms, nothing protected
+    assert set(np.flatnonzero(kept[1, 0])) == set(np.argsort(np.linalg.norm(k, axis=1), kind="stable")[:9])
+    streamed = kvsim_kept(trace, inputs, parse_policy("streaming_llm:n_sinks=4"), np.full((2, 2), 12))
+    expect = np.zeros(32, bool)
+    expect[:4] = expect[-8:] = True
+    assert (streamed == expect).all()
