@@ -1,11 +1,13 @@
-"""Combinators over any scorer, nested in any order the semantics allow: ``ada(...)``, ``decoding(...)`` and
-``critical(...)`` (kvpress's AdaKVPress, DecodingPress and CriticalKVPress / CriticalAdaKVPress).
+"""Combinators over any scorer, nested in any order the semantics allow: ``ada(...)``, ``decoding(...)``,
+``critical(...)`` and ``threshold(...)`` (kvpress's AdaKVPress, DecodingPress, CriticalKVPress /
+CriticalAdaKVPress and DMSPress).
 
 A combinator is a *stage* of the scorer pipeline (policies/scorer.py): ``critical`` rescales the scores,
-``ada`` allocates each head's size, ``decoding`` schedules when the chain evicts. A stage has its own named
-parameters (appended to the schema and read by name) and its own slice of head and slot state (at offsets
-found by its name). The combined class's name is its spec (``critical(ada(knorm))``), so
-``get_policy("critical(ada(knorm))", floor_alpha=0.3)`` rebuilds it anywhere (sweep workers, Ray). Stages run
+``ada`` allocates each head's size, ``decoding`` schedules when the chain evicts, ``threshold`` evicts by a score
+cut instead of a size. A stage has its own named parameters (appended to the schema and read by name) and its own
+slice of head and slot state (at offsets found by its name). The combined class's name is its spec
+(``critical(ada(knorm))``), so ``get_policy("critical(ada(knorm))", floor_alpha=0.3)`` rebuilds it anywhere
+(sweep workers, Ray). Stages run
 innermost first: ``critical(ada(x))`` allocates on x's scores and rescales within the allocated sizes (kvpress's
 CriticalAdaKVPress), ``ada(critical(x))`` allocates on the rescaled scores (AdaKVPress(CriticalKVPress(x))).
 
@@ -42,20 +44,43 @@ CriticalAdaKVPress), ``ada(critical(x))`` allocates on the rescaled scores (AdaK
   exactly as kvpress's does. W_O comes from the trace (``wo`` arrays, written by ``kvsim record``) or, closed
   loop, from the model's ``o_proj``.
 
+- ``threshold``: kvpress's DMSPress (formerly ThresholdPress; Dynamic Memory Sparsification, Lancucki et al.,
+  2025, arXiv 2506.05345, dense-prefill inference without its trained gate): budget-free eviction. A token is
+  judged once, when it leaves the sliding window of the ``sliding_window_size`` newest positions: it is evicted
+  if the chain's score is below ``tau`` and kept for good otherwise (kvpress: ``scores < threshold`` masked).
+  The prompt is scored at once (``score_prompt``; kvpress scores the prompt at prefill) and its tokens older
+  than the window are judged there; the others are judged at the decode step they leave the window, by that
+  step's score (kvpress: by the score they got when appended; the same number for scorers whose score of a
+  token never changes, such as ``knorm``, ``qfilter``, ``cur`` once its window is complete). Protected tokens
+  (sinks, the recent window) are never judged evicted; a token protected when it leaves the window is judged
+  when it stops being protected. ``on_decode`` (kvpress ``decoding``) also judges during decoding. So the memory
+  held varies with the text; the budget stays an upper bound: a head still above its size after the threshold
+  evicts its lowest scores, as the scorer alone would (so ``tau=-inf``, the default, judges nothing and the
+  policy is the scorer's, with its prompt selected at once). kvpress's defaults: no threshold (it must be set:
+  the scale is the scorer's), a window of 128, ``decoding=False``; here ``on_decode=True`` (DMS evicts during
+  generation; kvsim holds the budget at every step). Inside ``decoding(...)`` the tokens are judged at each
+  compression. It replaces the size rule, so it takes no ``ada`` or ``critical`` inside it and goes inside
+  neither (only ``decoding`` wraps it).
+
 A chain that makes no sense is refused with the reason: a stage twice, ``decoding`` inside another stage,
-``ada``/``critical`` over a score that is only a position (StreamingLLM), ``ada`` over a scorer without a prompt
-score, and any combinator over a policy that is not a scorer (BUZZ, Cascading, BumbleBee, D2O, window, random,
-full, the oracle: their rules are not "score, protect, evict the lowest").
+``ada``/``critical``/``threshold`` over a score that is only a position (StreamingLLM), ``ada``/``threshold`` over a
+scorer without a prompt score, ``threshold`` with ``ada`` or ``critical`` inside or around it, and any combinator
+over a policy that is not a scorer (BUZZ, Cascading, BumbleBee, D2O, DuoAttention, window, random, full, the
+oracle: their rules are not "score, protect, evict the lowest").
 """
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+from numba import njit
 
 from policies import stages
 from policies.base import Param, Policy, PolicyError, param_indices
+from policies.kernels import evict_lowest
 from policies.registry import policy_class, register, register_wrapper, split_name
 from policies.h2o import H2O
 from policies.scorer import ScorerPolicy, StageCode
@@ -72,6 +97,25 @@ TARGET = Param("target", 0, "int", 0, 1 << 20,
                doc="slots per head after a compression; 0: budget - every + 1 (peak = budget)", searchable=False)
 EPSILON = Param("critical_epsilon", 1e-4, "float", 0.0, 1.0,
                 doc="added to the score before the W_O rescaling (CriticalKV, kvpress: epsilon)", searchable=False)
+
+
+@dataclass(frozen=True)
+class UnboundedFloat(Param):
+    """A float parameter that also takes -inf and +inf (``tau=-inf``: no threshold)."""
+
+    def coerce(self, value: Any, policy: str) -> Any:
+        text = str(value).strip().lower()
+        if text in ("-inf", "-infinity", "inf", "+inf", "infinity", "+infinity"):
+            return float(text)
+        return super().coerce(value, policy)
+
+
+TAU = UnboundedFloat("tau", -math.inf, "float", searchable=False,
+                     doc="threshold: a token leaving the window is evicted when its score is below it (DMSPress "
+                         "threshold; -inf: none)")
+SLIDING_WINDOW = Param("sliding_window_size", 128, "int", 0, 1 << 20, searchable=False,
+                       doc="newest positions never judged by the threshold (DMSPress sliding_window_size)")
+ON_DECODE = Param("on_decode", True, "bool", doc="judge tokens during decoding too (DMSPress decoding; kvpress: false)")
 FIRST_STAGE_RATIO = Param("first_stage_ratio", 0.5, "float", 0.0, 1.0,
                           doc="share of the size selected by the plain score before the W_O rescaling (CriticalKV)")
 
@@ -187,7 +231,84 @@ class CriticalStage(Stage):
                                   ("critical_prompt", stages.critical_prompt)))
 
 
-STAGES: dict[str, type[Stage]] = {s.name: s for s in (AdaStage, DecodingStage, CriticalStage)}
+@njit(cache=True)
+def threshold_prompt(tau, window, sizes, lo, hi, scores, head_state, off, keep):
+    """DMSPress on the prompt: per head, the candidates (positions in [lo, hi)) older than the window (positions
+    below P - window) scored below ``tau`` are evicted; ``sizes`` grows by their number, so the prompt's eviction
+    that follows (``evict_prompt``, counting every prompt token) leaves the head at most its size; the first
+    position not yet judged goes to the stage's head state."""
+    P = scores.shape[1]
+    for h in range(scores.shape[0]):
+        d1 = max(min(P - window, hi[h]), 0)
+        dropped = 0
+        for i in range(lo[h], d1):
+            if scores[h, i] < tau:
+                keep[h, i] = 0
+                dropped += 1
+        head_state[h, off] = d1
+        sizes[h] += dropped
+
+
+@njit(cache=True)
+def threshold_evict(tau, window, on_decode, t, sizes, lo, hi, lengths, positions, scores, head_state, off, keep):
+    """DMSPress at a step: the candidates that left the window since the last judgement (positions in
+    [judged, min(t - window + 1, hi))) scored below ``tau`` are evicted (``on_decode``); then a head still above
+    its size evicts its lowest-scored candidates down to it (ties: the older), as ``evict_to`` would."""
+    for h in range(lengths.shape[0]):
+        n = lengths[h]
+        dropped = 0
+        if on_decode:
+            d0 = np.int64(head_state[h, off])
+            d1 = min(t - window + 1, hi[h])
+            if d1 > d0:
+                for i in range(n):
+                    p = positions[h, i]
+                    if d0 <= p < d1 and p >= lo[h] and scores[h, i] < tau:
+                        keep[h, i] = 0
+                        dropped += 1
+                head_state[h, off] = d1
+        held = n - dropped
+        if held > sizes[h]:
+            evict_lowest(scores[h], positions[h], n, held - sizes[h], lo[h], hi[h], keep[h])
+
+
+class ThresholdStage(Stage):
+    name = "threshold"
+    summary = "DMSPress: evict tokens scored below tau once out of the window"
+    params = (TAU, SLIDING_WINDOW, ON_DECODE)
+    head_fields = 1          # the first position not yet judged
+    needs_prompt_score = True
+    policy_attrs = {"compresses_below_budget": True}
+
+    @classmethod
+    def refuse(cls, inner: type[ScorerPolicy]) -> str | None:
+        if inner.scorer.ranks_by_position:
+            return (f"{inner.scorer.name} ranks tokens by position only: a threshold on a position is a sliding "
+                    f"window, not a score cut")
+        if inner.scorer.score_prompt is None:
+            return (f"{inner.scorer.name} has no prompt score, and the threshold judges the prompt from the scores "
+                    f"of the whole prompt")
+        for stage in (AdaStage, CriticalStage):
+            if stage in inner.chain:
+                return (f"the threshold replaces the size rule, and {stage.name}(...) works within sizes "
+                        f"({'allocating them' if stage is AdaStage else 'rescaling within them'}); use "
+                        f"threshold over the plain scorer")
+        return None
+
+    @classmethod
+    def code(cls, pol: type[ScorerPolicy]) -> StageCode:
+        off = pol.head_offsets[cls.name]
+        tau, window, on_decode = (cls.index(pol, p.name) for p in cls.params)
+        return StageCode(prompt=f"    threshold_prompt(params[{tau}], np.int64(params[{window}]), sizes, lo, hi, "
+                                f"scores, head_state, {off}, keep)\n",
+                         evict=f"        threshold_evict(params[{tau}], np.int64(params[{window}]), "
+                               f"params[{on_decode}] != 0.0, t, sizes, lo, hi, lengths, positions, scores, "
+                               f"head_state, {off}, keep)\n",
+                         sets_sizes=True,
+                         globals=(("threshold_prompt", threshold_prompt), ("threshold_evict", threshold_evict)))
+
+
+STAGES: dict[str, type[Stage]] = {s.name: s for s in (AdaStage, DecodingStage, CriticalStage, ThresholdStage)}
 
 
 class Combined(ScorerPolicy):
@@ -285,6 +406,9 @@ def _why_not(stage: type[Stage], inner: type[Policy]) -> str | None:
     if DecodingStage in inner.chain:
         return (f"decoding(...) schedules when the whole chain compresses, so it must be the outermost "
                 f"combinator: write decoding({wrapper}(...)) instead")
+    if ThresholdStage in inner.chain and stage is not DecodingStage:
+        return (f"threshold(...) replaces the size rule that {wrapper}(...) works within; only decoding(...) "
+                f"may wrap it")
     why = stage.refuse(inner)
     if why:
         return why
@@ -386,6 +510,12 @@ def ada(inner: Policy | type[Policy] | str, **params: Any) -> Policy:
 def critical(inner: Policy | type[Policy] | str, **params: Any) -> Policy:
     """``critical(get_policy("expected_attention", use_vnorm=False))``: CriticalKV's W_O rescaling over a scorer."""
     return _wrap("critical", inner, params)
+
+
+def threshold(inner: Policy | type[Policy] | str, **params: Any) -> Policy:
+    """``threshold(get_policy("knorm"), tau=-3.0, sliding_window_size=16)``: DMSPress's score threshold over a
+    scorer."""
+    return _wrap("threshold", inner, params)
 
 
 def decoding(inner: Policy | type[Policy] | str, **params: Any) -> Policy:

@@ -111,7 +111,10 @@ def test_eviction_changes_logits_and_memory_is_bounded(llama, ids):
 #: norms) and equal values, so critical(knorm)'s (-|k| + eps) * |W_O v|_1 ties exactly; the single-pass trace and
 #: the token-by-token runner differ by ~1e-7 and break it differently (measured: budget 8, layer 0, step 35,
 #: KV head 1, tokens 6 and 34 both score -0.3229237; the runner keeps 6, the simulator 34).
-EXACT_TIES = {"critical(knorm)": 0.98}
+#: cur scores a token by its squared key and value norms within its 16-position window: the same two occurrences
+#: (token 8 at positions 24 and 29, one window) tie exactly the same way (measured: budget 12, layer 0, step 15,
+#: KV head 0; the runner keeps 29, the simulator 24), and so do the combinators over it.
+EXACT_TIES = {"critical(knorm)": 0.98, "cur": 0.98, "ada(cur)": 0.98, "critical(cur)": 0.98, "threshold(cur)": 0.98}
 
 
 @pytest.mark.parametrize("policy", CLOSED_LOOP)
