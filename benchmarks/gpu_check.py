@@ -10,13 +10,13 @@ after each, so a killed run keeps what finished):
    decode tokens/s against transformers' own cache (SDPA, ``model.generate`` timed at N and at 1 new token).
 2. ``kernel_tests``: the Triton kernel tests (tests/test_kernels_*.py) compiled on the device (TRITON_INTERPRET=0;
    hypothesis's ``dev`` profile, 10 examples a property, since every new shape is a new compile).
-3. ``kernel_benchmark``: ``benchmarks/kernels.py --quick`` (its own JSON, benchmarks/results/kernels.json).
+3. ``kernel_benchmark``: ``python -m benchmarks.kernels --quick`` (its own JSON, benchmarks/results/kernels.json).
 
 ``--dry-run`` runs the same steps on the CPU at toy sizes (one kernel test file under the Triton interpreter,
 ``kernels.py --interpret-smoke``, toy-sized configs of the same two shapes with 48/96-token prompts) in well
 under a minute; tests/test_gpu_check.py runs it, so the script cannot rot.
 
-Run: python benchmarks/gpu_check.py [--dry-run] [--out PATH] [--steps S ...] [--models M ...]   (default
+Run: python -m benchmarks.gpu_check [--dry-run] [--out PATH] [--steps S ...] [--models M ...]   (default
 benchmarks/results/gpu_check.json, or gpu_check_dry_run.json for a dry run; a rerun of one step or model on a short
 device lease: ``--steps generate --models llama3-8b-shaped-4l``)
 """
@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 POLICY = "decoding(snapkv, every=8)"
 KERNEL_TESTS = ("tests/test_kernels_attention.py", "tests/test_kernels_cache.py", "tests/test_kernels_compaction.py",
@@ -256,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     steps: dict[str, Callable[[], dict[str, Any]]] = {
         "generate": lambda: generate_step(sizes, device, args.models, generate_progress),
         "kernel_tests": lambda: run_subprocess([*pytest, *sizes.kernel_tests], sizes.timeout_s, compiled),
-        "kernel_benchmark": lambda: run_subprocess([sys.executable, "benchmarks/kernels.py", *sizes.kernel_benchmark],
+        "kernel_benchmark": lambda: run_subprocess([sys.executable, "-m", "benchmarks.kernels", *sizes.kernel_benchmark],
                                                    sizes.timeout_s, compiled),
     }
     t_all = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The README's examples run as written."""
+"""The README's examples, and those of the documentation pages they point to, run as written."""
 from __future__ import annotations
 
 import re
@@ -9,11 +9,14 @@ from sim.fuzz import fuzz_policy
 from sim.replay import replay
 from traces.synthetic import make_synthetic_trace
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+PYTHON_API = (ROOT / "docs" / "guide" / "python-api.md").read_text(encoding="utf-8")
+WRITING_POLICIES = (ROOT / "docs" / "guide" / "writing-policies.md").read_text(encoding="utf-8")
 
 
-def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+def _python_blocks(text: str = README) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
 def test_policy_example_registers_replays_and_survives_fuzzing():
@@ -34,10 +37,11 @@ def test_python_api_example_runs():
 
 
 def test_scorer_example_gets_both_combinators():
-    block = next(b for b in _python_blocks() if "class VNorm" in b)
-    exec(compile(block.replace("cache=True", "cache=False"), "README.md", "exec"), {"__name__": "readme_scorer"})
-    api = next(b for b in _python_blocks() if "ada(get_policy(\"vnorm\"" in b)
-    exec(compile(api, "README.md", "exec"), {})
+    block = next(b for b in _python_blocks(WRITING_POLICIES) if "class VNorm" in b)
+    exec(compile(block.replace("cache=True", "cache=False"), "writing-policies.md", "exec"),
+         {"__name__": "readme_scorer"})
+    api = next(b for b in _python_blocks(WRITING_POLICIES) if "ada(get_policy(\"vnorm\"" in b)
+    exec(compile(api, "writing-policies.md", "exec"), {})
     trace = make_synthetic_trace("zipf", n_tokens=64, n_prompt=16, head_dim=16)
     for spec, budget in [("vnorm", 16), ("ada(vnorm)", 16), ("decoding(vnorm)", 28)]:
         res = replay(trace, get_policy(spec), budget)
@@ -45,15 +49,16 @@ def test_scorer_example_gets_both_combinators():
         assert fuzz_policy(spec, max_examples=20, seed=0).failure is None
 
 
-def _section(title: str) -> str:
-    start = README.index(title)
-    return README[start:README.index("\n## ", start)]
+def _section(title: str, text: str = PYTHON_API) -> str:
+    start = text.index(title)
+    end = text.find("\n# ", start)
+    return text[start:end if end >= 0 else len(text)]
 
 
 def test_what_is_measured_names_every_metric_of_the_table():
     from sim.metrics import METRICS
 
-    text = " ".join(_section("### What is measured").split())
+    text = " ".join(_section("## What is measured").split())
     for m in METRICS:
         after = text.split(f"**{m.name}**")
         assert len(after) > 1 and m.label in text, m.name
@@ -68,7 +73,7 @@ def test_adding_a_metric_is_one_row_and_one_formula():
 
     import numpy as np
 
-    text = _section("### What is measured")
+    text = _section("## What is measured")
     row, formula = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     spec = importlib.util.find_spec("sim.metrics")
     src = Path(spec.origin).read_text(encoding="utf-8").replace("cache=True", "cache=False")
