@@ -77,7 +77,7 @@ class FuzzCase:
 
 
 #: share of cases drawn deliberately below a policy's minimum budget (they exercise its clean rejection)
-INVALID_SHARE = 0.05
+INVALID_SHARE = 0.03
 
 
 @st.composite
