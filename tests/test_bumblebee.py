@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from policies import get_policy
 from policies.base import Policy, PolicyError
-from policies.bumblebee import (CONCAVE, COL_W, F_ACC, F_NN, F_NNPOS, F_NORM, FULL_MATRIX_MAX, SIMILARITY, _prefill,
-                                _step, concave, greedy_select, greedy_select_keys, objective, prompt_importance,
-                                sim_columns, similarity_into, similarity_matrix, unit_keys_t)
+from policies._bumblebee_greedy import (COL_W, FULL_MATRIX_MAX, concave, greedy_select, greedy_select_keys,
+                                         sim_columns, similarity_into, similarity_matrix, unit_keys_t)
+from policies.bumblebee import (CONCAVE, F_ACC, F_NN, F_NNPOS, F_NORM, SIMILARITY, _prefill, _step, objective,
+                                prompt_importance)
 from policies.kernels import causal_column_sums
 from policies.scorer import recent_slots
 from sim.replay import replay
