@@ -142,6 +142,17 @@ def speed_page() -> str:
                              s["batch_seconds"], s["before_seconds"], s["load"]]] if (s := d.get("streamed")) else [])))
         out.append("\n*before*: the prefilled batch's configurations run one at a time; the streamed batch on the "
                    "previous runner.\n\n" + measured_on(d, "batch_runner"))
+    d = load("threads")
+    out.append("\n## Thread pools: the CLI as a user runs it (`benchmarks/threads.py`)\n\n")
+    if d is None:
+        out.append(missing("threads"))
+    else:
+        out.append(f"Each command from a plain shell and with every thread variable forced to 1, best of "
+                   f"{len(d['runs'][0]['seconds']['plain'])} alternating runs (goal: ratio ≤ {fmt(d['goal_ratio'])}):\n\n")
+        out.append(table(["command", "plain shell (s)", "thread variables = 1 (s)", "ratio"],
+                         [[f"`{r['command']}`", r["best"]["plain"], r["best"]["forced_1"], r["ratio_plain_over_forced"]]
+                          for r in d["runs"]]))
+        out.append("\n" + measured_on(d, "threads"))
     d = load("long_context")
     out.append("\n## At length: replay against the closed loop (`benchmarks/long_context.py`)\n\n")
     if d is None:
@@ -179,7 +190,13 @@ def fidelity_page() -> str:
                    "(segments per text in brackets):\n\n")
         texts = list(d["by_text"])
         losses = [s for s in d["sim_losses"] if all(s in d["by_text"][t]["within_budget_rho"] for t in texts)]
+        budgets = [str(b) for b in d["budgets"]]
+
+        def reliability(t: str) -> str:       # the model's own split-half reliability (Spearman-Brown) per budget
+            by = d["by_text"][t]["by_budget"]
+            return " / ".join(fmt(by[b]["reliability"]["delta_nll"]["spearman_brown"]) for b in budgets if b in by)
         out.append(table(["simulated loss", *[f"{t} ({d['by_text'][t]['n_segments']})" for t in texts]],
+                         [[f"the model's own reliability at {' / '.join(budgets)}", *[reliability(t) for t in texts]]] +
                          [[s, *[d["by_text"][t]["within_budget_rho"][s]["delta_nll"] for t in texts]]
                           for s in losses]))
         out.append("\n" + measured_on(d, name))
