@@ -22,6 +22,7 @@ import torch
 
 from gpu_validate.jobs import ValidateError
 from traces.hf.forward import DEFAULT_CHUNK, forward_in_chunks
+from traces.hf.geometry import rope_theta as model_rope_theta
 from traces.hf.routing import model_attention
 
 #: prompt tokens per model forward when a batch's prompts go through the model with its own attention
@@ -164,3 +165,7 @@ class PromptLayers(Sequence):
             return [self[i] for i in range(*j.indices(len(self)))]
         c, layer = self.capture, self.layers[j]
         return c.prompt(c.q, layer, self.u), c.prompt(c.k, layer, self.u)
+
+    def rope_theta(self, j: int) -> float | None:
+        """Layer j's RoPE base as the model declares it (``traces.hf.geometry.rope_theta``)."""
+        return model_rope_theta(self.capture.model, self.layers[j])

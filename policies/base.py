@@ -124,7 +124,7 @@ def stream_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head
 def prompt_memo(prompt_layers: Any, key: tuple, compute: Callable[[], Any]) -> Any:
     """Work in ``allocate()`` that depends only on the trace's prompt (D2O's attention variances), done once per
     set of prepared inputs: the replays of several budgets, and a sweep worker's jobs on the same trace, share
-    it through the ``cache`` the replay's prompt view carries (``sim.replay.PromptLayers``). ``key`` names the
+    it through the ``cache`` the replay's prompt view carries (``sim.layer_inputs.PromptLayers``). ``key`` names the
     work and every parameter it depends on; a plain list of layers (no cache) just computes."""
     cache = getattr(prompt_layers, "cache", None)
     if cache is None:
@@ -317,11 +317,11 @@ class Policy:
 
     def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None,
                           n_prompt: int = 0) -> np.ndarray:
-        """The initial head state of a replay of a recorded layer (``sim.replay.LayerInputs``: its q, k, v and W_O
+        """The initial head state of a replay of a recorded layer (``sim.layer_inputs.LayerInputs``: its q, k, v and W_O
         are all known in advance; its first ``n_prompt`` tokens are the prompt): ``head_state_init`` unless a
         policy adds tables that depend on the trace only (CriticalKV: every position's projected value norm;
         BumbleBee: every prompt key's importance), kept in ``memo`` (a dict shared by the replays of the same
-        prepared layer, ``sim.replay.layer_memo``) so that they are computed once, not per budget. The array
+        prepared layer, ``sim.layer_inputs.layer_memo``) so that they are computed once, not per budget. The array
         returned is the replay's own (the engine writes into it)."""
         return self.head_state_init(n_kv_heads, head_dim, layer.wo)
 

@@ -151,17 +151,10 @@ def head_scores(q, k, theta, n_pos):
 
 
 def _layer_bases(prompt_layers: Any) -> list[float | None] | None:
-    """Each compressed layer's RoPE base as recorded (a replay's prompt view carries its trace, the closed-loop
-    runner's its model), or None when the view says nothing about them (a plain list)."""
-    layers = getattr(prompt_layers, "layers", None)
-    trace = getattr(prompt_layers, "trace", None)
-    if layers is not None and trace is not None:                 # the simulator's PromptLayers (sim/)
-        return [trace.meta.attention(i).rope_theta for i in layers]
-    model = getattr(getattr(prompt_layers, "capture", None), "model", None)
-    if layers is not None and model is not None:                 # the closed-loop runner's (gpu_validate/)
-        from traces.hf.geometry import rope_theta
-        return [rope_theta(model, i) for i in layers]
-    return None
+    """Each compressed layer's RoPE base, as the prompt view records it (the simulator's and the closed-loop
+    runner's views both answer ``rope_theta(j)``), or None when the view says nothing about them (a plain list)."""
+    read = getattr(prompt_layers, "rope_theta", None)
+    return None if read is None else [read(j) for j in range(len(prompt_layers))]
 
 
 @register

@@ -117,6 +117,10 @@ class PromptLayers(Sequence):
             return np.array(la.q[:P], np.float32), np.array(la.k[:P], np.float32)
         return self.inputs[i].q[:P], self.inputs[i].k[:P]
 
+    def rope_theta(self, j: int) -> float | None:
+        """Layer j's RoPE base as the trace recorded it (None where the trace has no plain base)."""
+        return self.trace.meta.attention(self.layers[j]).rope_theta
+
 
 def layer_memo(inputs: Sequence[LayerInputs], layer: int) -> dict | None:
     """The dict where policies keep trace-only tables of one layer (``Policy.replay_head_state``: CriticalKV's
