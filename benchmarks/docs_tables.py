@@ -57,10 +57,13 @@ def load(name: str) -> dict[str, Any] | None:
 
 
 def measured_on(d: dict[str, Any], name: str) -> str:
-    """One line: the source file, the machine and its load when measured."""
+    """One line: the source file, the machine and its load when measured (a benchmark that describes its machine
+    in words, as ``kvsim needle`` does, is quoted as it is)."""
     m = d.get("machine") or {}
-    where = d.get("device") if d.get("device") not in (None, "cpu") else \
-        f"{m.get('cpu_count', '?')}-core {m.get('processor', 'CPU')}"
+    if isinstance(m, str):
+        m = {"described": m}
+    where = d.get("device") if d.get("device") not in (None, "cpu") else m.get("described") or \
+        (f"{m.get('cpu_count', '?')}-core {m.get('processor', 'CPU')}" if m else "a machine the JSON does not record")
     load_avg = m.get("load_avg_1min")
     load_txt = f", 1-minute load {load_avg:.1f}" if isinstance(load_avg, (int, float)) else ""
     return f"*Source: `benchmarks/results/{name}.json`; measured on {where}{load_txt}.*\n"
@@ -78,7 +81,8 @@ def policies_page() -> str:
            "of every registered policy at its defaults, replayed on one trace of each model "
            "(`kvsim sweep` then `python -m benchmarks.policy_table`). Rows are sorted by the error at the largest "
            "budget.\n"]
-    for name, title in (("policies_smollm2", "SmolLM2-135M"), ("policies_gemma3", "Gemma-3-270M")):
+    for name, title in (("policies_smollm2", "SmolLM2-135M"), ("policies_gemma3", "Gemma-3-270M"),
+                        ("policies_gemma3_compress", "Gemma-3-270M, sliding layers compressed too")):
         d = load(name)
         out.append(f"\n## {title}\n")
         if d is None:
@@ -86,12 +90,56 @@ def policies_page() -> str:
             continue
         rows = d["rows"]
         budgets = sorted({int(k.split("@")[1]) for k in rows[0] if k.startswith("err@")})
-        out.append(f"Trace: {', '.join(d.get('trace', []))}; {d.get('n_configs', len(rows))} configurations.\n\n")
+        sliding = f"; `--sliding {', '.join(d['sliding'])}`" if d.get("sliding") else ""
+        out.append(f"Trace: {', '.join(d.get('trace', []))}{sliding}; {d.get('n_configs', len(rows))} "
+                   f"configurations.{sweep_note(d)}\n\n")
         out.append(table(["policy", *[f"error @{b}" for b in budgets], *[f"mass @{b}" for b in budgets]],
                          [[r["label"], *[r.get(f"err@{b}") for b in budgets], *[r.get(f"mass@{b}") for b in budgets]]
                           for r in rows]))
         out.append("\n" + measured_on(d, name))
-    return "".join(out)
+    return "".join(out) + gemma3_sliding_section()
+
+
+def sweep_note(d: dict[str, Any]) -> str:
+    """The sweep's wall time and the 1-minute load around it, when ``benchmarks/policy_table.py`` was told them."""
+    if "sweep_seconds" not in d:
+        return ""
+    around = [f"{fmt(d[k])} {k.rsplit('_', 1)[1]}" for k in ("load_avg_1min_before", "load_avg_1min_after")
+              if k in d]
+    load_txt = f" (1-minute load {', '.join(around)})" if around else ""
+    return f" The sweep took {fmt(d['sweep_seconds'])} s{load_txt}."
+
+
+# the policies the guide's keep-against-compress comparison shows (kvpress.md links it)
+GEMMA3_EXCERPT = ("full", "oracle", "tova", "snapkv", "cascading", "h2o", "bumblebee", "expected_attention",
+                  "pyramidkv", "d2o", "streaming_llm", "buzz", "random", "knorm", "keydiff")
+
+
+def gemma3_sliding_section(budgets: Sequence[int] = (64, 128, 256), mb_budget: int = 128) -> str:
+    """Gemma-3-270M's sliding layers kept (the model's own window) against compressed by the policy too, side by
+    side for ``GEMMA3_EXCERPT``: error per budget and the mean K+V memory held at ``mb_budget``, rows by the
+    ``keep`` error at the largest budget."""
+    out = ["\n## Gemma-3-270M: sliding layers kept or compressed\n\n"]
+    keep, comp = load("policies_gemma3"), load("policies_gemma3_compress")
+    if keep is None or comp is None:
+        return "".join(out) + "".join(missing(n) for n, d in (("policies_gemma3", keep),
+                                                             ("policies_gemma3_compress", comp)) if d is None)
+    k_rows, c_rows = ({r["label"]: r for r in d["rows"]} for d in (keep, comp))
+    labels = sorted((lab for lab in GEMMA3_EXCERPT if lab in k_rows and lab in c_rows),
+                    key=lambda lab: k_rows[lab][f"err@{budgets[-1]}"])
+
+    def half(r: dict[str, Any]) -> list[str]:
+        return [f"{r[f'err@{b}']:.3f}" for b in budgets] + [f"{r[f'kv_mb@{mb_budget}']:.2f}"]
+    out.append(f"Error per budget and MB = mean K+V memory held over all layers at budget {mb_budget} (fp16; the "
+               f"full cache holds {k_rows['full'][f'kv_mb@{mb_budget}']:.2f} MB). `keep` compresses the global "
+               "layers only and leaves each sliding layer its window; `compress` runs the policy on the sliding "
+               "layers too.\n\n")
+    errs = [f"@{b}" for b in budgets[1:]]
+    out.append(table(["policy", f"keep: err @{budgets[0]}", *errs, f"MB @{mb_budget}",
+                      f"compress: err @{budgets[0]}", *errs, f"MB @{mb_budget}"],
+                     [[f"`{lab}`", *half(k_rows[lab]), *half(c_rows[lab])] for lab in labels]))
+    return "".join(out) + "\n" + measured_on(keep, "policies_gemma3") + "\n" + \
+        measured_on(comp, "policies_gemma3_compress")
 
 
 def speed_page() -> str:
@@ -299,9 +347,324 @@ def kvpress_page() -> str:
     return "".join(out) + "\n" + measured_on(d, "kvpress_parity")
 
 
+# ----- the seed papers' claims -----
+LONG = (("smollm2-135m_8k", "SmolLM2 8 k"), ("gemma3-270m_16k", "Gemma-3 16 k"))
+RULER = (("ruler_gemma3-270m", "Gemma-3"), ("ruler_smollm2-135m", "SmolLM2"))
+RULER_BUMBLEBEE = (("ruler_bumblebee_gemma3-270m", "Gemma-3-270M"), ("ruler_bumblebee_smollm2-135m", "SmolLM2-135M"))
+NAMES = {"bumblebee": "BumbleBee", "h2o": "H2O", "snapkv": "SnapKV", "buzz": "BUZZ", "d2o": "D2O",
+         "ada_snapkv": "Ada-SnapKV"}
+
+
+def two(x: float) -> str:
+    """A retrieval share or a perplexity to two decimals, as the claims quote them."""
+    return f"{x:.2f}"
+
+
+def span(xs: Sequence[float], digits: int = 0) -> str:
+    """``lo-hi`` of some values (one value when they round alike)."""
+    lo, hi = f"{min(xs):.{digits}f}", f"{max(xs):.{digits}f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def signed_span(xs: Sequence[float]) -> str:
+    """``−4.4 to +2.8`` (percentage changes, one decimal)."""
+    lo, hi = (f"{x:+.1f}".replace("-", "−") for x in (min(xs), max(xs)))
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def against(mine: Sequence[float], theirs: Sequence[float], labels: Sequence[str], other: str, unit: str = "budget",
+            suffix: str = "") -> str:
+    """Where an error is above or below another policy's: "error above H2O's at every budget", or split by label."""
+    above = [lab for lab, x, y in zip(labels, mine, theirs) if x > y]
+    below = [lab for lab, x, y in zip(labels, mine, theirs) if x < y]
+    if not below or not above:
+        return f"error {'above' if above else 'below'} {other}'s at every {unit}"
+    return f"error below {other}'s at {'/'.join(below)}{suffix}, above at {'/'.join(above)}{suffix}"
+
+
+def on_models(phrases: dict[str, str]) -> str:
+    """One phrase per model, merged into "... on both models" when they agree."""
+    if len(set(phrases.values())) == 1:
+        return f"{next(iter(phrases.values()))} on both models"
+    return "; ".join(f"{text} on {model}" for model, text in phrases.items())
+
+
+def direction(mine: Sequence[float], theirs: Sequence[float]) -> str:
+    """above / below / equal to / mixed against, cell by cell."""
+    if list(mine) == list(theirs):
+        return "equal to"
+    if all(x >= y for x, y in zip(mine, theirs)):
+        return "above"
+    return "below" if all(x <= y for x, y in zip(mine, theirs)) else "mixed against"
+
+
+def ruler_cells(d: dict[str, Any], policy: str, length: int | None = None) -> list[float]:
+    """A RULER JSON's retrieval shares of ``policy`` over its budgets: pooled over the reported cells, or at
+    ``length`` (the budgets run there)."""
+    if length is None:
+        return [d["accuracy"][f"{policy}@{b}"] for b in d["budgets"] if f"{policy}@{b}" in d["accuracy"]]
+    by_length = [d["accuracy_by_length"].get(f"{policy}@{b}", {}) for b in d["budgets"]]
+    return [by[str(length)] for by in by_length if str(length) in by]
+
+
+def reported_lengths(d: dict[str, Any]) -> list[int]:
+    """The context lengths a RULER JSON reports (its cells where the full cache solves the task)."""
+    return sorted({int(c.split("@")[1]) for c in d["reported_cells"]})
+
+
+def retrieval_against(J: Callable[[str], dict[str, Any]], mine: str, other: str = "h2o") -> str:
+    """``mine`` against ``other`` on the RULER grids: Gemma-3 pooled over its lengths, SmolLM2 per length."""
+    g, s = J("ruler_gemma3-270m"), J("ruler_smollm2-135m")
+    fracs = [b / L for d in (g, s) for L in reported_lengths(d) for b in d["budgets"]
+             if str(L) in d["accuracy_by_length"].get(f"{other}@{b}", {})]
+    lens = reported_lengths(g)
+    gm, go = ruler_cells(g, mine), ruler_cells(g, other)
+    per_len = [(ruler_cells(s, mine, L), ruler_cells(s, other, L), L) for L in reported_lengths(s)]
+    smol = "; ".join(f"{'/'.join(map(two, a))} vs {'/'.join(map(two, b))} at {L // 1024} k" for a, b, L in per_len)
+    s_dir = direction([x for a, _, _ in per_len for x in a], [y for _, b, _ in per_len for y in b])
+    return (f"retrieval at {'/'.join(fmt(b) for b in g['budgets'])} slots ({span([100 * f for f in fracs])}% of the "
+            f"context): {NAMES[mine]} {direction(gm, go)} {NAMES[other]} on Gemma-3 ({'/'.join(map(two, gm))} vs "
+            f"{'/'.join(map(two, go))}, {lens[0] // 1024}-{lens[-1] // 1024} k pooled), {s_dir} on SmolLM2 ({smol})")
+
+
+def real_grid(d: dict[str, Any], policy_key: str = "policy", err_key: str = "err") -> dict[tuple[str, int], float]:
+    """(policy, budget) → error of an eval JSON's rows on the real model's trace."""
+    rows = d.get("grid") or d["rows"]
+    return {(r[policy_key], r["budget"]): r[err_key] for r in rows
+            if str(r.get("trace", r.get("kind", ""))).startswith("real")}
+
+
+def series(grid: dict[tuple[str, int], float], policy: str) -> tuple[list[int], list[float]]:
+    """One policy's budgets and errors from ``real_grid``."""
+    bs = sorted(b for p, b in grid if p == policy)
+    return bs, [grid[policy, b] for b in bs]
+
+
+def ppl(J: Callable[[str], dict[str, Any]], policy: str, budget: int) -> float:
+    """SmolLM2 8 k closed-loop perplexity (``eval_long_ppl.py``)."""
+    return next(r["ppl"] for r in J("eval_long_ppl_smollm2-135m_8k")["rows"]
+                if r["policy"] == policy and r["budget"] == budget)
+
+
+def lower_than(mine: Sequence[float], theirs: Sequence[float], budgets: Sequence[int], where: str = "") -> str:
+    """"24-37% lower" error (relative to ``theirs``), or where it is lower and where higher."""
+    cut = [100 * (1 - x / y) for x, y in zip(mine, theirs)]
+    won = [b for b, c in zip(budgets, cut) if c > 0]
+    if not won:
+        return f"{span([-c for c in cut])}% higher{where}"
+    lost = [fmt(b) for b, c in zip(budgets, cut) if c <= 0]
+    at = "" if not lost else f" at {fmt(won[0])}-{fmt(won[-1])}" if len(won) > 1 else f" at {fmt(won[0])}"
+    return f"{span([c for c in cut if c > 0])}% lower{where}{at}" + (f" (higher at {'/'.join(lost)})" if lost else "")
+
+
+def cascading_claim(J: Callable[[str], dict[str, Any]]) -> tuple[str, str, str]:
+    """Cascading against StreamingLLM: error at 1 k and at length, SmolLM2 8 k perplexity, reach beyond |C|."""
+    bs, c1 = series(real_grid(J("eval_cascading")), "cascading")
+    at_1k = f"{lower_than(c1, series(real_grid(J('eval_cascading')), 'streaming_llm')[1], bs)} error"
+    parts, shares, exceptions = [], [], []
+    for suffix, model in reversed(LONG):
+        d = J(f"eval_cascading_{suffix}")
+        g = real_grid(d)
+        bs, mine = series(g, "cascading")
+        theirs = series(g, "streaming_llm")[1]
+        parts.append(lower_than(mine, theirs, bs, f" on {model}"))
+        exceptions += [f"{fmt(b)} on {model}" for b, x, y in zip(bs, mine, theirs) if x >= y]
+        shares += [100 * r["reach"]["share_older_than_window"] for r in d["grid"] if r["policy"] == "cascading"]
+    budgets = J("eval_long_ppl_smollm2-135m_8k")["budgets"]
+    ppls = " and ".join(f"{two(ppl(J, 'cascading', b))} vs {two(ppl(J, 'streaming_llm', b))} ({fmt(b)})"
+                        for b in budgets)
+    at_length = (f"error {', '.join(parts)}; PPL {ppls} on SmolLM2 8 k; {span(shares, 1)}% of slots older than the "
+                 "window")
+    return at_1k, at_length, "**yes**" + (f" (but not at {', '.join(exceptions)})" if exceptions else "")
+
+
+def buzz_claim(J: Callable[[str], dict[str, Any]]) -> tuple[str, str, str]:
+    """BUZZ against H2O at equal peak budget, the best T/w, and retrieval."""
+    g = real_grid({"rows": J("eval_buzz")["compare"]})
+    bs, mine = series(g, "buzz")
+    at_1k = against(mine, series(g, "h2o")[1], [fmt(b) for b in bs], "H2O")
+    phrases, best = {}, set()
+    for suffix, model in LONG:
+        d = J(f"eval_buzz_{suffix}")
+        cm = d["compare_mean"]
+        phrases[model] = against([v["err"] for v in cm["buzz"].values()], [v["err"] for v in cm["h2o"].values()],
+                                 list(cm["buzz"]), "H2O")
+        best.add(fmt(d["best_ratio_err"]["total"]["per_trace"]["real"]))
+    budgets = J("eval_long_ppl_smollm2-135m_8k")["budgets"]
+    ppls = " and ".join(f"{two(ppl(J, 'buzz', b))} vs {two(ppl(J, 'h2o', b))}" for b in budgets)
+    at_length = (f"{on_models(phrases)}; PPL {ppls} on SmolLM2 8 k; T/w {' and '.join(sorted(best))} best; "
+                 f"{retrieval_against(J, 'buzz')}")
+    return at_1k, at_length, "**no**"
+
+
+def adakv_changes(d: dict[str, Any]) -> list[float]:
+    """Ada against uniform allocation: % change of the eviction loss per (family, budget), the fixed decode
+    allocation (``decode_alloc=flat`` is a variant, not the paper's policy)."""
+    return [100 * i["l1_change"] for i in d["improvement"]
+            if i["trace"].startswith("real") and i["family"] != "snapkv_flat"]
+
+
+def adakv_retrieval(J: Callable[[str], dict[str, Any]]) -> str:
+    """Where Ada-SnapKV's retrieval equals SnapKV's on the RULER grids, and where (and by how much) it differs."""
+    same, differ = [], []
+    for name, model in RULER:
+        d = J(name)
+        cells = {L: [(b, a, s) for b, a, s in zip(d["budgets"], ruler_cells(d, "ada_snapkv", L),
+                                                 ruler_cells(d, "snapkv", L))] for L in reported_lengths(d)}
+        if all(a == s for c in cells.values() for _, a, s in c):
+            same.append(f"in every {model} cell")
+            continue
+        same += [f"at {model} {L // 1024} k" for L, c in cells.items() if all(a == s for _, a, s in c)]
+        differ += [f"{two(a)} vs {two(s)} at {model} {L // 1024} k @{fmt(b)}"
+                   for L, c in cells.items() for b, a, s in c if a != s]
+    return f"retrieval: Ada-SnapKV = SnapKV {' and '.join(same)}" + (f"; {', '.join(differ)}" if differ else "")
+
+
+def adakv_claim(J: Callable[[str], dict[str, Any]]) -> tuple[str, str, str]:
+    """Ada-KV's head-wise budgets against the uniform split: eviction-loss change at 1 k and at length."""
+    at_1k = f"eviction loss {signed_span(adakv_changes(J('eval_adakv')))}% against uniform"
+    parts = []
+    for suffix, model in LONG:
+        d = J(f"eval_adakv_{suffix}")
+        changes = adakv_changes(d)
+        heads = {t["n_kv_heads"] for t in d["traces"].values()}
+        parts.append(f"identical on {model.split()[0]}" + (" (one KV head)" if heads == {1} else "")
+                     if not any(changes) else f"{signed_span(changes)}% on {model}")
+    return at_1k, f"{'; '.join(parts)}; {adakv_retrieval(J)}", "**no** (too small to matter on these models)"
+
+
+def merge_cost(d: dict[str, Any]) -> list[float]:
+    """% of error D2O's merging adds against dropping the same tokens (both with uniform layer budgets)."""
+    g = real_grid(d, "variant")
+    _, merged = series(g, "d2o_no_layer")
+    return [100 * (x / y - 1) for x, y in zip(merged, series(g, "d2o_no_layer_no_merge")[1])]
+
+
+def d2o_claim(J: Callable[[str], dict[str, Any]]) -> tuple[str, str, str]:
+    """D2O against H2O at 1 k and at the paper's ratios at length, merging's cost, and retrieval."""
+    g = real_grid(J("eval_d2o"), "variant")
+    bs, mine = series(g, "d2o")
+    at_1k = f"{against(mine, series(g, 'h2o')[1], [fmt(b) for b in bs], 'H2O')}; merging costs " \
+            f"{span(merge_cost(J('eval_d2o')))}%"
+    phrases, costs = {}, []
+    for suffix, model in LONG:
+        d = J(f"eval_d2o_{suffix}")
+        g = real_grid(d, "variant")
+        bs, mine = series(g, "d2o")
+        phrases[model] = against(mine, series(g, "h2o")[1], [fmt(b) for b in bs], "H2O", "ratio")
+        costs += merge_cost(d)
+    at_length = f"{on_models(phrases)}; merging costs {span(costs)}%; {retrieval_against(J, 'd2o')}"
+    return at_1k, at_length, "**no** in error; mixed in retrieval (merging not ablated there)"
+
+
+def bumblebee_claim(J: Callable[[str], dict[str, Any]]) -> tuple[str, str, str]:
+    """BumbleBee against H2O and SnapKV at 5-30% of the context: error at 1 k and at length, and retrieval."""
+    def fractions(d: dict[str, Any], bs: Sequence[int]) -> list[str]:
+        return [f"{100 * b / d['real_trace']['T']:.0f}" for b in bs]
+    d = J("eval_bumblebee")
+    g = real_grid(d, "label", "err_mean")
+    bs, mine = series(g, "bumblebee")
+    at_1k = against(mine, series(g, "h2o")[1], fractions(d, bs), "H2O", suffix="%")
+    phrases, snapkv_best = {}, True
+    for suffix, model in LONG:
+        d = J(f"eval_bumblebee_{suffix}")
+        g = real_grid(d, "label", "err_mean")
+        bs, mine = series(g, "bumblebee")
+        phrases[model] = against(mine, series(g, "h2o")[1], fractions(d, bs), "H2O", suffix="%")
+        snapkv_best &= all(g["snapkv", b] <= e for (p, b), e in g.items() if p != "oracle")
+    gm, sm = (J(name) for name, _ in RULER_BUMBLEBEE)
+    fr = "/".join(f"{100 * f:.0f}" for f in gm["budget_fractions"])
+    cells = {p: [gm["accuracy"][f"{p}@{b}"] for b in gm["budgets"]] for p in ("bumblebee", "h2o", "snapkv")}
+    s_cells = {p: [sm["accuracy"][f"{p}@{b}"] for b in sm["budgets"]] for p in ("bumblebee", "h2o")}
+    h2o_wins = all(h > b for h, b in zip(s_cells["h2o"], s_cells["bumblebee"]))
+    at_length = (f"{on_models(phrases)}" + ("; SnapKV best" if snapkv_best else "") +
+                 f"; retrieval: Gemma-3 {gm['lengths'][0] // 1024} k {'/'.join(map(two, cells['bumblebee']))} at "
+                 f"{fr}% vs H2O {'/'.join(map(two, cells['h2o']))} and SnapKV {'/'.join(map(two, cells['snapkv']))}; "
+                 f"SmolLM2 {sm['lengths'][0] // 1024} k H2O "
+                 f"{'better at every fraction' if h2o_wins else direction(s_cells['h2o'], s_cells['bumblebee'])}: "
+                 f"{'/'.join(map(two, s_cells['h2o']))} vs {'/'.join(map(two, s_cells['bumblebee']))}")
+    return at_1k, at_length, "**in retrieval on Gemma-3 only**"
+
+
+# each seed paper's page (docs/papers/), its headline claim (prose), the JSON files its cells come from, and the
+# function that fills them (at 1 k, at length, the verdict)
+CLAIMS: tuple[tuple[str, str, tuple[str, ...], Callable[..., tuple[str, str, str]]], ...] = (
+    ("cascading", "Cascading: lower loss than StreamingLLM at equal memory, reach beyond the window",
+     ("eval_cascading", "eval_cascading_smollm2-135m_8k", "eval_cascading_gemma3-270m_16k",
+      "eval_long_ppl_smollm2-135m_8k"), cascading_claim),
+    ("buzz", "BUZZ: beats H2O at equal budget; T/w ≈ 4.33 optimal",
+     ("eval_buzz", "eval_buzz_smollm2-135m_8k", "eval_buzz_gemma3-270m_16k", "eval_long_ppl_smollm2-135m_8k",
+      "ruler_gemma3-270m", "ruler_smollm2-135m"), buzz_claim),
+    ("adakv", "Ada-KV: head-wise budgets beat uniform",
+     ("eval_adakv", "eval_adakv_smollm2-135m_8k", "eval_adakv_gemma3-270m_16k", "ruler_gemma3-270m",
+      "ruler_smollm2-135m"), adakv_claim),
+    ("d2o", "D2O: beats H2O at 20/40/80% of the context, merging helps",
+     ("eval_d2o", "eval_d2o_smollm2-135m_8k", "eval_d2o_gemma3-270m_16k", "ruler_gemma3-270m",
+      "ruler_smollm2-135m"), d2o_claim),
+    ("bumblebee", "BumbleBee: beats H2O and SnapKV at 5-30%",
+     ("eval_bumblebee", "eval_bumblebee_smollm2-135m_8k", "eval_bumblebee_gemma3-270m_16k",
+      *(n for n, _ in RULER_BUMBLEBEE)), bumblebee_claim),
+)
+
+
+def claims_section() -> str:
+    """The seed papers' headline claims at a glance: the claim and the verdict are prose, every number in the
+    cells comes from the JSON named under the table (a row whose JSON is missing says which)."""
+    out = ["\n## The headline claims at a glance\n\n",
+           "\"1 k\" is SmolLM2-135M at 1 024 + 256 tokens; \"at length\" is SmolLM2-135M at 8 k and Gemma-3-270M at "
+           "16 k for the attention-output error and perplexity, and the retrieval grid of the RULER-style tasks "
+           "(the [GPU and RULER guide](../guide/gpu.md)). Percentages are relative changes of the error (for "
+           "Ada-KV, of the eviction loss ‖o−o'‖₁) against the policy the claim names; retrieval is the share of "
+           "prompts answered. Details and commands: each paper's page, linked from its claim.\n\n"]
+    rows, used = [], []
+    for page, claim, sources, cells in CLAIMS:
+        paper, text = claim.split(": ", 1)
+        claim = f"[{paper}](../papers/{page}.md): {text}"
+        absent = [n for n in sources if load(n) is None]
+        if absent:
+            rows.append([claim, "—", f"*not there yet: {', '.join(f'`{n}.json`' for n in absent)}*", "—"])
+        else:
+            rows.append([claim, *cells(load)])
+        used += [n for n in sources if n not in used and n not in absent]
+    out.append(table(["paper: claim", "at 1 k", "at length", "holds at length?"], rows))
+    out.append("\nSources:\n\n" + "".join(f"- {measured_on(load(n), n).strip()}\n" for n in used))
+    return "".join(out)
+
+
+def bumblebee_retrieval_section() -> str:
+    """BumbleBee against H2O and SnapKV on the single-needle RULER grid at 5-30% of the context; the unique best
+    share per model and column in bold."""
+    out = ["\n## BumbleBee in retrieval at 5-30% of the context (`benchmarks/ruler.py --bumblebee`)\n\n"]
+    rows, notes, fracs = [], [], None
+    for name, title in RULER_BUMBLEBEE:
+        d = load(name)
+        if d is None:
+            notes.append(missing(name))
+            continue
+        fracs = fracs or d["budget_fractions"]
+        shares = {p: [d["accuracy"][f"{p}@{b}"] for b in d["budgets"]] for p in d["policies"]}
+        best = [max(col) if sorted(col)[-1] > sorted(col)[-2] else None for col in zip(*shares.values())]
+        label = f"{title}, {fmt(d['lengths'][0])} ({'/'.join(fmt(b) for b in d['budgets'])} slots): "
+        for i, (p, xs) in enumerate(shares.items()):
+            rows.append([(label if i == 0 else "") + NAMES.get(p, p),
+                         *[f"**{two(x)}**" if x == m else two(x) for x, m in zip(xs, best)]])
+        notes.append(measured_on(d, name).rstrip(".*\n") + f"; the run took {fmt(d['wall_seconds_this_run'])} s.*\n")
+    if fracs:
+        out.append("Share of single-needle prompts answered (the prompts the full cache solves, "
+                   f"{' and '.join(str(load(n)['n_solved_prompts']) for n, _ in RULER_BUMBLEBEE if load(n))} "
+                   "of them), at budgets that are these fractions of the context:\n\n")
+        out.append(table(["", *[f"{100 * f:.0f}%" for f in fracs]], rows))
+    return "".join(out) + "\n" + "\n".join(notes)
+
+
+def papers_page() -> str:
+    """The seed papers' claims checked on the real models, at 1 k and at length."""
+    return "# The seed papers' claims\n" + claims_section() + bumblebee_retrieval_section()
+
+
 PAGES: dict[str, Callable[[], str]] = {"policies.md": policies_page, "speed.md": speed_page,
                                        "fidelity.md": fidelity_page, "gpu.md": gpu_page, "generate.md": generate_page,
-                                       "kvpress.md": kvpress_page}
+                                       "kvpress.md": kvpress_page, "papers.md": papers_page}
 
 
 def render() -> dict[Path, str]:

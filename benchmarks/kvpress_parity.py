@@ -15,7 +15,8 @@ prefill at compression ratio 0.5 (kvpress keeps ``int(1024 * (1 - 0.5)) = 512`` 
   Presses that need what this machine cannot fetch get kvsim's own numbers instead (DuoAttention's head scores,
   Q-Filters' filters): the loader is monkeypatched, so what is compared is the selection logic.
 - kvsim side: the same token ids recorded as a kvsim trace (``traces.recorder.record_trace``, the API behind
-  ``kvsim record``; 1 024 prompt + 1 teacher-forced token, the prompt in one forward as kvpress does). A policy
+  ``kvsim record``; 1 024 prompt + 1 teacher-forced token, the prompt in one forward as kvpress does, with KVzip's
+  context-reconstruction pass, ``--kvzip``). A policy
   with a prefill selector runs its prefill kernel on each layer's prompt, as the engine does before decode
   (``sim.engine.replay_layer``); one that streams its prompt (StreamingLLM, plain TOVA) is replayed with the
   whole prompt as one chunk (``--prefill-chunk P``, "compress once after prefill") and its kept set read after
@@ -294,6 +295,18 @@ CASES: dict[str, Case] = {
              "tokens, a retrieval head all). kvsim runs at a budget of the whole prompt, its own allocation "
              "making the split. kvpress's resulting compression ratio is 0.5 x (1 - 384 / 1024) = 0.3125, not "
              "the benchmark's ratio."),
+    "KVzip": Case(
+        {"cls": "KVzipPress", "n_sink": 4, "layerwise": False, "chunk_size": 2048},
+        "kvzip:n_sink=4,n_recent=0,layerwise=false,chunk_size=2048",
+        {"n_sink": 4, "layerwise": False, "chunk_size": 2048, "instruction": "kvpress's, no chat template"},
+        requires=("kvzip",),
+        note="kvpress's KVzipPress rereads the prompt after the prefill ('Repeat the previous context exactly.', "
+             "a suffix, the prompt) and prunes the lowest scores of all layers and heads ranked together; kvsim's "
+             "trace is recorded with the same pass (`kvsim record --kvzip`, traces/hf/reconstruction.py). kvpress "
+             "writes the suffix from the tokenizer's chat template; the prompts here are plain text, so the "
+             "worker hands KVzipPress the tokenizer without its template (suffix '\\n', kvpress's choice for a "
+             "tokenizer without one, and kvsim's). Compared at kvpress's per-head counts (the selection); "
+             "own_budget: kvsim's own global allocation at 512 per head."),
     "DMS(Knorm)": Case(
         {"cls": "DMSPress", "press": {"cls": "KnormPress"}, "threshold": "{tau}", "sliding_window_size": 128},
         "threshold(knorm:n_sink=0,n_recent=0, tau={tau}, sliding_window_size=128)",
@@ -454,6 +467,18 @@ def worker(request_path: str) -> None:
             if inject == "q_filters":
                 filt = torch.from_numpy(np.load(out_dir / f"inject_{case['file']}.npz")["q_filters"])
                 kvpress.QFilterPress.load_q_filters = staticmethod(lambda *a, **k: filt)
+            rereads = spec["cls"] == "KVzipPress"
+            if rereads:     # plain-text prompts: KVzipPress's tokenizer without a chat template (Case note)
+                from kvpress.presses import kvzip_press
+                from transformers import AutoTokenizer
+
+                def plain_tokenizer(*a, **k):
+                    tok = AutoTokenizer.from_pretrained(*a, **k)
+                    tok.chat_template = None
+                    return tok
+
+                kvzip_press.AutoTokenizer = type("PlainTokenizer", (), {"from_pretrained": staticmethod(
+                    plain_tokenizer)})
             press = _build_press(spec, kvpress)
             if case["sets_ratio"]:
                 press.compression_ratio = case["ratio"]
@@ -496,6 +521,12 @@ def worker(request_path: str) -> None:
             press.forward_hook = hook
             with torch.no_grad(), press(model):
                 model.model(input_ids=ids, past_key_values=DynamicCache(config=model.config))
+            if rereads:     # KVzip masks after its reconstruction pass, once the block ends
+                kept[:] = True
+                for layer in model.model.layers:
+                    _, h_idx, s_idx = (t.cpu().numpy() for t in layer.self_attn.masked_key_indices)
+                    kept[layer.self_attn.layer_idx, h_idx, s_idx] = False
+                    layer.self_attn.masked_key_indices = None
             arrays = {"kept": kept, "scores": raw}
             if keys is not None:
                 arrays["keys"] = keys
@@ -536,11 +567,13 @@ def record(ids: list[int], text_id: str, path: Path) -> Any:
 
     stamp = path.with_name(path.name + ".ids.json")
     if path.is_dir() and stamp.is_file() and json.loads(stamp.read_text()) == ids:
-        return load_trace(path)
+        trace = load_trace(path)
+        if trace.meta.reconstruction is not None:
+            return trace
     model, tok = load_model(MODEL, progress=True)
     record_trace(model, ids, path, n_prompt=len(ids) - 1, n_decode=1, tokenizer=tok, teacher_forced=True,
                  single_pass=True, chunk=len(ids) - 1, model_id=model_id(MODEL), source={"text_id": text_id},
-                 progress=False, overwrite=True)
+                 progress=False, overwrite=True, reconstruction_chunk=2048)
     stamp.write_text(json.dumps(ids))
     return load_trace(path)
 
@@ -559,8 +592,9 @@ def kvsim_prefill(trace: Any, inputs: Any, policy: Any, budgets: np.ndarray) -> 
     kernel = policy.kernels()[1]
     for layer, li in enumerate(inputs):
         keep = np.ones((H, P), np.uint8)
-        head = np.ascontiguousarray(policy.replay_head_state(H, d, li, layer_memo(inputs, layer), n_prompt=P),
-                                    np.float64)
+        head = policy.prompt_head_state(policy.replay_head_state(H, d, li, layer_memo(inputs, layer), n_prompt=P),
+                                        prompt_layers(trace, inputs), layer)
+        head = np.ascontiguousarray(head, np.float64)
         kernel(policy.param_vector(li.attention), layer, np.ascontiguousarray(budgets[layer], np.int64),
                li.q[:P], li.k[:P], li.v[:P], float(li.attention.scale), keep,
                np.zeros((H, P, policy.slot_fields)), head)
@@ -779,6 +813,7 @@ def main(argv: list[str] | None = None) -> None:
                                                         "jaccard_mean": s["jaccard_mean"]})
         if case.budgets == "kvpress":
             own = allocation(trace, pol, base, inputs, list(range(L)))
+            entry["own_budget_same_counts"] = bool(np.array_equal(own, budgets))
             if not np.array_equal(own, budgets):
                 b_own = kvsim_kept(trace, inputs, pol, own)
                 s = summarize(a, b_own)
@@ -804,6 +839,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "kvpress_parity.json"
+    if args.only and path.is_file():       # a partial run updates its rows, the others stay as they were
+        payload["policies"] = {**json.loads(path.read_text())["policies"], **results}
     atomic_write_text(path, json.dumps(payload, indent=1, default=float) + "\n")
     print(f"wrote {path}")
     w = max(len(n) for n in results)

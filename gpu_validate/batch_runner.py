@@ -376,9 +376,7 @@ class BatchRunner(PromptLoading):
                 caps.append(cap)
                 row.slot_state = [np.zeros((self.n_kv, int(cap[l].max()), row.layer_policy[l].slot_fields))
                                   for l in range(self.n_layers)]
-                row.head_state = [row.layer_policy[l].head_state_init(
-                    self.n_kv, self.head_dim, self._wo(l) if row.layer_policy[l].needs_wo else None)
-                    for l in range(self.n_layers)]
+                row.head_state = [self._head_state(row, l) for l in range(self.n_layers)]
                 row.plan = [(row.kernels[l][0], row.params[l], np.ascontiguousarray(row.budgets[l]),
                              bool(row.layer_policy[l].head_adaptive), not row.layer_policy[l].unbounded,
                              row.slot_state[l], row.head_state[l], int(cap[l].max())) for l in range(self.n_layers)]
@@ -489,6 +487,19 @@ class BatchRunner(PromptLoading):
             except PolicyError as exc:
                 raise ValidateError(str(exc)) from None
         row.scale_params = row.params[comp[0]]
+        row.prompt_layers = layers
+
+    def _head_state(self, row: _Row, layer: int) -> np.ndarray:
+        """A row's initial head state of ``layer``: its policy's ``head_state_init`` (with W_O where it reads it),
+        then, on a compressed layer, what the policy adds once the prompt is known (``prompt_head_state``)."""
+        policy = row.layer_policy[layer]
+        head = policy.head_state_init(self.n_kv, self.head_dim, self._wo(layer) if policy.needs_wo else None)
+        if not self.compressed[layer]:
+            return head
+        try:
+            return policy.prompt_head_state(head, row.prompt_layers, row.prompt_layers.layers.index(layer))
+        except PolicyError as exc:
+            raise ValidateError(str(exc)) from None
 
     def _wo(self, layer: int) -> np.ndarray:
         """The model's W_O of ``layer`` (for policies that read it), read once per batch."""

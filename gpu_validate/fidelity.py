@@ -71,6 +71,7 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
     from sim.replay import replay
     from sim.replay_plan import effective_chunk
     from traces.format import load_trace
+    from policies.base import reconstruction_chunk
     from traces.recorder import record_trace
 
     ids = [int(x) for x in ids]
@@ -87,7 +88,8 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
     configs = [(p, int(b)) for p in policies for b in budgets]
     with tempfile.TemporaryDirectory(prefix="kvsim-fidelity-") as tmp:
         record_trace(model, ids, Path(tmp) / "trace", n_prompt=n_prompt, n_decode=n_decode, teacher_forced=True,
-                     single_pass=True, progress=False, model_id=model_id)
+                     single_pass=True, progress=False, model_id=model_id,
+                     reconstruction_chunk=reconstruction_chunk(policies))
         trace = load_trace(Path(tmp) / "trace")
         inputs = load_layers(trace)
         full = full_model_logits(model, ids, start=n_prompt)

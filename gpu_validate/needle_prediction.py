@@ -59,13 +59,15 @@ def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy,
     from sim.layer_inputs import load_layers
     from sim.replay import replay
     from traces.format import load_trace
+    from policies.base import reconstruction_chunk
     from traces.recorder import record_trace
 
     ids = list(prompt.ids) + list(prompt.answer)
     P, n_ans = len(prompt.ids), len(prompt.answer)
     with tempfile.TemporaryDirectory(prefix="kvsim-needle-") as tmp:
         record_trace(model, ids, Path(tmp) / "t", n_prompt=P, n_decode=n_ans, teacher_forced=True,
-                     single_pass=True, progress=False, model_id=model_id, prompt_scores=False)
+                     single_pass=True, progress=False, model_id=model_id, prompt_scores=False,
+                     reconstruction_chunk=reconstruction_chunk([pol for pol, _ in configs]))
         trace = load_trace(Path(tmp) / "t")
         inputs = load_layers(trace)
         key_pos = np.asarray(prompt.key_positions)

@@ -96,6 +96,7 @@ class PromptCapture:
         streamed and its prefilled rows (again only when a batch needs the whole of a kept sliding layer's prompt
         and the memo holds its window)."""
         memo = self.memo
+        self.prompts = [list(p) for p in prompts]
         if (memo is not None and memo.get("prompts") == tuple(prompts) and memo.get("sliding") == self.sliding
                 and (memo["full"] or not full)):
             self.q, self.k, self.v = memo["q"], memo["k"], memo["v"]
@@ -169,3 +170,21 @@ class PromptLayers(Sequence):
     def rope_theta(self, j: int) -> float | None:
         """Layer j's RoPE base as the model declares it (``traces.hf.geometry.rope_theta``)."""
         return model_rope_theta(self.capture.model, self.layers[j])
+
+    def reconstruction(self, j: int, chunk_size: int) -> tuple:
+        """KVzip's context-reconstruction pass over prompt u, run in the model (``traces.hf.reconstruction``) once
+        per prompt and chunk size for every compressed layer (kept in the prompt memo): layer j's (plan,
+        recon_q, recon_k, prompt keys, softmax scale), as ``sim.layer_inputs.PromptLayers`` reads them from a
+        trace."""
+        from traces.hf.reconstruction import plan_for, run_reconstruction
+
+        c = self.capture
+        key = ("reconstruction", self.u, int(chunk_size), tuple(self.layers))
+        memo = c.memo if c.memo is not None else self.__dict__.setdefault("_own_memo", {})
+        if key not in memo:
+            ids = c.prompts[self.u]
+            plan = plan_for(c.model, ids, chunk_size)
+            memo[key] = plan, run_reconstruction(c.model, ids, plan, self.layers)
+        plan, arrays = memo[key]
+        layer = self.layers[j]
+        return plan, *arrays[layer], c.prompt(c.k, layer, self.u), float(c.scale[layer])

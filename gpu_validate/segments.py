@@ -133,6 +133,7 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
     from sim.layer_inputs import load_layers
     from sim.replay import replay
     from traces.format import load_trace
+    from policies.base import reconstruction_chunk
     from traces.recorder import record_trace
 
     rows: list[dict[str, Any]] = []
@@ -148,7 +149,8 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
             seg_rows = []
             path = Path(tmp) / f"s{si}"
             record_trace(model, list(seg.ids), path, n_prompt=n_prompt, n_decode=len(seg.ids) - n_prompt,
-                         teacher_forced=True, single_pass=True, progress=False, model_id=model_id)
+                         teacher_forced=True, single_pass=True, progress=False, model_id=model_id,
+                         reconstruction_chunk=reconstruction_chunk([pol for pol, _ in configs]))
             trace = load_trace(path)
             inputs = load_layers(trace)
             wo = trace.wo()

@@ -134,6 +134,12 @@ def prompt_memo(prompt_layers: Any, key: tuple, compute: Callable[[], Any]) -> A
     return cache[key]
 
 
+def reconstruction_chunk(policies: Sequence["Policy"]) -> int | None:
+    """The chunk size of the reconstruction pass a trace recorded for ``policies`` must hold (the first that needs
+    one, ``Policy.reconstruction_chunk``), or None when none does."""
+    return next((c for c in (p.reconstruction_chunk() for p in policies) if c is not None), None)
+
+
 #: the value of a ``from_layer`` parameter that means "the layer's own" (read from the trace or the model)
 FROM_MODEL = -1.0
 
@@ -324,6 +330,18 @@ class Policy:
         prepared layer, ``sim.layer_inputs.layer_memo``) so that they are computed once, not per budget. The array
         returned is the replay's own (the engine writes into it)."""
         return self.head_state_init(n_kv_heads, head_dim, layer.wo)
+
+    def prompt_head_state(self, head_state: np.ndarray, prompt_layers: Any, j: int) -> np.ndarray:
+        """The head state of compressed layer j once its prompt is known (``prompt_layers``: the view ``allocate``
+        reads, the simulator's or the closed loop's): ``head_state`` itself, unless the policy scores the prompt
+        from a pass of its own (KVzip appends its prompt-score table). Called after ``replay_head_state`` /
+        ``head_state_init`` by every replay and closed-loop run, before the prefill."""
+        return head_state
+
+    def reconstruction_chunk(self) -> int | None:
+        """The chunk size of the context-reconstruction pass this policy scores from (KVzip's ``chunk_size``; a
+        trace for it is recorded with ``kvsim record --kvzip``), or None: it needs none."""
+        return None
 
     def kernels(self) -> tuple[Callable, Callable, Callable]:
         """The (step, prefill, logit_scale) numba dispatchers handed to the replay engine, compiled (or loaded from

@@ -162,6 +162,9 @@ class AdaStage(Stage):
         if inner.scorer.score_prompt is None:
             return (f"{inner.scorer.name} has no prompt score, and Ada-KV allocates the layer's budget across heads "
                     f"from the prompt's scores")
+        if getattr(inner.scorer, "allocates_heads", False):
+            return (f"{inner.scorer.name} gives every head its own budget from its scores already (ranked across "
+                    f"heads and layers); Ada-KV would allocate the layer's budget a second time")
         return None
 
     @classmethod
@@ -205,7 +208,7 @@ class CriticalStage(Stage):
     name = "critical"
     summary = "CriticalKV's W_O rescaling"
     params = (EPSILON, FIRST_STAGE_RATIO)
-    head_fields = 3          # its slot-field index, G*d, hidden; the W_O block follows (head_state_init)
+    head_fields = 4          # its slot-field index, G*d, hidden, norm-table width; the W_O block follows
     slot_fields = 1          # the slot's projected value norm, computed once
     policy_attrs = {"needs_wo": True}
 
@@ -339,7 +342,9 @@ class Combined(ScorerPolicy):
     def head_state_init(self, n_kv_heads: int, head_dim: int, wo: np.ndarray | None = None) -> np.ndarray:
         """The scorer's and the stages' zeros; with a ``critical`` stage, its slice: the index of its slot field,
         G*d, hidden, then per KV head its query group's W_O transposed, float32 [d, G * hidden] (C order), packed
-        in pairs into the float64 head state (read by ``stages.wo_l1``)."""
+        in pairs into the float64 head state (read by ``stages.wo_l1``). The header's fourth field is the width of
+        the norm table a replay appends (``replay_head_state``; 0 in the closed loop), so that a table appended after
+        it (``Policy.prompt_head_state``) is never read as one."""
         return self._head_state(n_kv_heads, head_dim, wo)
 
     def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None,
@@ -384,7 +389,7 @@ class Combined(ScorerPolicy):
         n_table = 0 if table is None else table.shape[1]
         # filled in place: the scorer's (possibly large, mostly untouched) zero block stays lazily allocated
         out = np.zeros((n_kv_heads, self.head_fields + words + n_table))
-        out[:, off:off + 3] = [float(field), float(gd), float(hidden)]
+        out[:, off:off + 4] = [float(field), float(gd), float(hidden), float(n_table)]
         packed = out[:, self.head_fields:self.head_fields + words]
         flat = packed.view(np.float32)              # bit-for-bit; copies of the head state keep the bits
         flat[:, :blocks.shape[1]] = blocks

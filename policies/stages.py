@@ -276,7 +276,7 @@ def _wo_block(head_state, off, h, d):
     hidden = int(head_state[h, off + 2])
     g_n = gd // d
     m = g_n * hidden * d
-    base = off + 3
+    base = off + 4
     return head_state[h, base:base + (m + 1) // 2].view(np.float32)[:m].reshape((d, g_n * hidden)), g_n
 
 
@@ -284,15 +284,15 @@ def _wo_block(head_state, off, h, d):
 def norm_table(head_state, off):
     """First column of the precomputed per-position norm table in the head state (``projected_norms``, after the
     W_O block), or -1 when the head state has none (closed loop: norms are computed as slots arrive)."""
-    start = off + 3 + (int(head_state[0, off + 1]) * int(head_state[0, off + 2]) + 1) // 2
-    return start if head_state.shape[1] > start else -1
+    start = off + 4 + (int(head_state[0, off + 1]) * int(head_state[0, off + 2]) + 1) // 2
+    return start if head_state[0, off + 3] > 0.0 else -1
 
 
 @njit(cache=True)
 def wo_l1(head_state, off, h, vecs):
     """CriticalKV's projected value norms of KV head h for the rows of ``vecs`` [n, d] (float32): the L1 norm of
     W_O^(j) v averaged over the query heads j of its group (``_projected_l1``, row by row). The stage's head-state
-    slice at ``off``: slot-field index, G*d, hidden, then the group's W_O transposed, [d, G * hidden], as float32
+    slice at ``off``: slot-field index, G*d, hidden, norm-table width, then the group's W_O transposed, [d, G * hidden], as float32
     pairs packed into float64 slots (``CriticalStage.head_state_init``)."""
     bt, g_n = _wo_block(head_state, off, h, vecs.shape[1])
     prods = np.empty(bt.shape[1], np.float32)

@@ -121,6 +121,13 @@ class PromptLayers(Sequence):
         """Layer j's RoPE base as the trace recorded it (None where the trace has no plain base)."""
         return self.trace.meta.attention(self.layers[j]).rope_theta
 
+    def reconstruction(self, j: int, chunk_size: int) -> tuple:
+        """Layer j's context-reconstruction pass as the trace recorded it (``Trace.reconstruction``; a synthetic
+        trace's own, in chunks of ``chunk_size``): (plan, recon_q, recon_k, prompt keys, softmax scale)."""
+        i = self.layers[j]
+        plan, recon_q, recon_k = self.trace.reconstruction(i, chunk_size)
+        return plan, recon_q, recon_k, self[j][1], float(self.trace.meta.attention(i).scale)
+
 
 def layer_memo(inputs: Sequence[LayerInputs], layer: int) -> dict | None:
     """The dict where policies keep trace-only tables of one layer (``Policy.replay_head_state``: CriticalKV's

@@ -6,18 +6,33 @@ head), so it is only used on small traces in tests and as the side-by-side basel
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from policies.base import Policy
 from sim.contract import apply_window, check_kept, check_scale, check_step, raise_on, slot_capacity
 from sim.metrics import N_METRICS, measure
-from sim.layer_inputs import LayerInputs
+from sim.layer_inputs import LayerInputs, PromptLayers
+from traces.format import Trace
+
+
+def reference_head_state(policy: Policy, trace: Trace, inputs: Sequence[LayerInputs], layers: Sequence[int],
+                         j: int) -> np.ndarray:
+    """The initial head state a replay gives compressed layer ``layers[j]`` (``Policy.head_state_init`` and what
+    ``Policy.prompt_head_state`` adds from the prompt view), for ``reference_replay_layer``."""
+    li = inputs[layers[j]]
+    head = policy.head_state_init(li.k.shape[1], li.k.shape[2], li.wo)
+    return policy.prompt_head_state(head, PromptLayers(trace, inputs, layers, trace.meta.n_prompt), j)
 
 
 def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: np.ndarray, n_prompt: int,
-                           scale: float, chunk: int = 1) -> tuple[np.ndarray, np.ndarray, list[list[np.ndarray]]]:
+                           scale: float, chunk: int = 1, head_state: np.ndarray | None = None
+                           ) -> tuple[np.ndarray, np.ndarray, list[list[np.ndarray]]]:
     """Replay one layer; returns metrics [S, Hq, N_METRICS], slots [S, Hkv] and the kept positions per policy
-    step and head. A streamed prompt goes ``chunk`` tokens per step (``sim.replay.replay_step``)."""
+    step and head. A streamed prompt goes ``chunk`` tokens per step (``sim.replay.replay_step``). ``head_state``:
+    the initial head state (default ``policy.head_state_init``; a policy with a prompt table of its own, KVzip,
+    needs the replay's, ``Policy.prompt_head_state``)."""
     step, prefill, logit_scale = policy.kernels()
     params = policy.param_vector(li.attention)
     window = int(li.attention.window or 0)
@@ -33,7 +48,7 @@ def reference_replay_layer(policy: Policy, layer: int, li: LayerInputs, budget: 
     pos = [np.zeros(0, np.int64) for _ in range(hkv)]
     state = [np.zeros((0, S)) for _ in range(hkv)]
     dirty = [np.zeros(0, bool) for _ in range(hkv)]
-    head_state = policy.head_state_init(hkv, d, li.wo)
+    head_state = policy.head_state_init(hkv, d, li.wo) if head_state is None else np.array(head_state, np.float64)
     t0 = 0
     if policy.has_prefill and n_prompt > 0:
         pkeep = np.ones((hkv, n_prompt), np.uint8)

@@ -21,7 +21,7 @@ import numpy as np
 from policies.base import Policy, PolicyError
 from sim.contract import raise_on, slot_capacity
 from sim.engine import EngineConfig, EngineOutputs, LayerData, replay_layer
-from sim.layer_inputs import LayerInputs, layer_inputs, layer_memo
+from sim.layer_inputs import LayerInputs, PromptLayers, layer_inputs, layer_memo
 from sim.metrics import N_METRICS
 from sim.oracle_replay import replay_oracle, replay_oracle_policy
 from sim.replay_plan import allocation, check_budget, check_chunk, compressed_layers, held_elsewhere, replay_threads
@@ -114,6 +114,7 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
     T, P = meta.n_tokens, meta.n_prompt
     hkv = meta.model.n_kv_heads
     budgets = allocation(trace, policy, budget, inputs, layers) if group is None else group.budgets(budget)
+    prompt = PromptLayers(trace, inputs, layers, P)
     kernels = tuple((fn,) for fn in policy.kernels())
     n_steps = T - P
     rec_start, n_rec = record_kept if record_kept else (0, 0)
@@ -127,7 +128,8 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
         out = EngineOutputs(metrics=np.zeros((n_steps, meta.model.n_q_heads, N_METRICS), np.float64),
                             slots=np.zeros((n_steps, hkv), np.int32), kept=np.full((n_rec, hkv, cap), -1, np.int32),
                             info=np.zeros(3, np.int64))
-        head_init = policy.replay_head_state(hkv, meta.model.head_dim, li, layer_memo(inputs, layer), n_prompt=P)
+        head_init = policy.prompt_head_state(
+            policy.replay_head_state(hkv, meta.model.head_dim, li, layer_memo(inputs, layer), n_prompt=P), prompt, j)
         cfg = EngineConfig(params=policy.param_vector(li.attention), layer=layer, scale=float(li.attention.scale),
                            has_prefill=policy.has_prefill, metric_start=P, budget=b,
                            head_adaptive=policy.head_adaptive, bounded=not policy.unbounded, cap=cap,

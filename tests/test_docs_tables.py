@@ -36,3 +36,23 @@ def test_a_missing_result_says_which_benchmark_to_run(monkeypatch, tmp_path):
     monkeypatch.setattr(docs_tables, "RESULTS", tmp_path)
     text = docs_tables.kvpress_page()
     assert "kvpress_parity.json` is not there yet" in text
+
+
+def test_claim_phrases_follow_the_numbers():
+    assert docs_tables.span([23.7, 36.9]) == "24-37" and docs_tables.span([43.61, 43.64], 1) == "43.6"
+    assert docs_tables.signed_span([-4.4, 2.8]) == "−4.4 to +2.8"
+    assert docs_tables.against([2, 3], [1, 1], ["64", "128"], "H2O") == "error above H2O's at every budget"
+    assert docs_tables.against([1, 3], [2, 1], ["5", "30"], "H2O", suffix="%") == \
+        "error below H2O's at 5%, above at 30%"
+    assert docs_tables.lower_than([0.9, 0.8, 1.1], [1.0, 1.0, 1.0], [256, 512, 2048], " on M") == \
+        "10-20% lower on M at 256-512 (higher at 2 048)"
+    assert docs_tables.direction([0.2, 0.4], [0.2, 0.3]) == "above"
+    assert docs_tables.direction([0.1, 0.4], [0.2, 0.3]) == "mixed against"
+    assert docs_tables.on_models({"A": "x", "B": "x"}) == "x on both models"
+
+
+def test_a_claim_without_its_json_says_which_instead_of_numbers(monkeypatch, tmp_path):
+    monkeypatch.setattr(docs_tables, "RESULTS", tmp_path)
+    text = docs_tables.papers_page()
+    assert text.count("*not there yet:") == len(docs_tables.CLAIMS)
+    assert "`eval_cascading.json`" in text and "ruler_bumblebee_gemma3-270m.json` is not there yet" in text

@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from policies import get_policy, list_policies
-from sim.reference_replay import reference_replay_layer
+from sim.reference_replay import reference_head_state, reference_replay_layer
 from sim.layer_inputs import load_layers
 from sim.replay import replay
 from traces.synthetic import make_synthetic_trace
@@ -29,9 +29,11 @@ def test_engine_matches_numpy_reference(name, seed, T, geometry, frac, prompt_fr
     assume(budget <= T)
     P = trace.meta.n_prompt
     res = replay(trace, policy, budget, record_kept=(P, T - P))
-    for layer, li in enumerate(load_layers(trace)):
+    inputs = load_layers(trace)
+    for layer, li in enumerate(inputs):
+        head = reference_head_state(policy, trace, inputs, list(range(trace.n_layers)), layer)
         metrics, slots, kept = reference_replay_layer(policy, layer, li, res.budgets[layer], P,
-                                                      trace.meta.softmax_scale)
+                                                      trace.meta.softmax_scale, head_state=head)
         # float32 dot products in both; the L1 bound 2(1 - mass) max||v||_1 magnifies mass rounding by max||v||_1
         np.testing.assert_allclose(res.metrics[layer][..., :4], metrics[..., :4], rtol=1e-4, atol=5e-5)
         np.testing.assert_allclose(res.metrics[layer][..., 4], metrics[..., 4], rtol=1e-4,

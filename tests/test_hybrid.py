@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from policies import PolicyError, get_policy, list_policies
-from sim.reference_replay import reference_replay_layer
+from sim.reference_replay import reference_head_state, reference_replay_layer
 from sim.layer_inputs import load_layers
 from sim.oracle_replay import replay_oracle
 from sim.replay import replay
@@ -144,7 +144,9 @@ def test_engine_matches_reference_under_a_window(name):
     inputs = load_layers(trace)
     for j, layer in enumerate(res.layer_index):
         li = inputs[layer]
-        metrics, slots, kept = reference_replay_layer(policy, int(layer), li, res.budgets[j], P, li.attention.scale)
+        head = reference_head_state(policy, trace, inputs, [int(x) for x in res.layer_index], j)
+        metrics, slots, kept = reference_replay_layer(policy, int(layer), li, res.budgets[j], P, li.attention.scale,
+                                                      head_state=head)
         np.testing.assert_allclose(res.metrics[j][..., :4], metrics[..., :4], rtol=1e-4, atol=5e-5)
         np.testing.assert_array_equal(res.slots[j], slots)
         offset = len(kept) - (T - P)

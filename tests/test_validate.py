@@ -57,7 +57,8 @@ def ids():
 @pytest.fixture(scope="module")
 def llama_trace(llama, ids, tmp_path_factory):
     path = tmp_path_factory.mktemp("trace") / "t"
-    record_trace(llama, ids, path, n_prompt=16, n_decode=32, teacher_forced=True, single_pass=True, progress=False)
+    record_trace(llama, ids, path, n_prompt=16, n_decode=32, teacher_forced=True, single_pass=True, progress=False,
+                 reconstruction_chunk=2048)      # KVzip's pass, as the closed loop runs it by default
     return load_trace(path)
 
 

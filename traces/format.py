@@ -12,6 +12,8 @@ Layout (format version 2)::
     layers/<i:03d>/o.npy        [T, Hq, d]   float32 full causal attention output (optional)
     layers/<i:03d>/wo.npy       [hidden, Hq*d] float32 the layer's attention output projection W_O, as torch's
                                              Linear stores o_proj.weight (optional; for W_O-aware metrics/policies)
+    layers/<i:03d>/recon_q.npy  [R, Hq, d]   post-RoPE queries of KVzip's context-reconstruction pass (optional;
+    layers/<i:03d>/recon_k.npy  [R, Hkv, d]  its keys; both with the plan in the manifest, `traces.reconstruction`)
     tokens.parquet              position, token_id, text, is_prompt, top1_id, nll (optional)
 
 Writes are atomic: everything goes into a sibling temp directory that is renamed into place only
@@ -41,7 +43,8 @@ ATTENTION_KINDS = ("global", "sliding")
 STORAGE_DTYPES = ("float16", "float32")
 ARRAY_NAMES = ("q", "k", "v", "lse", "o")
 WO = "wo"   # the optional output-projection array, present for all layers or none ("has_wo" in the manifest)
-_ARRAY_PATH = re.compile(r"^layers/\d{3}/(q|k|v|lse|o|wo)\.npy$")
+RECON = ("recon_q", "recon_k")   # the reconstruction pass's arrays, with ``TraceMeta.reconstruction`` (its plan)
+_ARRAY_PATH = re.compile(r"^layers/\d{3}/(q|k|v|lse|o|wo|recon_q|recon_k)\.npy$")
 _CHUNK_BYTES = 1 << 24
 
 
@@ -152,8 +155,13 @@ class TraceMeta:
     softmax_scale: float = 0.0
     kind: str = "qkv"
     source: dict[str, Any] = field(default_factory=dict)
+    #: KVzip's context-reconstruction pass (``traces.reconstruction.ReconstructionPlan``) when the trace has it
+    reconstruction: Any = None
 
     def __post_init__(self) -> None:
+        if self.reconstruction is not None and self.reconstruction.n_prompt != self.n_prompt:
+            raise TraceError(f"reconstruction covers {self.reconstruction.n_prompt} prompt tokens, the trace has "
+                             f"{self.n_prompt}")
         if self.dtype not in STORAGE_DTYPES:
             raise TraceError(f"dtype must be one of {STORAGE_DTYPES}, got {self.dtype!r}")
         if not (1 <= self.n_tokens):
@@ -174,7 +182,10 @@ class TraceMeta:
     def expected_shape(self, name: str) -> tuple[int, ...]:
         """Shape an array of this trace must have."""
         m, t = self.model, self.n_tokens
+        r = self.reconstruction.n_tokens if self.reconstruction is not None else 0
         return {
+            "recon_q": (r, m.n_q_heads, m.head_dim),
+            "recon_k": (r, m.n_kv_heads, m.head_dim),
             "q": (t, m.n_q_heads, m.head_dim),
             "k": (t, m.n_kv_heads, m.head_dim),
             "v": (t, m.n_kv_heads, m.head_dim),
@@ -187,7 +198,8 @@ class TraceMeta:
         return np.dtype("float32") if name in ("lse", "o", WO) else np.dtype(self.dtype)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = asdict(replace(self, reconstruction=None))
+        d["reconstruction"] = None if self.reconstruction is None else self.reconstruction.to_json()
         d["model"]["layer_ids"] = list(self.model.layer_ids)
         d["model"]["attention"] = [asdict(a) for a in self.model.attention]
         return d
@@ -208,6 +220,7 @@ class TraceMeta:
                 softmax_scale=float(d["softmax_scale"]),
                 kind=str(d.get("kind", "qkv")),
                 source=dict(d.get("source", {})),
+                reconstruction=_plan(d.get("reconstruction")),
             )
         except KeyError as e:
             raise TraceError(f"{where}: missing field {e.args[0]!r}") from None
@@ -217,8 +230,21 @@ class TraceMeta:
             raise TraceError(f"{where}: {e}") from None
 
 
+def _plan(d: Any) -> Any:
+    """The manifest's reconstruction plan, or None."""
+    if d is None:
+        return None
+    from traces.reconstruction import ReconstructionError, ReconstructionPlan
+
+    try:
+        return ReconstructionPlan.from_json(d)
+    except ReconstructionError as e:
+        raise TraceError(str(e)) from None
+
+
 class LayerArrays(NamedTuple):
-    """One layer's arrays; lse/o are the full-cache reference and wo the output projection, each may be absent."""
+    """One layer's arrays; lse/o are the full-cache reference, wo the output projection and recon_q/recon_k
+    KVzip's reconstruction pass (``traces.reconstruction``), each may be absent."""
 
     q: np.ndarray
     k: np.ndarray
@@ -226,6 +252,8 @@ class LayerArrays(NamedTuple):
     lse: np.ndarray | None = None
     o: np.ndarray | None = None
     wo: np.ndarray | None = None
+    recon_q: np.ndarray | None = None
+    recon_k: np.ndarray | None = None
 
 
 def array_path(layer_index: int, name: str) -> str:
@@ -315,12 +343,19 @@ class TraceWriter:
         has_wo = self._same_in_every_layer("the W_O array", arrays.wo is not None, i)
         if has_wo and self.meta.model.hidden_size < 1:
             raise TraceError(f"layer {i}: a W_O array needs model.hidden_size (its number of rows) in the manifest")
+        has_recon = arrays.recon_q is not None or arrays.recon_k is not None
+        if has_recon != (self.meta.reconstruction is not None) or (has_recon and (arrays.recon_q is None
+                                                                                   or arrays.recon_k is None)):
+            raise TraceError(f"layer {i}: recon_q and recon_k go together, in every layer of a trace whose "
+                             "manifest has a reconstruction plan, and in no other")
         (self._tmp / f"layers/{i:03d}").mkdir(parents=True, exist_ok=True)
         named = {"q": arrays.q, "k": arrays.k, "v": arrays.v}
         if has_ref:
             named.update(lse=lse, o=o)
         if has_wo:
             named[WO] = arrays.wo
+        if has_recon:
+            named.update(recon_q=arrays.recon_q, recon_k=arrays.recon_k)
         for name, arr in named.items():
             arr = np.asarray(arr)
             where = f"layer {i} array {name!r}"
@@ -423,7 +458,26 @@ class Trace:
             raise IndexError(f"layer {i} out of range: trace has {self.n_layers} layers")
         load = lambda name: np.load(self.path / array_path(i, name), mmap_mode="r", allow_pickle=False)
         ref = (load("lse"), load("o")) if self.has_reference else (None, None)
-        return LayerArrays(load("q"), load("k"), load("v"), *ref, load(WO) if self.has_wo else None)
+        recon = (load("recon_q"), load("recon_k")) if self.meta.reconstruction is not None else (None, None)
+        return LayerArrays(load("q"), load("k"), load("v"), *ref, load(WO) if self.has_wo else None, *recon)
+
+    def reconstruction(self, i: int, chunk_size: int | None = None) -> tuple[Any, np.ndarray, np.ndarray]:
+        """KVzip's context-reconstruction pass of the i-th stored layer: (plan, recon_q [R, Hq, d],
+        recon_k [R, Hkv, d]). A synthetic trace derives one from its prompt (each chunk reread verbatim,
+        ``traces.reconstruction.synthetic_reconstruction``); a recorded trace without it is an error naming the
+        option that records it. ``chunk_size``: the synthetic pass's chunks (default kvpress's)."""
+        plan = self.meta.reconstruction
+        if plan is not None:
+            la = self.layer(i)
+            return plan, la.recon_q, la.recon_k
+        if self.meta.kind == "synthetic":
+            from traces.reconstruction import synthetic_reconstruction
+
+            la = self.layer(i)
+            return synthetic_reconstruction(la.q, la.k, self.meta.n_prompt, *(() if chunk_size is None else
+                                                                             (chunk_size,)))
+        raise TraceError(f"trace {self.path} has no context-reconstruction pass (KVzip's scores come from it); "
+                         "record it again with `kvsim record --kvzip`")
 
     def wo(self) -> list[np.ndarray]:
         """Every layer's output projection W_O [hidden, Hq*d]; a clear error when the trace was recorded without."""
@@ -503,7 +557,8 @@ def load_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
     has_wo = bool(manifest.get("has_wo", False))
     if has_wo and meta.model.hidden_size < 1:
         raise TraceError(f"{mpath}: has_wo is set but model.hidden_size is missing")
-    names = (ARRAY_NAMES if has_ref else ARRAY_NAMES[:3]) + ((WO,) if has_wo else ())
+    names = ((ARRAY_NAMES if has_ref else ARRAY_NAMES[:3]) + ((WO,) if has_wo else ())
+             + (RECON if meta.reconstruction is not None else ()))
     for i in range(len(meta.model.layer_ids)):
         for name in names:
             rel = array_path(i, name)

@@ -30,6 +30,7 @@ from traces.faithful import LayerFaithfulness, assert_faithful, default_toleranc
 from traces.format import LayerArrays, ModelInfo, TraceMeta, TraceWriter
 from traces.hf.forward import DEFAULT_CHUNK, CachedForward
 from traces.hf.geometry import layer_attention, model_shape, output_projection
+from traces.hf.reconstruction import plan_for, run_reconstruction
 
 
 class RecordError(ValueError):
@@ -62,7 +63,7 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
                  dtype: str = "float32", teacher_forced: bool = False, model_id: str | None = None,
                  source: dict | None = None, progress: bool = True, overwrite: bool = False,
                  tol: float | None = None, single_pass: bool = False, chunk: int | None = None,
-                 prompt_scores: bool = True) -> RecordResult:
+                 prompt_scores: bool = True, reconstruction_chunk: int | None = None) -> RecordResult:
     """Run prefill + decode, capture q/k/v of the chosen layers and KV heads, check and write a trace.
 
     token_ids: the text; the first n_prompt are the prompt; with teacher_forced the next n_decode are fed
@@ -74,6 +75,10 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
     memory stays bounded at any length the model supports. ``prompt_scores=False`` leaves the prompt positions'
     next-token NLL and top-1 out of the tokens table (NaN and -1, as position 0's): the LM head then runs only on
     the positions that predict decoded tokens (Gemma-3's 262 k-token head is most of its forward's FLOPs).
+    ``reconstruction_chunk`` (``kvsim record --kvzip``) also runs KVzip's context-reconstruction pass over the
+    prompt in chunks of that many tokens and stores its queries and keys (``traces.reconstruction``; it costs one
+    more forward over the prompt and one over its ~P repeat tokens, and (Hq + Hkv) * d values per repeat token
+    and layer, about as much as the prompt's q and k).
     """
     import torch
 
@@ -115,9 +120,15 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
             meta, tokens = _describe(model, cap, shape, layer_ids, kv, group, fed, nll, top1, n_prompt=n_prompt,
                                      dtype=dtype, model_id=model_id, source=source, teacher_forced=teacher_forced,
                                      single_pass=single_pass, chunk=used_chunk, tokenizer=tokenizer)
+            recon = None
+            if reconstruction_chunk:
+                plan = plan_for(model, ids[:n_prompt], int(reconstruction_chunk), tokenizer)
+                recon = run_reconstruction(model, ids[:n_prompt], plan, layer_ids, q_heads=cap.q_heads, kv_heads=kv,
+                                           dtype=np.dtype(dtype))
+                meta = replace(meta, reconstruction=plan)
             tolerance = default_tolerance(dtype, str(next(model.parameters()).dtype)) if tol is None else tol
             faith = _check_and_write(model, cap, meta, tokens, out_dir, tolerance=tolerance, overwrite=overwrite,
-                                     progress=progress)
+                                     progress=progress, recon=recon)
         finally:
             cap.close()
     mean_nll = meta.source["mean_nll_decode"]
@@ -238,9 +249,10 @@ def _describe(model, cap: Capture, shape, layer_ids: tuple[int, ...], kv: tuple[
 
 
 def _check_and_write(model, cap: Capture, meta: TraceMeta, tokens: Any, out_dir: Path, *, tolerance: float,
-                     overwrite: bool, progress: bool) -> list[LayerFaithfulness]:
+                     overwrite: bool, progress: bool, recon: dict | None = None) -> list[LayerFaithfulness]:
     """One layer at a time: its reference (windowed on a sliding layer), its faithfulness (a failure discards the
-    whole trace), then its files; nothing but the current layer is held in memory."""
+    whole trace), then its files (with the layer's reconstruction-pass arrays from ``recon``); nothing but the
+    current layer's captured arrays is held in memory."""
     from tqdm.auto import tqdm
 
     d = meta.model.head_dim
@@ -254,7 +266,8 @@ def _check_and_write(model, cap: Capture, meta: TraceMeta, tokens: Any, out_dir:
             assert_faithful([res], tolerance)
             faith.append(res)
             wo = output_projection(model, layer)
-            w.add_layer(LayerArrays(q, k, v, lse, o, None if wo is None else wo[:, cols]))
+            w.add_layer(LayerArrays(q, k, v, lse, o, None if wo is None else wo[:, cols],
+                                    *(recon[layer] if recon is not None else (None, None))))
         rel_err = {str(r.layer): r.rel_err for r in faith}
         w.meta = replace(meta, source={**meta.source, "faithfulness_rel_err": rel_err})
         w.set_tokens(tokens)

@@ -41,6 +41,12 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
                    help="tokens per model forward while prefilling (default 512): each chunk attends over the "
                         "model's cache plus itself, so memory stays bounded at long context")
+    p.add_argument("--kvzip", action="store_true",
+                   help="also record KVzip's context-reconstruction pass (the model rereads the prompt; the "
+                        "kvzip policy needs it): one more forward over the prompt and its repeat, about the "
+                        "prompt's q/k again in bytes")
+    p.add_argument("--kvzip-chunk", type=positive_int, default=2048, metavar="N",
+                   help="with --kvzip: prompt tokens reread per pass (kvpress's chunk_size, default 2048)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -64,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
                        tokenizer=tok, layers=args.layers, kv_heads=args.kv_heads, dtype=args.dtype,
                        teacher_forced=args.teacher_forced, model_id=model_id(args.model), source=source,
                        progress=not args.no_progress,
-                       overwrite=args.overwrite, single_pass=args.single_pass, chunk=args.prefill_chunk)
+                       overwrite=args.overwrite, single_pass=args.single_pass, chunk=args.prefill_chunk,
+                       reconstruction_chunk=args.kvzip_chunk if args.kvzip else None)
     worst = max(r.rel_err for r in res.faithfulness)
     print(f"wrote {res.path}: {args.prompt_tokens}+{args.decode_tokens} tokens, {len(res.faithfulness)} layers, "
           f"faithful (max rel err {worst:.1e}), mean decode NLL {res.mean_nll_decode:.3f}")
