@@ -344,7 +344,37 @@ def kvpress_page() -> str:
     out.append(table(["method", "kvpress press", "kvsim spec", "Jaccard min", "Jaccard mean", "note"],
                      [[n, p.get("press"), p.get("kvsim_spec"), p.get("jaccard_min"), p.get("jaccard_mean"),
                        p.get("note")] for n, p in pol.items()]))
-    return "".join(out) + "\n" + measured_on(d, "kvpress_parity")
+    return "".join(out) + "\n" + measured_on(d, "kvpress_parity") + leaderboard_section()
+
+
+RULER_LEADERBOARD = (("ruler_leaderboard_smollm2-135m", "SmolLM2-135M"),
+                     ("ruler_leaderboard_gemma3-270m", "Gemma-3-270M"))
+
+
+def leaderboard_section() -> str:
+    """kvpress's leaderboard methods in retrieval (``benchmarks/ruler.py --leaderboard``): the share of single-needle
+    prompts answered per policy and budget, per model and reported length, best per column in bold."""
+    out = ["\n## The leaderboard's methods in retrieval (`benchmarks/ruler.py --leaderboard`)\n\n",
+           "kvpress's leaderboard ranks presses by RULER at 4 k. Here: the single needle (the prompts the full "
+           "cache answers), each policy compressing the cache once after the prompt, greedy answer.\n\n"]
+    notes = []
+    for name, title in RULER_LEADERBOARD:
+        d = load(name)
+        if d is None:
+            notes.append(missing(name))
+            continue
+        for length in reported_lengths(d):
+            shares = {p: ruler_cells(d, p, length) for p in d["policies"]}
+            shares = {p: xs for p, xs in shares.items() if len(xs) == len(d["budgets"])}
+            best = [max(col) for col in zip(*shares.values())]
+            solved = d.get("n_solved_prompts")
+            out.append(f"**{title}, {fmt(length)} tokens** ({solved} solved prompts over all lengths; budgets in "
+                       "slots per KV head):\n\n")
+            out.append(table(["policy", *[fmt(b) for b in d["budgets"]]],
+                             [[p, *[f"**{two(x)}**" if x == m else two(x) for x, m in zip(xs, best)]]
+                              for p, xs in sorted(shares.items(), key=lambda kv: -sum(kv[1]))]) + "\n")
+        notes.append(measured_on(d, name).rstrip(".*\n") + f"; the run took {fmt(d['wall_seconds_this_run'])} s.*\n")
+    return "".join(out) + "\n".join(notes)
 
 
 # ----- the seed papers' claims -----

@@ -51,6 +51,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--budgets", default=None)
     ap.add_argument("--policies", default=None)
     ap.add_argument("--store", default="results/fidelity_segments")
+    ap.add_argument("--name", default=None,
+                    help="results name: benchmarks/results/fidelity_NAME.json (default: the model's, e.g. smollm2)")
     ap.add_argument("--closed-loop-only", action="store_true", help="stop after the model runs (stage 1)")
     ap.add_argument("--report-only", action="store_true",
                     help="skip the model runs; report on the segments whose cells are all in the store")
@@ -60,7 +62,7 @@ def main(argv: list[str]) -> int:
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
     args.policies = args.policies or POLICIES.format(ea=defaults["ea"])
-    args.name = defaults["name"]
+    args.name = args.name or defaults["name"]
     limit_threads(1)   # one thread, through the API sweep workers use
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
