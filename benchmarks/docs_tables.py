@@ -226,7 +226,8 @@ def speed_page() -> str:
 def fidelity_page() -> str:
     """How well the simulator ranks what the model ranks, and the recommender judged on held-out text."""
     out = ["# The simulator against the model\n"]
-    for name, title in (("fidelity_smollm2", "SmolLM2-135M"), ("fidelity_gemma3", "Gemma-3-270M")):
+    for name, title in (("fidelity_smollm2", "SmolLM2-135M"), ("fidelity_gemma3", "Gemma-3-270M"),
+                        ("fidelity_smollm2_leaderboard", "SmolLM2-135M, with kvpress's leaderboard methods")):
         d = load(name)
         out.append(f"\n## Ranking policies at equal budget: {title} (`benchmarks/fidelity_segments.py`)\n\n")
         if d is None:
@@ -247,6 +248,8 @@ def fidelity_page() -> str:
                          [[f"the model's own reliability at {' / '.join(budgets)}", *[reliability(t) for t in texts]]] +
                          [[s, *[d["by_text"][t]["within_budget_rho"][s]["delta_nll"] for t in texts]]
                           for s in losses]))
+        if name.endswith("_leaderboard"):
+            out.append(model_losses(d))
         out.append("\n" + measured_on(d, name))
     for name, title in (("recommend_smollm2-135m", "SmolLM2-135M"), ("recommend_gemma3-270m", "Gemma-3-270M")):
         d = load(name)
@@ -269,6 +272,19 @@ def fidelity_page() -> str:
             out.append(table(["text", *fams], [[t, *[per.get(f) for f in fams]] for t, per in rho.items()]))
         out.append("\n" + measured_on(d, name))
     return "".join(out)
+
+
+def model_losses(d: dict[str, Any]) -> str:
+    """The model's own ΔNLL per policy and budget (mean over the segments of both texts), lowest at the largest
+    budget first: where each policy stands in the closed loop."""
+    by: dict[str, dict[int, list[float]]] = {}
+    for r in d["rows"]:
+        by.setdefault(r["label"], {}).setdefault(int(r["budget"]), []).append(float(r["delta_nll"]))
+    budgets = sorted(int(b) for b in d["budgets"])
+    mean = {lab: [sum(v[b]) / len(v[b]) for b in budgets] for lab, v in by.items()}
+    rows = sorted(mean.items(), key=lambda kv: kv[1][-1])
+    return ("\nThe model's ΔNLL (nats per token against the full cache, mean over the segments):\n\n" +
+            table(["policy", *[f"ΔNLL @{b}" for b in budgets]], [[lab, *xs] for lab, xs in rows]))
 
 
 def gpu_page() -> str:
