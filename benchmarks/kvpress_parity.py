@@ -584,17 +584,18 @@ def kvsim_prefill(trace: Any, inputs: Any, policy: Any, budgets: np.ndarray) -> 
     its base sizes and allocates within the layer). Returns the kept mask [L, H, P] and each layer's head state
     after the prefill (where a policy keeps what it calibrated on the prompt: Q-Filters' filters)."""
     from sim.layer_inputs import layer_memo
+    from sim.replay import initial_head_state
 
     P = trace.meta.n_prompt
-    L, H, d = len(inputs), trace.meta.model.n_kv_heads, trace.meta.model.head_dim
+    L, H = len(inputs), trace.meta.model.n_kv_heads
     out = np.zeros((L, H, P), bool)
     heads = []
     kernel = policy.kernels()[1]
+    prompt = prompt_layers(trace, inputs)
     for layer, li in enumerate(inputs):
         keep = np.ones((H, P), np.uint8)
-        head = policy.prompt_head_state(policy.replay_head_state(H, d, li, layer_memo(inputs, layer), n_prompt=P),
-                                        prompt_layers(trace, inputs), layer)
-        head = np.ascontiguousarray(head, np.float64)
+        head = np.ascontiguousarray(initial_head_state(policy, li, layer_memo(inputs, layer), prompt, layer),
+                                    np.float64)
         kernel(policy.param_vector(li.attention), layer, np.ascontiguousarray(budgets[layer], np.int64),
                li.q[:P], li.k[:P], li.v[:P], float(li.attention.scale), keep,
                np.zeros((H, P, policy.slot_fields)), head)

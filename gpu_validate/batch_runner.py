@@ -469,7 +469,7 @@ class BatchRunner(PromptLoading):
 
         comp = [l for l in range(self.n_layers) if self.compressed[l]]
         memo = self.prompt_memo
-        cache = None if memo is None else memo.setdefault(("allocate", u, tuple(comp)), {})
+        cache = {} if memo is None else memo.setdefault(("allocate", u, tuple(comp)), {})
         layers = PromptLayers(self.capture, u, comp, cache)
         alloc = check_allocation(row.policy, row.policy.allocate(int(row.job.budget), self.n_kv, layers,
                                                                  self.layer_scale[comp[0]]), len(comp), self.n_kv)

@@ -173,18 +173,19 @@ class PromptLayers(Sequence):
 
     def reconstruction(self, j: int, chunk_size: int) -> tuple:
         """KVzip's context-reconstruction pass over prompt u, run in the model (``traces.hf.reconstruction``) once
-        per prompt and chunk size for every compressed layer (kept in the prompt memo): layer j's (plan,
-        recon_q, recon_k, prompt keys, softmax scale), as ``sim.layer_inputs.PromptLayers`` reads them from a
-        trace."""
+        per chunk size for every compressed layer (kept in the view's ``cache``, shared by the batches of the
+        prompt): layer j's (plan, recon_q, recon_k, prompt keys, softmax scale), as
+        ``sim.layer_inputs.PromptLayers`` reads them from a trace."""
+        from policies.base import prompt_memo
         from traces.hf.reconstruction import plan_for, run_reconstruction
 
         c = self.capture
-        key = ("reconstruction", self.u, int(chunk_size), tuple(self.layers))
-        memo = c.memo if c.memo is not None else self.__dict__.setdefault("_own_memo", {})
-        if key not in memo:
+
+        def run() -> tuple:
             ids = c.prompts[self.u]
             plan = plan_for(c.model, ids, chunk_size)
-            memo[key] = plan, run_reconstruction(c.model, ids, plan, self.layers)
-        plan, arrays = memo[key]
+            return plan, run_reconstruction(c.model, ids, plan, self.layers)
+
+        plan, arrays = prompt_memo(self, ("reconstruction", int(chunk_size)), run)
         layer = self.layers[j]
         return plan, *arrays[layer], c.prompt(c.k, layer, self.u), float(c.scale[layer])

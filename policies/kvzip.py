@@ -71,10 +71,10 @@ def reconstruction_scores(recon_q: np.ndarray, recon_k: np.ndarray, k: np.ndarra
             best = out[h, start:end]
             for a in range(0, n, ROWS):
                 b = min(n, a + ROWS)
-                rows = np.arange(a, b)
+                later = np.arange(n)[None, :] > np.arange(a, b)[:, None]      # causal among the repeat rows
                 for g in range(g_n):
                     logits = (recon_q[r0 + a:r0 + b, h * g_n + g].astype(np.float32) @ keys.T) * np.float32(scale)
-                    logits[:, ctx:][np.arange(n)[None, :] > rows[:, None]] = -np.inf   # causal among repeat rows
+                    logits[:, ctx:][later] = -np.inf
                     logits -= logits.max(axis=1, keepdims=True)
                     np.exp(logits, out=logits)
                     probs = logits[:, sink:ctx] / logits.sum(axis=1, keepdims=True)
@@ -123,7 +123,8 @@ def _share(scores: np.ndarray, keep: int, n_sink: int) -> np.ndarray:
 
 
 def _floor(counts: np.ndarray, floor: int) -> np.ndarray:
-    """``counts`` with every entry raised to ``floor``, the slots taken one at a time from the largest entries."""
+    """``counts`` with every entry raised to ``floor``, the slots taken from the largest entry (down to the floor at
+    most), then from the largest of the rest, until the total is back."""
     out = counts.copy().reshape(-1)
     need = int(np.clip(floor - out, 0, None).sum())
     out = np.maximum(out, floor)

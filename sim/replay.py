@@ -128,8 +128,7 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
         out = EngineOutputs(metrics=np.zeros((n_steps, meta.model.n_q_heads, N_METRICS), np.float64),
                             slots=np.zeros((n_steps, hkv), np.int32), kept=np.full((n_rec, hkv, cap), -1, np.int32),
                             info=np.zeros(3, np.int64))
-        head_init = policy.prompt_head_state(
-            policy.replay_head_state(hkv, meta.model.head_dim, li, layer_memo(inputs, layer), n_prompt=P), prompt, j)
+        head_init = initial_head_state(policy, li, layer_memo(inputs, layer), prompt, j)
         cfg = EngineConfig(params=policy.param_vector(li.attention), layer=layer, scale=float(li.attention.scale),
                            has_prefill=policy.has_prefill, metric_start=P, budget=b,
                            head_adaptive=policy.head_adaptive, bounded=not policy.unbounded, cap=cap,
@@ -152,6 +151,15 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
         kept_steps=np.arange(rec_start, rec_start + n_rec) if n_rec else None,
         layers=np.asarray(layers, np.int64), held_elsewhere=held_elsewhere(trace, layers), sliding=sliding,
     )
+
+
+def initial_head_state(policy: Policy, li: LayerInputs, memo: dict | None, prompt: PromptLayers,
+                       j: int) -> np.ndarray:
+    """The head state a replay starts compressed layer j of ``prompt`` (its inputs ``li``) with: the policy's
+    trace-only tables (``Policy.replay_head_state``, kept in ``memo``, ``layer_memo``), then what it adds once the
+    prompt is known (``Policy.prompt_head_state``: KVzip's prompt scores)."""
+    head = policy.replay_head_state(li.k.shape[1], li.k.shape[2], li, memo, n_prompt=prompt.P)
+    return policy.prompt_head_state(head, prompt, j)
 
 
 def _whole_prompt_acc(inputs: Sequence[LayerInputs], li: LayerInputs, layer: int, P: int, chunk: int,

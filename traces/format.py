@@ -343,9 +343,8 @@ class TraceWriter:
         has_wo = self._same_in_every_layer("the W_O array", arrays.wo is not None, i)
         if has_wo and self.meta.model.hidden_size < 1:
             raise TraceError(f"layer {i}: a W_O array needs model.hidden_size (its number of rows) in the manifest")
-        has_recon = arrays.recon_q is not None or arrays.recon_k is not None
-        if has_recon != (self.meta.reconstruction is not None) or (has_recon and (arrays.recon_q is None
-                                                                                   or arrays.recon_k is None)):
+        has_recon = self.meta.reconstruction is not None
+        if (arrays.recon_q is not None) != has_recon or (arrays.recon_k is not None) != has_recon:
             raise TraceError(f"layer {i}: recon_q and recon_k go together, in every layer of a trace whose "
                              "manifest has a reconstruction plan, and in no other")
         (self._tmp / f"layers/{i:03d}").mkdir(parents=True, exist_ok=True)
@@ -471,11 +470,10 @@ class Trace:
             la = self.layer(i)
             return plan, la.recon_q, la.recon_k
         if self.meta.kind == "synthetic":
-            from traces.reconstruction import synthetic_reconstruction
+            from traces.reconstruction import DEFAULT_CHUNK, synthetic_reconstruction
 
             la = self.layer(i)
-            return synthetic_reconstruction(la.q, la.k, self.meta.n_prompt, *(() if chunk_size is None else
-                                                                             (chunk_size,)))
+            return synthetic_reconstruction(la.q, la.k, self.meta.n_prompt, chunk_size or DEFAULT_CHUNK)
         raise TraceError(f"trace {self.path} has no context-reconstruction pass (KVzip's scores come from it); "
                          "record it again with `kvsim record --kvzip`")
 

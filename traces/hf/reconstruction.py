@@ -11,6 +11,7 @@ one over its R ~ P repeat tokens; the arrays kept are R x (Hq + Hkv) x d per lay
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Sequence
 
 import numpy as np
@@ -24,8 +25,12 @@ def tokenizer_of(model) -> Any:
     """The tokenizer saved beside the model's weights (``config._name_or_path``, local files only), or None (a
     random-weight model built from a config has none)."""
     path = getattr(model.config, "_name_or_path", "") or ""
-    if not path:
-        return None
+    return _tokenizer_at(path) if path else None
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_at(path: str) -> Any:
+    """The tokenizer of a model folder, read once per process (every prompt of a closed-loop run asks), or None."""
     try:
         from transformers import AutoTokenizer
 
