@@ -112,39 +112,35 @@ def run_model(model: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def run_bumblebee(model: str, args: argparse.Namespace) -> int:
-    """The `BUMBLEBEE` grid: the needle experiment into the model's store, its own JSON (no prediction)."""
+def run_side_grid(model: str, name: str, budgets: list[int], grid: dict[str, Any], lengths: list[int],
+                  args: argparse.Namespace, **report: Any) -> int:
+    """A grid beside the main one (`BUMBLEBEE`, `LEADERBOARD`: its policies and tasks): the needle experiment into
+    the model's store, its own JSON ``ruler_<name>_<model>.json`` (no prediction), ``report`` added to it."""
     from gpu_validate.needle_experiment import run_needle_experiment, write_needle_report
 
-    L = BUMBLEBEE["lengths"][model]
-    budgets = [int(round(f * L)) for f in BUMBLEBEE["fractions"]]
     t0 = time.perf_counter()
-    result = run_needle_experiment(needle_spec(model, budgets, BUMBLEBEE["policies"], args, tasks=BUMBLEBEE["tasks"],
-                                               lengths=[L]), command=args.command, progress=not args.quiet)
+    result = run_needle_experiment(needle_spec(model, budgets, grid["policies"], args, tasks=grid["tasks"],
+                                               lengths=lengths), command=args.command, progress=not args.quiet)
     wall = time.perf_counter() - t0
-    print(f"{model} BumbleBee grid: {wall:.0f} s wall", flush=True)
+    print(f"{model} {name} grid: {wall:.0f} s wall", flush=True)
     if result.empty:
         return 1
-    result.report.update(budget_fractions=list(BUMBLEBEE["fractions"]), wall_seconds_this_run=round(wall, 1))
-    write_needle_report(result, OUT / f"ruler_bumblebee_{model}.json")
+    result.report.update(**report, wall_seconds_this_run=round(wall, 1))
+    write_needle_report(result, OUT / f"ruler_{name}_{model}.json")
     return 0
+
+
+def run_bumblebee(model: str, args: argparse.Namespace) -> int:
+    """The `BUMBLEBEE` grid: BumbleBee, H2O and SnapKV at 5-30% of the context, at one length per model."""
+    L = BUMBLEBEE["lengths"][model]
+    return run_side_grid(model, "bumblebee", [int(round(f * L)) for f in BUMBLEBEE["fractions"]], BUMBLEBEE, [L],
+                         args, budget_fractions=list(BUMBLEBEE["fractions"]))
 
 
 def run_leaderboard(model: str, args: argparse.Namespace) -> int:
-    """The `LEADERBOARD` grid: the needle experiment into the model's store, its own JSON (no prediction)."""
-    from gpu_validate.needle_experiment import run_needle_experiment, write_needle_report
-
-    t0 = time.perf_counter()
-    result = run_needle_experiment(needle_spec(model, GRIDS[model]["budgets"], LEADERBOARD["policies"], args,
-                                               tasks=LEADERBOARD["tasks"], lengths=LEADERBOARD["lengths"][model]),
-                                   command=args.command, progress=not args.quiet)
-    wall = time.perf_counter() - t0
-    print(f"{model} leaderboard grid: {wall:.0f} s wall", flush=True)
-    if result.empty:
-        return 1
-    result.report.update(wall_seconds_this_run=round(wall, 1))
-    write_needle_report(result, OUT / f"ruler_leaderboard_{model}.json")
-    return 0
+    """The `LEADERBOARD` grid: kvpress's leaderboard methods at the main grid's budgets, 4-8 k."""
+    return run_side_grid(model, "leaderboard", GRIDS[model]["budgets"], LEADERBOARD, LEADERBOARD["lengths"][model],
+                         args)
 
 
 def transfer() -> int:
