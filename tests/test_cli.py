@@ -84,6 +84,18 @@ def test_demo_synthetic(tmp_path, capsys):
     assert "oracle" in out and f"page: {tmp_path / 'demo.html'}" in out
 
 
+def test_demo_on_a_recorded_model_replays_every_policy(tmp_path, capsys):
+    """The demo on a model's recorded trace (the shipped tiny one here, SmolLM2 by default): every policy runs,
+    KVzip included, whose rereading pass the demo records into its trace."""
+    from traces.format import load_trace
+
+    assert main(["demo", "--model", "tiny", "--tokens", "96", "--prompt", "48", "--budgets", "16,32",
+                 "--out", str(tmp_path)]) == 0
+    trace = load_trace(next(tmp_path.glob("demo-trace-*")))
+    assert trace.meta.reconstruction is not None
+    assert "kvzip" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["replay", "synthetic:zipf", *SMALL, "--policy", "nope", "--budget", "8"], "unknown policy 'nope'"),
     (["replay", "synthetic:zipf", *SMALL, "--policy", "h2o:foo=1", "--budget", "8"], "unknown parameter"),

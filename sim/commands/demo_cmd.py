@@ -61,10 +61,12 @@ def demo_layers(n_layers: int, wanted: str | list[int] | None, layer_types: list
     return tuple(int(x) for x in np.unique(np.round(np.linspace(0, n_layers - 1, DEMO_LAYERS))))
 
 
-def demo_trace(args: argparse.Namespace, before_slow_work: Callable[[], None] = lambda: None):
+def demo_trace(args: argparse.Namespace, before_slow_work: Callable[[], None] = lambda: None,
+               reconstruction_chunk: int | None = None):
     """The demo's trace: the model on the shipped text (recorded once into --out, then reused), or synthetic.
     ``before_slow_work()`` is called before the model is fetched and converted or the trace recorded (not when
-    both are already done): the demo compiles its kernels meanwhile."""
+    both are already done): the demo compiles its kernels meanwhile. ``reconstruction_chunk``: the trace holds
+    KVzip's context-reconstruction pass in chunks of that size (a reused trace without it is recorded again)."""
     import json
 
     from sim.executors import TraceRef
@@ -85,13 +87,15 @@ def demo_trace(args: argparse.Namespace, before_slow_work: Callable[[], None] = 
     tag = "all" if len(layers) == n_layers else "-".join(map(str, layers))
     path = args.out / f"demo-trace-{name}-{args.prompt}-{args.tokens - args.prompt}-L{tag}"
     try:
-        load_trace(path)
+        plan = load_trace(path).meta.reconstruction
+        if reconstruction_chunk and (plan is None or plan.chunk_size != reconstruction_chunk):
+            raise TraceError(f"{path} has no reconstruction pass in chunks of {reconstruction_chunk}")
     except TraceError:
         before_slow_work()
         print(f"recording the demo trace of {name} (layers {', '.join(map(str, layers))} of {n_layers}) "
               f"into {path} ...", flush=True)
         record_default_trace(path, n_prompt=args.prompt, n_decode=args.tokens - args.prompt, layers=layers,
-                             overwrite=True, model=args.model)
+                             overwrite=True, model=args.model, reconstruction_chunk=reconstruction_chunk)
     if len(layers) < n_layers:
         print(f"recorded layers {', '.join(map(str, layers))} of {name}'s {n_layers} "
               f"(--keep-layers all for every layer)")
@@ -131,6 +135,7 @@ def _fits(policy, budget: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from policies import get_policy, list_policies
+    from policies.base import reconstruction_chunk
     from sim.commands._common import command_line
     from sim.executors import default_workers
     from sim.pages import sweep_page
@@ -152,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         if not warming:
             warming.extend(background_compile(names, available_cores()))
 
-    ref = demo_trace(args, compile_meanwhile)
+    policies = [get_policy(n) for n in names]
+    ref = demo_trace(args, compile_meanwhile, reconstruction_chunk(policies))     # KVzip reads its rereading pass
     if any(p.poll() is None for p in warming):
         print("finishing the policies' numba kernels (first run only; later runs load them from the cache) ...",
               flush=True)
@@ -163,7 +169,6 @@ def run(args: argparse.Namespace) -> int:
     model = f"synthetic:{args.synthetic}" if args.synthetic else trace.meta.model.model_id
     layers = "" if args.synthetic else f", layers {','.join(map(str, trace.meta.model.layer_ids))}"
     title = f"kvsim demo — {model}{layers}"
-    policies = [get_policy(n) for n in names]
     store = ResultStore(args.out / "demo-results")
     save_trace_facts(store.root, trace)
     df = run_sweep([ref], policies, args.budgets, store, workers=default_workers())

@@ -54,11 +54,13 @@ def default_text() -> str:
 
 def record_default_trace(out_dir: str | Path, n_prompt: int = 512, n_decode: int = 512, *,
                          layers: tuple[int, ...] | None = None, dtype: str = "float32", overwrite: bool = False,
-                         progress: bool = False, single_pass: bool = True, model: str = "tiny") -> Path:
+                         progress: bool = False, single_pass: bool = True, model: str = "tiny",
+                         reconstruction_chunk: int | None = None) -> Path:
     """Record a teacher-forced trace of ``model`` (any spec traces.models resolves) on the default text.
 
     single_pass (default) runs one causal forward over all tokens (seconds for 1k tokens on a CPU); False
-    decodes token by token through the KV cache (same attention, slower)."""
+    decodes token by token through the KV cache (same attention, slower). ``reconstruction_chunk``: also record
+    KVzip's context-reconstruction pass (``traces.recorder.record_trace``)."""
     import torch
 
     from traces.recorder import record_trace
@@ -69,6 +71,6 @@ def record_default_trace(out_dir: str | Path, n_prompt: int = 512, n_decode: int
     res = record_trace(net, ids, out_dir, n_prompt=n_prompt, n_decode=n_decode, tokenizer=tok, layers=layers,
                        dtype=dtype, teacher_forced=True, model_id=model_id(model),
                        source={"text_id": DEFAULT_TEXT_ID}, progress=progress, overwrite=overwrite,
-                       single_pass=single_pass)
+                       single_pass=single_pass, reconstruction_chunk=reconstruction_chunk)
     return res.path
 
