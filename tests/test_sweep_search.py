@@ -127,3 +127,36 @@ def test_report_and_search_cli(tmp_path, capsys):
     for name in ("report.html", "budget_curves.png", "pareto.png", "occupancy.png"):
         assert (tmp_path / "rep" / name).stat().st_size > 1000
     assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+def _trace_without_pass(tmp_path: Path) -> str:
+    """A recorded (not synthetic) one-layer trace on disk without KVzip's context-reconstruction pass."""
+    from traces.format import LayerArrays, LayerAttention, ModelInfo, TraceMeta, write_trace
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((24, h, 8)).astype(np.float32) for h in (2, 1, 1))
+    meta = TraceMeta(ModelInfo("m", 1, 2, 1, 8, attention=(LayerAttention(rope_theta=1e4),)), 24, 16)
+    return str(write_trace(tmp_path / "plain", meta, [LayerArrays(q, k, v)]))
+
+
+def test_all_skips_what_a_trace_cannot_serve_and_explicit_names_fail_early(tmp_path, capsys):
+    from sim.sweep import implicit_labels
+
+    assert "kvzip" in implicit_labels("all") and "kvzip" not in implicit_labels("all;kvzip")
+    assert implicit_labels("h2o;kvzip") == frozenset()
+    ref = TraceRef(_trace_without_pass(tmp_path))
+    policies = parse_policy_grid("kvzip;critical(kvzip);h2o")
+    with pytest.raises(PolicyError, match=r"kvzip on trace .*kvsim record --kvzip"):
+        run_sweep([ref], policies, [8], ResultStore(tmp_path / "explicit"), progress=False)
+    assert ResultStore(tmp_path / "explicit").keys() == set()        # nothing ran
+    df = run_sweep([ref], policies, [8], ResultStore(tmp_path / "all"), progress=False,
+                   optional={"kvzip", "critical(kvzip)"})
+    assert set(df.label) == {"h2o"}
+    assert "skipping critical(kvzip)" in capsys.readouterr().err
+
+
+def test_sweep_cli_all_on_a_trace_without_the_pass(tmp_path, capsys):
+    path = _trace_without_pass(tmp_path)
+    assert main(["sweep", path, "--policies", "all", "--budgets", "8", "--out", str(tmp_path / "r"), "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert "skipping kvzip" in out.err and "h2o" in out.out

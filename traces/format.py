@@ -451,6 +451,11 @@ class Trace:
     def n_layers(self) -> int:
         return len(self.meta.model.layer_ids)
 
+    @property
+    def has_reconstruction(self) -> bool:
+        """Whether ``reconstruction`` can answer: the trace recorded the pass, or is synthetic (derives one)."""
+        return self.meta.reconstruction is not None or self.meta.kind == "synthetic"
+
     def layer(self, i: int) -> LayerArrays:
         """Memory-mapped arrays of the i-th stored layer (file order, not model layer id)."""
         if not 0 <= i < self.n_layers:

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from sim.report import default_budgets, plot_budget_curves, print_ranked, split_sliding
     from sim.runinfo import save_ref_facts
     from sim.store import ResultStore
-    from sim.sweep import parse_policy_grid, run_sweep, with_oracle_gap
+    from sim.sweep import implicit_labels, parse_policy_grid, run_sweep, with_oracle_gap
 
     refs = trace_refs(args)
     budgets = args.budgets or default_budgets(min(r.open()[0].meta.n_tokens for r in refs))
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         save_ref_facts(store.root, ref)              # what `kvsim report` says about each trace
     df = run_sweep(refs, parse_policy_grid(args.policies), budgets, store, workers=args.workers,
                    ray_address=args.ray, threads=args.threads, split_layers=args.split_layers,
-                   progress=not args.quiet)
+                   progress=not args.quiet, optional=implicit_labels(args.policies))
     df = split_sliding(with_oracle_gap(df[df.budget.isin(budgets)]))
     print_ranked(df)
     print(f"results: {args.out} ({len(df)} rows for these budgets; `kvsim report {args.out}` writes the page)")
