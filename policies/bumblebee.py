@@ -42,7 +42,7 @@ from policies._bumblebee_greedy import (COL_ROWS, FULL_MATRIX_MAX, _cos_from, _d
                                          greedy_select, greedy_select_keys, kernel_sim, self_sim, sim_columns,
                                          similarity_into, similarity_matrix, unit_keys_t)
 from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, kernel, param_indices
-from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
+from policies.kernels import GROUP_REDUCE, group_score, prompt_attention, prompt_attention_table
 from policies.scorer import recent_slots
 from policies.registry import register
 
@@ -101,20 +101,6 @@ def nearest_selected(uT, inset, mode):
     return nn, nn_pos
 
 
-@njit(cache=True)
-def prompt_importance(q, k, scale, h, mode):
-    """Attention each prompt key of KV head h accumulates over all prompt queries (Alg. 1 line 3): float64 [n_prompt].
-
-    Per query row the G query heads' causal probabilities are reduced like ``group_score`` (mean/sum/max).
-    Blocked GEMM tiles (``causal_attention_scores``), O(n_prompt^2 G d) time.
-    """
-    n_prompt, hq_n, _ = q.shape
-    g_n = hq_n // k.shape[1]
-    acc = np.zeros(n_prompt, np.float64)
-    causal_attention_scores(q, k, scale, h * g_n, g_n, h, 0, n_prompt, mode, acc, np.zeros((1, 1)), 0)
-    return acc
-
-
 @kernel(PREFILL_SIG)
 def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
     lam = params[P.lam]
@@ -125,9 +111,12 @@ def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state
     n_prompt = k.shape[0]
     full = n_prompt <= FULL_MATRIX_MAX
     S = np.empty((n_prompt if full else 0, n_prompt if full else 0), np.float64)
-    memoised = n_prompt > 0 and head_state.shape[1] == n_prompt     # a replay's importance table (replay_head_state)
+    if n_prompt > 0 and head_state.shape[1] == n_prompt:     # a replay's importance table (replay_head_state)
+        importance = head_state.copy()
+    else:
+        importance = prompt_attention(q, k, scale, int(params[P.group_reduce]))
     for h in range(k.shape[1]):
-        m = head_state[h].copy() if memoised else prompt_importance(q, k, scale, h, int(params[P.group_reduce]))
+        m = importance[h]
         recent = recent_slots(budget[h], params[P.recent_ratio])
         forced = np.zeros(n_prompt, np.uint8)
         forced[max(0, n_prompt - recent):] = 1
@@ -308,19 +297,12 @@ class BumbleBee(Policy):
 
     def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None,
                           n_prompt: int = 0) -> np.ndarray:
-        """Every prompt key's importance [Hkv, n_prompt] (``prompt_importance``, O(P^2 G d), most of a replay's
-        time): it depends on the trace and ``group_reduce`` only, so it is computed once per prepared layer and
-        kept in ``memo`` for the other budgets; the prefill reads it (the same bits) instead of recomputing. The
-        closed loop's head state has no columns, and its prefill computes the importance itself."""
+        """Every prompt key's importance [Hkv, n_prompt] (``prompt_attention``, O(P^2 G d), most of a replay's
+        time): it depends on the trace and ``group_reduce`` only, so it is the trace table
+        ``policies.kernels.prompt_attention_table`` (computed once per trace, shared with BUZZ); the prefill reads it
+        (the same bits) instead of recomputing. The closed loop's head state has no columns, and its prefill
+        computes the importance itself."""
         if n_prompt < 1:
             return super().replay_head_state(n_kv_heads, head_dim, layer, memo, n_prompt)
         mode = int(self.param_vector(layer.attention)[P.group_reduce])
-        scale = float(layer.attention.scale)
-        key = ("bumblebee.importance", n_prompt, mode, scale)
-        table = None if memo is None else memo.get(key)
-        if table is None:
-            q, k = layer.q[:n_prompt], layer.k[:n_prompt]
-            table = np.stack([prompt_importance(q, k, scale, h, mode) for h in range(n_kv_heads)])
-            if memo is not None:
-                memo[key] = table
-        return table.copy()
+        return prompt_attention_table(layer, memo, n_prompt, mode)

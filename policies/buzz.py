@@ -12,11 +12,11 @@ import numpy as np
 from numba import njit
 
 from policies._buzz_model import CountRule, held_after_prefill, held_trajectory
-from typing import Sequence
+from typing import Any, Sequence
 
 from policies.base import (LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError, kernel,
                            param_indices)
-from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
+from policies.kernels import GROUP_REDUCE, group_score, prompt_attention, prompt_attention_table
 from policies.registry import register
 
 PREFILL = ("fit", "one_pass")
@@ -46,6 +46,7 @@ PL = param_indices(LOGN_SCHEMA)          # SCHEMA is its prefix: the BUZZ kernel
 # slot_state fields: accumulated attention, old flag; head_state fields: window, threshold, initialised
 _SCORE, _OLD = 0, 1
 _HW, _HT, _HINIT = 0, 1, 2
+_HEAD_FIELDS = 3
 
 
 @njit(cache=True)
@@ -227,18 +228,6 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
             _head_pass(h, n, t, k, w, s, drop, right, positions, slot_state, keep)
 
 
-@njit(cache=True)
-def _prompt_scores(q, k, scale, mode):
-    """Accumulated causal prompt attention per KV head and key: [Hkv, n_prompt] (query heads reduced by ``mode``)."""
-    n_prompt, hq, _ = q.shape
-    hkv = k.shape[1]
-    g_n = hq // hkv
-    out = np.zeros((hkv, n_prompt), np.float64)
-    for h in range(hkv):
-        causal_attention_scores(q, k, scale, h * g_n, g_n, h, 0, n_prompt, mode, out[h], np.zeros((1, 1)), 0)
-    return out
-
-
 @kernel(PREFILL_SIG)
 def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state):
     """Remark 2: sample the prompt's middle until it fits in T (+ k + w): one local-max pass with stride s,
@@ -252,7 +241,10 @@ def _prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head_state
     drop = params[P.hive_tail] == 1.0
     right = params[P.hive_align] == 1.0
     _init_heads(params, budget, head_state)
-    scores = _prompt_scores(q, k, scale, int(params[P.group_reduce]))
+    if head_state.shape[1] == _HEAD_FIELDS + n_prompt:      # a replay's trace table (replay_head_state)
+        scores = head_state[:, _HEAD_FIELDS:].copy()
+    else:
+        scores = prompt_attention(q, k, scale, int(params[P.group_reduce]))
     if params[P.score_scope] == 1.0:
         total = scores.sum(axis=0)
         for h in range(hkv):
@@ -337,9 +329,21 @@ class Buzz(Policy):
     schema = SCHEMA
     P = P
     slot_fields = 2
-    head_fields = 3
+    head_fields = _HEAD_FIELDS
     step_fn = _step
     prefill_fn = _prefill
+
+    def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None,
+                          n_prompt: int = 0) -> np.ndarray:
+        """The head fields, then the attention every prompt key accumulates over the prompt [Hkv, n_prompt] (the
+        prefill's hive scores, O(P^2 G d), most of a long replay): the trace table
+        ``policies.kernels.prompt_attention_table``, computed once per trace and shared with BumbleBee; the prefill
+        reads it (the same bits) instead of recomputing. The closed loop's prefill computes it itself."""
+        head = super().replay_head_state(n_kv_heads, head_dim, layer, memo, n_prompt)
+        if n_prompt < 1:
+            return head
+        mode = int(self.param_vector(layer.attention)[P.group_reduce])
+        return np.concatenate([head, prompt_attention_table(layer, memo, n_prompt, mode)], axis=1)
 
     def validate(self) -> None:
         T = self.params["threshold"]

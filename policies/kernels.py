@@ -268,6 +268,35 @@ def causal_column_sums(q, k, scale, hq, h, r0, r1):
 
 
 @njit(cache=True)
+def prompt_attention(q, k, scale, mode):
+    """Attention each prompt key accumulates over every prompt query, per KV head: float64 [Hkv, n_prompt], the
+    G query heads of a row reduced by ``mode`` (``group_rows_scores``). O(n_prompt^2 G d): what BUZZ's and
+    BumbleBee's prefills score the prompt by, and a replay computes once per trace (``prompt_attention_table``)."""
+    n_prompt = q.shape[0]
+    out = np.zeros((k.shape[1], n_prompt), np.float64)
+    no_ring = np.zeros((1, 1), np.float64)
+    for h in range(k.shape[1]):
+        group_rows_scores(q, k, scale, h, 0, n_prompt, mode, out[h], no_ring, 0)
+    return out
+
+
+def prompt_attention_table(layer, memo: dict | None, n_prompt: int, mode: int) -> np.ndarray:
+    """``prompt_attention`` of a recorded layer's (``sim.layer_inputs.LayerInputs``) first ``n_prompt`` tokens:
+    trace-only work, kept in ``memo`` (``Policy.replay_head_state``'s, which a recorded trace's replays also keep
+    on disk: ``sim.trace_tables``), so that every budget, parameter and policy reading it shares one computation.
+    A fresh array each call (a prefill may write into it)."""
+    scale = float(layer.attention.scale)
+    key = ("prompt_attention", int(n_prompt), int(mode), scale)
+    table = None if memo is None else memo.get(key)
+    if table is None:
+        table = prompt_attention(np.ascontiguousarray(layer.q[:n_prompt]), np.ascontiguousarray(layer.k[:n_prompt]),
+                                 scale, int(mode))
+        if memo is not None:
+            memo[key] = table
+    return np.array(table, np.float64)
+
+
+@njit(cache=True)
 def group_rows_scores(q, k, scale, h, r0, r1, mode, scores, ring, ring_w):
     """Add, for every query row r in [r0, r1), the group-reduced causal attention of KV head h to ``scores[:r1]``.
 

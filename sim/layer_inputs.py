@@ -45,17 +45,21 @@ class LayerInputs:
 
 class PreparedLayers(list):
     """Engine inputs prepared once for several replays, plus ``stats``: prompt statistics allocators computed on
-    them (``policies.base.prompt_memo``), shared by every replay that uses these inputs."""
+    them (``policies.base.prompt_memo``), shared by every replay that uses these inputs. ``trace``: the trace
+    whose every layer they are, in order (None for a subset), whose trace-only tables are also kept on disk
+    (``layer_memo``)."""
 
-    def __init__(self, items=()) -> None:
+    def __init__(self, items=(), trace: Trace | None = None) -> None:
         super().__init__(items)
         self.stats: dict = {}
+        self.trace = trace
 
 
 def load_layers(trace: Trace, layers: Sequence[int] | None = None) -> PreparedLayers:
     """Prepare the engine inputs of the chosen layers (all by default) once, for several replays."""
     idx = range(trace.n_layers) if layers is None else layers
-    return PreparedLayers(LayerInputs.from_arrays(trace.layer(i), trace.meta.attention(i)) for i in idx)
+    return PreparedLayers((LayerInputs.from_arrays(trace.layer(i), trace.meta.attention(i)) for i in idx),
+                          trace if layers is None else None)
 
 
 class LayerLoader(Sequence):
@@ -131,7 +135,17 @@ class PromptLayers(Sequence):
 
 def layer_memo(inputs: Sequence[LayerInputs], layer: int) -> dict | None:
     """The dict where policies keep trace-only tables of one layer (``Policy.replay_head_state``: CriticalKV's
-    projected value norms), shared by every replay of these prepared inputs (``PreparedLayers.stats``), or None
-    for a plain list of inputs (computed per replay)."""
+    projected value norms, the prompt attention BUZZ and BumbleBee read), shared by every replay of these prepared
+    inputs (``PreparedLayers.stats``) and, for a recorded trace, by later processes through the disk
+    (``sim.trace_tables.LayerMemo``); None for a plain list of inputs (computed per replay)."""
     stats = getattr(inputs, "stats", None)
-    return None if stats is None else stats.setdefault(("layer_memo", layer), {})
+    if stats is None:
+        return None
+    memo = stats.get(("layer_memo", layer))
+    if memo is None:
+        from sim.trace_tables import LayerMemo, tables_dir
+
+        trace = getattr(inputs, "trace", None)
+        digest = None if trace is None else trace.layer_digest(layer)
+        memo = stats[("layer_memo", layer)] = LayerMemo(tables_dir() if digest else None, digest)
+    return memo

@@ -1,7 +1,9 @@
 """Shared test settings: hypothesis profiles and small synthetic traces."""
 import os
+import tempfile
 
 os.environ.setdefault("KVSIM_THREADS", "1")
+os.environ.setdefault("KVSIM_TABLES", tempfile.mkdtemp(prefix="kvsim-tables-"))   # not the user's cache
 os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton kernels on the CPU unless a GPU run sets 0, before any import
 
 from hypothesis import HealthCheck, settings

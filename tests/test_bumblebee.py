@@ -14,9 +14,8 @@ from policies import get_policy
 from policies.base import Policy, PolicyError
 from policies._bumblebee_greedy import (COL_W, FULL_MATRIX_MAX, concave, greedy_select, greedy_select_keys,
                                          sim_columns, similarity_into, similarity_matrix, unit_keys_t)
-from policies.bumblebee import (CONCAVE, F_ACC, F_NN, F_NNPOS, F_NORM, SIMILARITY, _prefill, _step, objective,
-                                prompt_importance)
-from policies.kernels import causal_column_sums
+from policies.bumblebee import CONCAVE, F_ACC, F_NN, F_NNPOS, F_NORM, SIMILARITY, _prefill, _step, objective
+from policies.kernels import causal_column_sums, prompt_attention
 from policies.scorer import recent_slots
 from sim.replay import replay
 from traces.synthetic import make_synthetic_trace
@@ -138,15 +137,15 @@ def test_greedy_worked_example_mixture():
     assert objective(keys, m, [0, 2], **kw) == pytest.approx(0.5 * 1.0 + 0.5 * math.log(4) / math.log(6))
 
 
-def test_prompt_importance_matches_column_sums():
+def test_prompt_attention_matches_column_sums():
     rng = np.random.default_rng(0)
     q = rng.normal(size=(9, 4, 5)).astype(np.float32)
     k = rng.normal(size=(9, 2, 5)).astype(np.float32)
     for h in range(2):
         cols = [causal_column_sums(q, k, 0.4, 2 * h + g, h, 0, 9) for g in range(2)]
         # float32 logits: a GEMM over the group's rows may round differently from one over a single head's
-        np.testing.assert_allclose(prompt_importance(q, k, 0.4, h, 0), (cols[0] + cols[1]) / 2, rtol=1e-6)
-        np.testing.assert_allclose(prompt_importance(q, k, 0.4, h, 1), cols[0] + cols[1], rtol=1e-6)
+        np.testing.assert_allclose(prompt_attention(q, k, 0.4, 0)[h], (cols[0] + cols[1]) / 2, rtol=1e-6)
+        np.testing.assert_allclose(prompt_attention(q, k, 0.4, 1)[h], cols[0] + cols[1], rtol=1e-6)
 
 
 def test_prefill_keeps_greedy_selection_and_slot_stats():
@@ -159,7 +158,7 @@ def test_prefill_keeps_greedy_selection_and_slot_stats():
     keep = np.ones((1, P), np.uint8)
     st_ = np.zeros((1, P, 4))
     _prefill(params, 0, np.array([5]), q, k, k.copy(), 0.5, keep, st_, np.zeros((1, 0)))
-    m = prompt_importance(q, k, 0.5, 0, 0)
+    m = prompt_attention(q, k, 0.5, 0)[0]
     sel, _ = greedy_select(similarity_matrix(k[:, 0].astype(np.float64), 0), m, 5, np.zeros(P, np.uint8), 0.3, 0,
                            0.04, 1.0, True)
     assert sorted(sel.tolist()) == np.flatnonzero(keep[0]).tolist()
@@ -246,7 +245,7 @@ def _full_matrix_prefill(params, budget, q, k, scale):
     st_ = np.zeros((hkv, P_, 3))
     mode = int(params[4])
     for h in range(hkv):
-        m = prompt_importance(q, k, scale, h, int(params[6]))
+        m = prompt_attention(q, k, scale, int(params[6]))[h]
         S = np.empty((P_, P_))
         similarity_into(k[:, h, :], mode, S)
         forced = np.zeros(P_, np.uint8)
@@ -415,7 +414,6 @@ def test_lazy_and_naive_policies_replay_identically():
 def test_replay_importance_table_is_computed_once_and_changes_nothing(group_reduce, monkeypatch):
     """A replay over prepared layers reads every prompt key's importance from a table computed once per layer and
     group reduction (``replay_head_state``); the prefill computing it itself gives the same bits, so the same run."""
-    from policies.bumblebee import prompt_importance
     from sim.layer_inputs import load_layers
 
     trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=6, n_kv_heads=2, head_dim=16, n_tokens=80,
@@ -425,8 +423,7 @@ def test_replay_importance_table_is_computed_once_and_changes_nothing(group_redu
     li, memo = inputs[0], {}
     table = pol.replay_head_state(2, 16, li, memo, n_prompt=50)
     mode = int(pol.param_vector(li.attention)[pol.P.group_reduce])
-    for h in range(2):
-        np.testing.assert_array_equal(table[h], prompt_importance(li.q[:50], li.k[:50], li.attention.scale, h, mode))
+    np.testing.assert_array_equal(table, prompt_attention(li.q[:50], li.k[:50], li.attention.scale, mode))
     assert len(memo) == 1 and pol.replay_head_state(2, 16, li, memo, n_prompt=50) is not table
     assert pol.replay_head_state(2, 16, li, memo).shape == (2, 0)          # no prompt length: the closed loop's
     memoised = [replay(trace, pol, b, inputs=inputs, record_kept=(50, 30)) for b in (12, 24)]

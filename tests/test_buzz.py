@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from policies._buzz_model import (CountRule, held_trajectory, old_sequence, paper_recurrence, predicted_ratio,
                                   steady_old_fraction, theorem_ratio)
-from policies.buzz import _logn_scale, _prefill, _prompt_scores, _sample
+from policies.buzz import _logn_scale, _prefill, _sample
+from policies.kernels import prompt_attention
 from policies.base import PolicyError
 from policies.registry import get_policy
 from sim.replay import replay
@@ -190,7 +191,7 @@ def test_prompt_scores_match_numpy():
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)                                          # [Hkv, G, r, t]
     for mode, red in enumerate((p.mean(1), p.sum(1), p.max(1))):       # the kernel's logits are float32 dots
-        np.testing.assert_allclose(_prompt_scores(q, k, 0.3, mode), red.sum(1), rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(prompt_attention(q, k, 0.3, mode), red.sum(1), rtol=1e-6, atol=1e-12)
 
 
 CONFIGS = st.fixed_dictionaries({
@@ -422,3 +423,28 @@ def test_one_pass_prefill_counts_and_budget():
     a = replay(tr, get_policy("buzz", prefill="one_pass", **fit_kw), 42)
     b = replay(tr, get_policy("buzz", **fit_kw), 42)
     np.testing.assert_array_equal(a.metrics, b.metrics)
+
+
+def test_replay_reads_the_prompt_attention_table_and_changes_nothing(monkeypatch):
+    """A replay hands BUZZ's prefill the trace's prompt attention (``replay_head_state``, shared with BumbleBee
+    under one key); the prefill computing it itself gives the same kept sets and metrics."""
+    from policies.base import Policy
+    from sim.layer_inputs import load_layers
+    from sim.replay import replay
+    from traces.synthetic import make_synthetic_trace
+
+    trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=120,
+                                 n_prompt=90, seed=4)
+    pol = get_policy("buzz")
+    inputs = load_layers(trace)
+    head = pol.replay_head_state(2, 16, inputs[0], {}, n_prompt=90)
+    assert head.shape == (2, 3 + 90)
+    np.testing.assert_array_equal(head[:, 3:], prompt_attention(inputs[0].q[:90], inputs[0].k[:90],
+                                                                inputs[0].attention.scale, 1))
+    tabled = [replay(trace, pol, b, inputs=inputs, record_kept=(90, 30)) for b in (24, 40)]
+    assert any(k[0] == "prompt_attention" for k in inputs.stats[("layer_memo", 0)])
+    monkeypatch.setattr(type(pol), "replay_head_state", Policy.replay_head_state)
+    plain = [replay(trace, pol, b, inputs=inputs, record_kept=(90, 30)) for b in (24, 40)]
+    for a, b in zip(tabled, plain):
+        np.testing.assert_array_equal(a.kept, b.kept)
+        np.testing.assert_array_equal(a.metrics, b.metrics)

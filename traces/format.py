@@ -282,6 +282,21 @@ def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write a binary file via a temp file in the same folder (created if missing) and os.replace."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write a text file via temp file + rename so readers never see a partial file: kvsim's one atomic text (and
     JSON) writer. The file gets the permissions a plain ``open(path, "w")`` would give it (mkstemp's are 0600)."""
@@ -455,6 +470,15 @@ class Trace:
     def has_reconstruction(self) -> bool:
         """Whether ``reconstruction`` can answer: the trace recorded the pass, or is synthetic (derives one)."""
         return self.meta.reconstruction is not None or self.meta.kind == "synthetic"
+
+    def layer_digest(self, i: int) -> str | None:
+        """A SHA-256 over the manifest's checksums of every array of the i-th stored layer: names the layer's
+        content (tables derived from it are cached under it, ``sim.trace_tables``); None for a trace in memory."""
+        prefix = array_path(i, "")[:-len(".npy")]
+        digests = sorted((rel, e["sha256"]) for rel, e in self._entries.items() if rel.startswith(prefix))
+        if not digests:
+            return None
+        return hashlib.sha256(repr((self.meta.n_tokens, self.meta.n_prompt, digests)).encode()).hexdigest()
 
     def layer(self, i: int) -> LayerArrays:
         """Memory-mapped arrays of the i-th stored layer (file order, not model layer id)."""

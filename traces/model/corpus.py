@@ -7,7 +7,6 @@ plus the pdb manual, chosen so that no held-out passage is duplicated inside a t
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 LICENSE_DIR = Path("/usr/share/common-licenses")
@@ -61,12 +60,3 @@ def corpus_digest(docs: list[tuple[str, str]]) -> str:
     return h.hexdigest()
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write a file via a temp file in the same folder and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

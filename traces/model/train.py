@@ -23,9 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.model.corpus import (
-    atomic_write_bytes, corpus_digest, load_documents, split_documents,
-)
+from traces.format import atomic_write_bytes
+from traces.model.corpus import corpus_digest, load_documents, split_documents
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "kvsim-tiny-llama"

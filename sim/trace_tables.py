@@ -1,0 +1,95 @@
+"""Trace-only tables kept on disk between processes.
+
+Some of a policy's replay work depends on the recorded trace alone: the attention every prompt key accumulates over
+the prompt (BUZZ and BumbleBee, O(P^2 G d): at 32 k tokens most of a replay), CriticalKV's projected value norms.
+Within a process ``sim.layer_inputs.layer_memo`` already shares them across budgets and parameters; this module
+keeps them across processes too, so that the second ``kvsim replay`` of a long trace, a sweep's workers and a
+search's trials do not pay them again.
+
+A table lives in ``$KVSIM_TABLES`` (default ``<kvsim cache>/tables``; ``off`` disables the disk tier) under a name
+that hashes the layer's content (the SHA-256 checksums its trace manifest holds for every array of the layer,
+``Trace.layer_digest``) and the table's key (its name and every parameter it depends on): a re-recorded trace or
+another parameter is another file, never a stale one. Each file is written atomically beside the SHA-256 of its
+bytes; a file that fails to load or to match is recomputed and replaced. Plain ``.npy``, no pickle.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from pathlib import Path
+from typing import Any, Hashable
+
+import numpy as np
+
+from traces.format import atomic_write_bytes
+
+#: environment variable naming the folder (``off``: keep tables in memory only)
+ENV = "KVSIM_TABLES"
+
+
+def tables_dir() -> Path | None:
+    """``$KVSIM_TABLES``, else ``<kvsim cache>/tables`` (``traces.models.cache_dir``); None when set to ``off``."""
+    env = os.environ.get(ENV)
+    if env == "off":
+        return None
+    if env:
+        return Path(env)
+    from traces.models import cache_dir
+
+    return cache_dir() / "tables"
+
+
+class LayerMemo(dict):
+    """``Policy.replay_head_state``'s memo for one recorded layer: a dict whose array values are also read from and
+    written to ``folder`` (one ``.npy`` plus its ``.sha256`` per key), or a plain dict when ``folder`` is None."""
+
+    def __init__(self, folder: Path | None, layer_digest: str | None) -> None:
+        super().__init__()
+        self.folder = folder if layer_digest else None
+        self.layer_digest = layer_digest
+
+    def _path(self, key: Hashable) -> Path:
+        name = hashlib.sha256(f"{self.layer_digest}|{key!r}".encode()).hexdigest()[:40]
+        return self.folder / name[:2] / f"{name}.npy"
+
+    def get(self, key: Hashable, default: Any = None) -> Any:
+        if key in self:
+            return self[key]
+        table = self._load(key) if self.folder is not None else None
+        if table is None:
+            return default
+        dict.__setitem__(self, key, table)
+        return table
+
+    def __setitem__(self, key: Hashable, value: Any) -> None:
+        dict.__setitem__(self, key, value)
+        if self.folder is not None and isinstance(value, np.ndarray):
+            self._store(key, value)
+
+    def _load(self, key: Hashable) -> np.ndarray | None:
+        path = self._path(key)
+        try:
+            want = path.with_suffix(".sha256").read_text().strip()
+            data = path.read_bytes()
+        except OSError:
+            return None
+        if hashlib.sha256(data).hexdigest() != want:
+            return None                       # torn or tampered: recomputed and replaced by the caller
+        try:
+            return np.load(path, allow_pickle=False)
+        except (OSError, ValueError):
+            return None
+
+    def _store(self, key: Hashable, value: np.ndarray) -> None:
+        """Atomic: the array, then its checksum. A folder that cannot be written (read-only cache, full disk)
+        leaves the table in memory only."""
+        path = self._path(key)
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(value), allow_pickle=False)
+        data = buf.getvalue()
+        try:
+            atomic_write_bytes(path, data)
+            atomic_write_bytes(path.with_suffix(".sha256"), hashlib.sha256(data).hexdigest().encode() + b"\n")
+        except OSError:
+            pass
