@@ -156,15 +156,15 @@ class KVzip(ScorerPolicy):
     def reconstruction_chunk(self) -> int | None:
         return int(self.params["chunk_size"])
 
-    def prompt_scores(self, prompt_layers: Any) -> list[np.ndarray]:
-        """[Hkv, P] float64 per compressed layer: the scores of every prompt token, from the reconstruction pass
-        the prompt view gives (``reconstruction(j)``: the trace's, or the closed loop's run in the model)."""
+    def prompt_scores(self, prompt_layers: Any) -> np.ndarray:
+        """[L, Hkv, P] float64, one [Hkv, P] per compressed layer: the scores of every prompt token, from the
+        reconstruction pass the prompt view gives (``reconstruction(j)``: the trace's, or the closed loop's run in the model)."""
         read = getattr(prompt_layers, "reconstruction", None)
         if read is None:
             raise PolicyError(f"{self.label()}: this prompt view has no context-reconstruction pass")
         n_sink, size = int(self.params["n_sink"]), int(self.params["chunk_size"])
 
-        def compute() -> list[np.ndarray]:
+        def compute() -> np.ndarray:        # one array: a recorded trace's replays keep it on disk (sim.trace_tables)
             out = []
             for j in range(len(prompt_layers)):
                 plan, recon_q, recon_k, k, scale = read(j, size)
@@ -174,7 +174,7 @@ class KVzip(ScorerPolicy):
                                       f"{size}` or pass chunk_size={plan.chunk_size}")
                 out.append(reconstruction_scores(np.asarray(recon_q), np.asarray(recon_k), np.asarray(k),
                                                  plan.layout(), n_sink, scale))
-            return out
+            return np.stack(out)
 
         return prompt_memo(prompt_layers, ("kvzip.scores", n_sink, size), compute)
 
@@ -186,7 +186,7 @@ class KVzip(ScorerPolicy):
         n_prompt = len(prompt_layers[0][1]) if n_layers else 0
         if budget >= n_prompt:
             return flat            # the prompt fits in every head: nothing to share
-        scores = np.stack(self.prompt_scores(prompt_layers))          # [L, Hkv, P]
+        scores = self.prompt_scores(prompt_layers)          # [L, Hkv, P]
         n_sink = min(int(self.params["n_sink"]), n_prompt)
         floor = self.min_budget()
         if self.params["layerwise"]:

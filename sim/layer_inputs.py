@@ -109,7 +109,12 @@ class PromptLayers(Sequence):
     def __init__(self, trace: Trace, inputs: Sequence[LayerInputs], layers: Sequence[int], n_prompt: int) -> None:
         self.trace, self.inputs, self.layers, self.P = trace, inputs, list(layers), n_prompt
         stats = getattr(inputs, "stats", None)     # shared by the replays of these inputs, per set of layers
-        self.cache = None if stats is None else stats.setdefault((tuple(self.layers), n_prompt), {})
+        key = (tuple(self.layers), n_prompt)
+        if stats is not None and key not in stats:   # and by later processes, for a recorded trace (on disk)
+            from sim.trace_tables import table_memo
+
+            stats[key] = table_memo(trace, self.layers, n_prompt)
+        self.cache = None if stats is None else stats[key]
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -137,15 +142,14 @@ def layer_memo(inputs: Sequence[LayerInputs], layer: int) -> dict | None:
     """The dict where policies keep trace-only tables of one layer (``Policy.replay_head_state``: CriticalKV's
     projected value norms, the prompt attention BUZZ and BumbleBee read), shared by every replay of these prepared
     inputs (``PreparedLayers.stats``) and, for a recorded trace, by later processes through the disk
-    (``sim.trace_tables.LayerMemo``); None for a plain list of inputs (computed per replay)."""
+    (``sim.trace_tables.table_memo``); None for a plain list of inputs (computed per replay)."""
     stats = getattr(inputs, "stats", None)
     if stats is None:
         return None
     memo = stats.get(("layer_memo", layer))
     if memo is None:
-        from sim.trace_tables import LayerMemo, tables_dir
+        from sim.trace_tables import table_memo
 
         trace = getattr(inputs, "trace", None)
-        digest = None if trace is None else trace.layer_digest(layer)
-        memo = stats[("layer_memo", layer)] = LayerMemo(tables_dir() if digest else None, digest)
+        memo = stats[("layer_memo", layer)] = table_memo(trace, [layer], trace.meta.n_prompt if trace else 0)
     return memo

@@ -7,9 +7,9 @@ keeps them across processes too, so that the second ``kvsim replay`` of a long t
 search's trials do not pay them again.
 
 A table lives in ``$KVSIM_TABLES`` (default ``<kvsim cache>/tables``; ``off`` disables the disk tier) under a name
-that hashes the layer's content (the SHA-256 checksums its trace manifest holds for every array of the layer,
-``Trace.layer_digest``) and the table's key (its name and every parameter it depends on): a re-recorded trace or
-another parameter is another file, never a stale one. Each file is written atomically beside the SHA-256 of its
+that hashes the content of the layers it derives from (the SHA-256 checksums the trace manifest holds for every
+array of each, ``Trace.layer_digest``), the prompt length, and the table's key (its name and every parameter it
+depends on): a re-recorded trace or another parameter is another file, never a stale one. Each file is written atomically beside the SHA-256 of its
 bytes; a file that fails to load or to match is recomputed and replaced. Plain ``.npy``, no pickle.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import hashlib
 import io
 import os
 from pathlib import Path
-from typing import Any, Hashable
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
@@ -40,21 +40,35 @@ def tables_dir() -> Path | None:
     return cache_dir() / "tables"
 
 
-class LayerMemo(dict):
-    """``Policy.replay_head_state``'s memo for one recorded layer: a dict whose array values are also read from and
-    written to ``folder`` (one ``.npy`` plus its ``.sha256`` per key), or a plain dict when ``folder`` is None."""
+def table_memo(trace: Any, layers: Sequence[int], n_prompt: int) -> "TableMemo":
+    """The memo of the tables derived from ``layers`` of ``trace`` (their first ``n_prompt`` tokens where a table
+    reads the prompt): on disk for a recorded trace, in memory for one without checksums (synthetic, in memory)."""
+    digests = [trace.layer_digest(i) for i in layers] if trace is not None else [None]
+    if not digests or any(d is None for d in digests):
+        return TableMemo(None, None)
+    digest = hashlib.sha256(repr((digests, int(n_prompt))).encode()).hexdigest()
+    return TableMemo(tables_dir(), digest)
 
-    def __init__(self, folder: Path | None, layer_digest: str | None) -> None:
+
+class TableMemo(dict):
+    """A memo of trace-only tables (``Policy.replay_head_state``'s per layer, ``policies.base.prompt_memo``'s per
+    set of layers): a dict whose array values are also read from and written to ``folder`` (one ``.npy`` plus its
+    ``.sha256`` per key, named by ``digest`` and the key), or a plain dict when ``folder`` is None."""
+
+    def __init__(self, folder: Path | None, digest: str | None) -> None:
         super().__init__()
-        self.folder = folder if layer_digest else None
-        self.layer_digest = layer_digest
+        self.folder = folder if digest else None
+        self.digest = digest
 
     def _path(self, key: Hashable) -> Path:
-        name = hashlib.sha256(f"{self.layer_digest}|{key!r}".encode()).hexdigest()[:40]
+        name = hashlib.sha256(f"{self.digest}|{key!r}".encode()).hexdigest()[:40]
         return self.folder / name[:2] / f"{name}.npy"
 
+    def __contains__(self, key: object) -> bool:
+        return self.get(key) is not None          # a table on disk counts (and is read into memory)
+
     def get(self, key: Hashable, default: Any = None) -> Any:
-        if key in self:
+        if dict.__contains__(self, key):
             return self[key]
         table = self._load(key) if self.folder is not None else None
         if table is None:

@@ -82,3 +82,25 @@ def test_another_trace_or_parameter_is_another_file_and_off_keeps_none(recorded,
     replay(trace, get_policy("buzz", group_reduce="mean"), 24, inputs=load_layers(trace))
     assert len(_tables(folder)) == 6
     assert layer_memo(load_layers(make_synthetic_trace("mixed", n_layers=1)), 0).folder is None   # in memory
+
+
+def test_prompt_statistics_of_several_layers_are_kept_too(recorded, monkeypatch):
+    """``prompt_memo``'s tables (D2O's per-layer attention variances, KVzip's scores) are stored per set of
+    layers and prompt length, and a later replay reads them."""
+    import policies.d2o as d2o
+
+    trace, folder = recorded
+    first = replay(trace, get_policy("d2o"), 24, inputs=load_layers(trace))
+    kvzip = replay(trace, get_policy("kvzip"), 24, inputs=load_layers(trace))
+    stored = len(_tables(folder))
+    assert stored >= 2
+    monkeypatch.setattr(d2o, "layer_variances", lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
+    import policies.kvzip as kvzip_mod
+    monkeypatch.setattr(kvzip_mod, "reconstruction_scores",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
+    again = replay(trace, get_policy("d2o"), 24, inputs=load_layers(trace))
+    np.testing.assert_array_equal(first.budgets, again.budgets)
+    np.testing.assert_array_equal(first.metrics, again.metrics)
+    again = replay(trace, get_policy("kvzip"), 24, inputs=load_layers(trace))
+    np.testing.assert_array_equal(kvzip.metrics, again.metrics)
+    assert len(_tables(folder)) == stored
