@@ -33,7 +33,7 @@ import pandas as pd
 from gpu_validate.fidelity import SIM_LOSSES as FIDELITY_SIM_LOSSES
 from gpu_validate.jobs import ValidateError
 from gpu_validate.recommend_grid import Candidate, Target
-from gpu_validate.segments import Segment, cell_key, closed_loop, simulated
+from gpu_validate.segments import RayTarget, Segment, cell_key, closed_loop, simulated
 
 #: the simulated losses of a recommendation's table: `gpu_validate.fidelity`'s and the error after W_O
 SIM_LOSSES = (*FIDELITY_SIM_LOSSES, "err_wo_mean")
@@ -101,7 +101,7 @@ class Recommender:
                  target: Target, *, n_prompt: int, model_id: str, out: str | Path, validate: int = 3,
                  per_family: int = 2, sim_loss: str = SIM_LOSS, backend: str = "torch", progress: bool = True,
                  log: Callable[[str], None] = print, closed_store=None, sim_store=None,
-                 margin_z: float = MARGIN_Z) -> None:
+                 margin_z: float = MARGIN_Z, ray: RayTarget | None = None) -> None:
         from sim.store import ResultStore
 
         if not segments:
@@ -122,6 +122,7 @@ class Recommender:
         self.measured: dict[tuple[str, int], float] = {}     # mean model loss over the segments
         self.bound: dict[tuple[str, int], float] = {}        # its upper confidence bound (what must meet the target)
         self.margin_z = margin_z
+        self.ray = ray                                       # closed-loop batches on Ray workers (``closed_loop``)
         self.runs = 0
 
     # ----- the two sides -----
@@ -153,7 +154,8 @@ class Recommender:
             return
         configs = [(self.cands[lab].policy, b) for lab, b in todo]
         df = closed_loop(self.model, self.segments, configs, self.closed_store, n_prompt=self.n_prompt,
-                         model_id=self.model_id, progress=self.progress, backend=self.backend, log=self.log)
+                         model_id=self.model_id, progress=self.progress, backend=self.backend, log=self.log,
+                         ray=self.ray)
         by_key = df.set_index("key")
         for (lab, b), (pol, _) in zip(todo, configs):
             keys = [cell_key(self.model_id, s, self.n_prompt, pol, b) for s in self.segments]
@@ -296,11 +298,14 @@ def recommend(model, segments: Sequence[Segment], cands: Sequence[Candidate], bu
 def recommend_texts(model: str, texts: Sequence[str], target: str, *, out: str | Path, segments: int = 3,
                     prompt_tokens: int = 512, decode_tokens: int = 128, policies: str = "all",
                     budgets: str | Sequence[int] = "auto",
-                    validate: int = 3, device: str | None = None, progress: bool = True) -> dict[str, Any]:
+                    validate: int = 3, device: str | None = None, progress: bool = True,
+                    ray_address: str | None = None, threads: int = 1) -> dict[str, Any]:
     """`recommend` from names, as ``kvsim recommend`` takes them: a model (registry name, HF folder or .gguf),
     texts (shipped names or UTF-8 files; ``segments`` windows of each), a target (``dnll=0.05``, ``top1=0.95``),
     families or specs (``all``) and budgets (``auto`` or ``64,128``). On CUDA the closed loop uses the Triton
-    cache, else the torch one. The report also names the texts, device and backend."""
+    cache, else the torch one. With ``ray_address`` the closed-loop batches run as Ray tasks (``threads`` each,
+    one GPU each on CUDA) on workers that load ``model`` themselves. The report also names the texts, device
+    and backend."""
     import torch
 
     from gpu_validate.backends import pick_device
@@ -317,8 +322,9 @@ def recommend_texts(model: str, texts: Sequence[str], target: str, *, out: str |
     hf, tok = load_model(model, device=device, progress=progress)
     ids = {spec: tok(read_text(spec)[0], verbose=False)["input_ids"] for spec in texts}   # a spec names its segments
     segs = make_segments(ids, segments, prompt_tokens + decode_tokens)
+    ray = None if ray_address is None else RayTarget(ray_address, model, device, threads)
     report = recommend(hf, segs, cands, ladder, goal, n_prompt=prompt_tokens, model_id=model_id(model), out=out,
-                       validate=validate, backend=backend, progress=progress)
+                       validate=validate, backend=backend, progress=progress, ray=ray)
     report.update(texts=list(texts), device=device, backend=backend)
     return report
 

@@ -12,6 +12,7 @@ import json
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -79,13 +80,88 @@ def cell_key(model_id: str, seg: Segment, n_prompt: int, policy: Policy, budget:
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
+@dataclass(frozen=True)
+class RayTarget:
+    """Where closed-loop batches run on Ray (``closed_loop``): ``address`` (``ray://host:10001``, ``auto``, or
+    ``local`` to start one here), the model every worker loads itself (a registry name, HF folder or .gguf that
+    must exist on each node, as on this one), its device, and the threads of each task. A CUDA task declares one
+    GPU to Ray's scheduler, so a node runs as many batches at once as it has GPUs."""
+
+    address: str
+    model: str
+    device: str = "cpu"
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class _RemoteBatch:
+    """One batch of closed-loop cells for a Ray worker: segments and policies by value (name and parameters)."""
+
+    target: RayTarget
+    cells: tuple[tuple[Segment, str, tuple[tuple[str, Any], ...], int], ...]
+    n_prompt: int
+    model_id: str
+    backend: str
+    max_rows: int
+
+
+@lru_cache(maxsize=1)
+def _worker_model(spec: str, device: str):
+    """A Ray worker's model, loaded once per worker process (the tokenizer is not needed: segments are ids)."""
+    import torch
+
+    from traces.models import load_model
+
+    torch.set_grad_enabled(False)
+    return load_model(spec, device=device, progress=False)[0]
+
+
+def _run_remote_batch(batch: _RemoteBatch) -> list[dict[str, Any]]:
+    """A Ray task: the rows of one batch, run on the worker's own copy of the model."""
+    from policies import get_policy
+
+    model = _worker_model(batch.target.model, batch.target.device)
+    chunk = [(seg, get_policy(name, **dict(params)), b) for seg, name, params, b in batch.cells]
+    return _batch_rows(model, chunk, n_prompt=batch.n_prompt, model_id=batch.model_id, backend=batch.backend,
+                       max_rows=batch.max_rows, fulls={})
+
+
+def _batch_rows(model, chunk: Sequence[tuple[Segment, Policy, int]], *, n_prompt: int, model_id: str, backend: str,
+                max_rows: int, fulls: dict[str, np.ndarray], on_row: Callable[[], None] = lambda: None
+                ) -> list[dict[str, Any]]:
+    """The store rows of one batch of (segment, policy, budget) cells, run together through ``model``; ``fulls``
+    caches each segment's full-cache logits across batches."""
+    for seg, _, _ in chunk:
+        if seg.name not in fulls:
+            fulls[seg.name] = full_model_logits(model, seg.ids, start=n_prompt)
+    rows: list[dict[str, Any]] = []
+
+    def finished(i: int, res) -> None:
+        seg, pol, b = chunk[i]
+        m = metrics_of_run(res, model, seg.ids, n_prompt, fulls[seg.name])
+        rows.append({"key": cell_key(model_id, seg, n_prompt, pol, b), "model": model_id, "text": seg.text,
+                     "start": seg.start, "segment": seg.name, "n_prompt": n_prompt,
+                     "n_decode": len(seg.ids) - n_prompt, "policy": pol.name, "label": pol.label(),
+                     "params": pol.params, "budget": int(b), "delta_nll": m["delta_nll"],
+                     "top1_disagreement": 1.0 - m["top1_agreement"],
+                     "nll_per_token": json.dumps(m["nll_per_token"])})
+        on_row()
+
+    run_batch(model, [BatchJob(p, b, s.ids[:n_prompt], continuation=s.ids[n_prompt:]) for s, p, b in chunk],
+              max_rows=max_rows, on_result=finished, backend=backend)
+    return rows
+
+
 def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy, int]], store, *, n_prompt: int,
                 model_id: str, max_rows: int = 48, progress: bool = True, backend: str = "torch",
-                log: Callable[[str], None] = print) -> "Any":
+                log: Callable[[str], None] = print, ray: RayTarget | None = None) -> "Any":
     """ΔNLL and top-1 disagreement (vs the full cache) of every segment × (policy, budget) not yet in ``store``,
-    run batched through the model (``backend``: the runner's cache kernels); each batch is stored as soon as it
-    finishes. Returns the store's table."""
+    run batched through the model (``backend``: the runner's cache kernels), here or, with ``ray``, as one Ray
+    task per batch on workers that load the model themselves; each batch is stored as soon as it finishes.
+    Returns the store's table."""
     from tqdm.auto import tqdm
+
+    from sim.executors import ray_map
 
     done = store.keys()
     todo = [(s, p, b) for s in segments for p, b in configs if cell_key(model_id, s, n_prompt, p, b) not in done]
@@ -93,29 +169,22 @@ def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Poli
         log(f"resuming: {len(segments) * len(configs) - len(todo)} cells already in {store.root}")
     # batch rows must agree on streaming (and length): group, then cut into batches
     todo.sort(key=lambda c: (BatchJob(c[1], c[2], c[0].ids[:n_prompt]).streams, c[2]))
-    fulls: dict[str, np.ndarray] = {}
+    chunks = [todo[c:c + max_rows] for c in range(0, len(todo), max_rows)]
     with tqdm(total=len(todo), desc="closed loop", unit="run", disable=not progress) as bar:
-        for c in range(0, len(todo), max_rows):
-            chunk = todo[c:c + max_rows]
-            for seg, _, _ in chunk:
-                if seg.name not in fulls:
-                    fulls[seg.name] = full_model_logits(model, seg.ids, start=n_prompt)
-            rows: list[dict[str, Any]] = []
-
-            def finished(i: int, res, chunk=chunk, rows=rows) -> None:
-                seg, pol, b = chunk[i]
-                m = metrics_of_run(res, model, seg.ids, n_prompt, fulls[seg.name])
-                rows.append({"key": cell_key(model_id, seg, n_prompt, pol, b), "model": model_id, "text": seg.text,
-                             "start": seg.start, "segment": seg.name, "n_prompt": n_prompt,
-                             "n_decode": len(seg.ids) - n_prompt, "policy": pol.name, "label": pol.label(),
-                             "params": pol.params, "budget": int(b), "delta_nll": m["delta_nll"],
-                             "top1_disagreement": 1.0 - m["top1_agreement"],
-                             "nll_per_token": json.dumps(m["nll_per_token"])})
-                bar.update(1)
-
-            run_batch(model, [BatchJob(p, b, s.ids[:n_prompt], continuation=s.ids[n_prompt:]) for s, p, b in chunk],
-                      max_rows=max_rows, on_result=finished, backend=backend)
+        if ray is None:
+            fulls: dict[str, np.ndarray] = {}
+            batches = (_batch_rows(model, chunk, n_prompt=n_prompt, model_id=model_id, backend=backend,
+                                   max_rows=max_rows, fulls=fulls, on_row=lambda: bar.update(1)) for chunk in chunks)
+        else:
+            remote = [_RemoteBatch(ray, tuple((s, p.name, tuple(sorted(p.params.items())), int(b))
+                                              for s, p, b in chunk), n_prompt, model_id, backend, max_rows)
+                      for chunk in chunks]
+            batches = ray_map(_run_remote_batch, remote, address=ray.address, threads=ray.threads,
+                              gpus=1 if ray.device.startswith("cuda") else 0)
+        for rows in batches:
             store.add(rows)
+            if ray is not None:
+                bar.update(len(rows))
             bar.write(f"batch of {len(rows)}: mean ΔNLL {np.mean([r['delta_nll'] for r in rows]):.4f}")
             sys.stdout.flush()
     return store.load()

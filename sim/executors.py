@@ -156,7 +156,6 @@ class Executor:
         self.ray_address = ray_address
         self.plan: ThreadPlan = plan_threads(max(1, workers), threads, ray=bool(ray_address))
         self._pool: ProcessPoolExecutor | None = None
-        self._remote = None
 
     def __enter__(self) -> "Executor":
         return self
@@ -212,22 +211,28 @@ class Executor:
                 yield fut.result()
 
     def _run_ray(self, jobs: list[Job], fn: Callable[[Job], Any]) -> Iterator[Any]:
-        try:
-            import ray
-        except ImportError:
-            raise ValueError("--ray needs Ray: pip install 'kvsim[ray]'") from None
-        if not ray.is_initialized():
-            if self.ray_address == "local":
-                ray.init(include_dashboard=False, log_to_driver=False)
-            else:
-                ray.init(address=self.ray_address, log_to_driver=False)
-        if self._remote is None:
-            n = self.plan.threads
-            self._remote = ray.remote(num_cpus=n, runtime_env={"env_vars": thread_env(n)})(_run_ray_task)
-        refs = [self._remote.remote(fn, job, self.plan.threads) for job in jobs]
-        while refs:
-            done, refs = ray.wait(refs, num_returns=1)
-            yield ray.get(done[0])
+        yield from ray_map(fn, jobs, address=self.ray_address, threads=self.plan.threads)
+
+
+def ray_map(fn: Callable[[Any], Any], items: Sequence[Any], *, address: str, threads: int = 1,
+            gpus: float = 0) -> Iterator[Any]:
+    """``fn(item)`` for every item as a Ray task on the cluster at ``address`` (``local`` starts one here),
+    results in the order they finish. Each task declares ``num_cpus=threads`` and ``num_gpus=gpus`` to Ray's
+    scheduler and caps its thread pools at ``threads`` (``_run_ray_task``); ``fn`` must be importable there."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install 'kvsim[ray]'") from None
+    if not ray.is_initialized():
+        if address == "local":
+            ray.init(include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    remote = ray.remote(num_cpus=threads, num_gpus=gpus, runtime_env={"env_vars": thread_env(threads)})(_run_ray_task)
+    refs = [remote.remote(fn, item, threads) for item in items]
+    while refs:
+        done, refs = ray.wait(refs, num_returns=1)
+        yield ray.get(done[0])
 
 
 def execute(jobs: list[Job], *, workers: int = 1, ray_address: str | None = None, threads: int | None = None,

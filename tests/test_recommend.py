@@ -161,6 +161,29 @@ def test_recommend_on_the_tiny_model_resumes_without_model_runs(tiny_segments, t
     assert again["answer"] == rep["answer"]
 
 
+def test_closed_loop_on_ray_workers_equals_in_process(tiny_segments, tmp_path):
+    """``--ray``: every batch a Ray task on a worker that loads the model itself; the same rows as in this
+    process (a local Ray cluster stands in for a remote one)."""
+    ray = pytest.importorskip("ray")
+    from gpu_validate.segments import RayTarget, closed_loop
+    from policies import get_policy
+    from sim.store import ResultStore
+
+    model, segs = tiny_segments
+    configs = [(get_policy("h2o"), 16), (get_policy("tova"), 32), (get_policy("streaming_llm", n_sinks=2), 16)]
+    kw = dict(n_prompt=64, model_id="tiny", progress=False, log=lambda s: None, max_rows=2)
+    here = closed_loop(model, segs, configs, ResultStore(tmp_path / "here"), **kw)
+    try:
+        there = closed_loop(model, segs, configs, ResultStore(tmp_path / "ray"), ray=RayTarget("local", "tiny"),
+                            **kw)
+    finally:
+        ray.shutdown()
+    cols = ["key", "label", "budget", "segment", "delta_nll", "top1_disagreement"]
+    a, b = (df[cols].sort_values("key").reset_index(drop=True) for df in (here, there))
+    assert len(a) == 6
+    pd.testing.assert_frame_equal(a, b)
+
+
 def test_recommend_cli_writes_json_page_and_plot(tmp_path, capsys):
     from sim.cli import main
 

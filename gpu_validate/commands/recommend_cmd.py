@@ -41,6 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--validate", type=positive_int, default=3, metavar="K",
                    help="configurations confirmed in the model per budget near the target")
     add_device_options(p, backend=False)
+    p.add_argument("--ray", metavar="ADDRESS", default=None,
+                   help="confirm in the model on Ray: a cluster address (ray://host:10001, auto) or 'local'; each "
+                        "batch of closed-loop runs is one task that loads --model itself (it must exist on every "
+                        "node), runs on --threads threads (default 1) and, with --device cuda, declares one GPU (needs "
+                        "kvsim[ray])")
     p.add_argument("--out", type=Path, required=True, help="output folder (and the store a rerun resumes from)")
     add_threads_option(p)
     add_quiet_option(p)
@@ -60,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report = recommend_texts(args.model, args.text, args.target, out=args.out, segments=args.segments,
                              prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
-                             policies=args.policies, budgets=args.budgets or "auto", validate=args.validate, device=args.device,
-                             progress=not args.quiet)
+                             policies=args.policies, budgets=args.budgets or "auto", validate=args.validate,
+                             device=args.device, progress=not args.quiet, ray_address=args.ray,
+                             threads=args.threads or 1)
     report.update(command=command_line(args), **run_info())
     png = plot_front(report, args.out / "front.png")
     atomic_write_text(args.out / "recommend.json", json.dumps(report, indent=1, default=float))
