@@ -79,8 +79,11 @@ def demo_timings(venv: Path) -> dict:
         load_before = os.getloadavg()[0]
         first = timed(cmd, env, cwd=clone)
         second = timed(cmd, env, cwd=clone)
-    return {"commit": commit, "command": "kvsim demo (SmolLM2-135M, 4 layers, 512 + 512 tokens, 22 policies x 4 "
-                                         "budgets)",
+    from policies import list_policies
+
+    n_policies = len(list_policies(combinators=False))         # what the demo replays
+    return {"commit": commit, "command": f"kvsim demo (SmolLM2-135M, 4 layers, 512 + 512 tokens, {n_policies} "
+                                         "policies x 4 budgets)",
             "first_s": round(first, 1), "second_s": round(second, 1), "goal_first_s": GOALS["demo_first"],
             "load_avg_1min_before": load_before,
             "first_includes": "model wheel download, GGUF conversion, trace recording, numba compilation of the "

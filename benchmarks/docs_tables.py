@@ -207,18 +207,22 @@ def speed_page() -> str:
         out.append(missing("long_context"))
     else:
         out.append(f"{d.get('load_note', '')}. *estimated*: the closed loop's time taken from a measured run of "
-                   "another policy with the same prompt handling.\n\n")
+                   "another policy with the same prompt handling. *tables reused*: the same replay once more, reading "
+                   "the trace-only tables its first run stored (`$KVSIM_TABLES`), as every later replay, sweep job "
+                   "or search trial on the trace does.\n\n")
         out.append("Recording the traces (`kvsim record`, each its own process):\n\n")
         out.append(table(["model", "tokens", "recording (s)", "peak RSS (GB)", "result"],
                          [[r["model"], f"{r['n_prompt']} + {r['n_tokens'] - r['n_prompt']}", r["seconds"],
                            r["peak_rss_gb"], r.get("result")] for r in d["recordings"]]))
         out.append("\nEach policy's replay (one `kvsim replay` process, start-up and layer loads included) against its "
                    "closed loop:\n\n")
-        out.append(table(["model", "tokens", "policy", "budget", "chunk", "replay (s)", "replay peak RSS (GB)", "err",
-                          "closed loop (s)", "estimated", "speed-up"],
+        out.append(table(["model", "tokens", "policy", "budget", "chunk", "replay (s)", "tables reused (s)",
+                          "replay peak RSS (GB)", "err", "closed loop (s)", "estimated", "speed-up",
+                          "speed-up, tables reused"],
                          [[r["model"], r["n_tokens"], r["policy"], r["budget"], r["chunk"], r["seconds"],
-                           r.get("peak_rss_gb"), r.get("err_mean"), r.get("closed_loop_seconds"),
-                           r.get("closed_loop_estimated"), r.get("speedup")] for r in d["replay"] if "seconds" in r]))
+                           r.get("seconds_tables_reused"), r.get("peak_rss_gb"), r.get("err_mean"),
+                           r.get("closed_loop_seconds"), r.get("closed_loop_estimated"), r.get("speedup"),
+                           r.get("speedup_tables_reused")] for r in d["replay"] if "seconds" in r]))
         out.append("\n" + measured_on(d, "long_context"))
     return "".join(out)
 
