@@ -160,12 +160,13 @@ def closed_loop(out: dict) -> None:
 def speedups(out: dict) -> None:
     """closed_loop_seconds for every replay row: measured where that configuration ran, else estimated (labelled
     ``closed_loop_estimated``). A CPU closed loop's time is the model's forward passes, not the policy's work, so
-    a row is estimated from the measured runs of the same model that feed the prompt the same way: a prefill
-    selector's (and the oracle's) from the measured prefill-selector runs (prompt in 512-token forwards); a policy
-    streaming its prompt in chunks of C > 1 from measured runs streaming at that C (or, where none ran, from the
-    prefill-selector runs: a lower bound, as the streamed chunks cost more); a policy streaming token by token
-    from the prefill-selector runs plus the single-token forwards it does instead of 512-token ones, P - P/512 more
-    forwards at the measured decode cost per token (``1 / tokens_per_s``)."""
+    a row is estimated from the fastest measured run of the same model that feeds the prompt the same way (the
+    model's forwards with the least policy work beside them: a lower bound): a prefill selector's (and the
+    oracle's) from the prefill-selector runs (prompt in 512-token forwards); a policy streaming its prompt in chunks
+    of C > 1 from runs streaming at that C (or, where none ran, from the prefill-selector runs: a lower bound, as
+    the streamed chunks cost more); a policy streaming token by token from the prefill-selector runs plus the
+    single-token forwards it does instead of 512-token ones, P - P/512 more forwards at the measured decode cost
+    per token (``1 / tokens_per_s``)."""
     from policies import get_policy
 
     def kind(policy_name: str, chunk: int) -> str:
@@ -185,17 +186,20 @@ def speedups(out: dict) -> None:
             row["closed_loop_seconds"], row["closed_loop_estimated"] = measured[key]["seconds"], False
         else:
             k = kind(row["policy"], row["chunk"])
-            same, extra, note = runs.get((row["model"], k)), 0.0, "from measured runs"
+            same, note = runs.get((row["model"], k)), "from measured runs"
             if not same:                                  # from the prefill selectors' runs
                 same = runs.get((row["model"], "prefill"))
                 if not same:
                     continue
-                if k == "stream1":                        # plus the single-token forwards instead of 512-token ones
-                    n_prompt = TRACES[row["model"]]["prompt"]
-                    extra = (n_prompt - n_prompt // 512) * sum(1 / r["tokens_per_s"] for r in same) / len(same)
-                elif k != "prefill":
+                if k not in ("prefill", "stream1"):
                     note = f"lower bound: no measured run streams its prompt in chunks of {row['chunk']}"
-            seconds = sum(r["seconds"] for r in same) / len(same) + extra
+            # the fastest measured run feeding the prompt the same way: the model's forwards with the least policy
+            # work beside them, so a lower bound on this policy's closed loop (and on its speed-up)
+            fastest = min(same, key=lambda r: r["seconds"])
+            seconds = fastest["seconds"]
+            if k == "stream1" and kind(fastest["policy"], fastest["chunk"]) == "prefill":
+                n_prompt = TRACES[row["model"]]["prompt"]   # plus single-token forwards instead of 512-token ones
+                seconds += (n_prompt - n_prompt // 512) / fastest["tokens_per_s"]
             row["closed_loop_seconds"], row["closed_loop_estimated"] = seconds, True
             row["closed_loop_estimate"] = note
         row["speedup"] = row["closed_loop_seconds"] / row["seconds"]

@@ -189,8 +189,12 @@ def closed_loop_runner(model, ids: list[int], n_prompt: int, n_decode: int) -> f
 
 
 def ensure_trace(trace_dir: str, model_dir: str):
-    """The trace at ``trace_dir``, recorded first (1024 prompt + 256 teacher-forced tokens) when missing."""
-    if not Path(trace_dir).exists():
+    """The trace at ``trace_dir``, recorded first (1024 prompt + 256 teacher-forced tokens, with the rereading pass
+    KVzip scores from) when missing or recorded without that pass."""
+    from policies.base import reconstruction_chunk
+
+    chunk = reconstruction_chunk([get_policy(n) for n in list_policies()])
+    if not Path(trace_dir).exists() or (chunk and not load_trace(trace_dir, verify=False).has_reconstruction):
         from traces.models import load_model
         from traces.recorder import record_trace
 
@@ -198,7 +202,8 @@ def ensure_trace(trace_dir: str, model_dir: str):
         text = (ROOT / "traces" / "model" / "data" / "heldout.txt").read_text()
         ids = tok(text)["input_ids"][:1280]
         record_trace(model, ids, trace_dir, n_prompt=1024, n_decode=len(ids) - 1024, tokenizer=tok,
-                     teacher_forced=True, single_pass=True, model_id=model_dir)
+                     teacher_forced=True, single_pass=True, model_id=model_dir, reconstruction_chunk=chunk,
+                     overwrite=True)
     return load_trace(trace_dir, verify=False)
 
 
