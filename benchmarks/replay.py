@@ -125,22 +125,26 @@ def policy_profile(trace, policy, inputs, budget: int, repeat: int = 2) -> dict:
     """Seconds of a replay spent in the policy's budget allocation and in its prefill kernel (all layers);
     the rest of ``replay`` is the engine streaming steps (attention, the step kernel, compaction)."""
     from sim.contract import check_allocation
+    from sim.layer_inputs import PromptLayers
+    from sim.replay import initial_head_state
 
     meta = trace.meta
     P, hkv = meta.n_prompt, meta.model.n_kv_heads
-    prompt = [(li.q[:P], li.k[:P]) for li in inputs]
+    layers = range(len(inputs))
+    bare = PromptLayers(trace, list(inputs), layers, P)     # a plain list, no memo: the allocation's whole work
+    shared = PromptLayers(trace, inputs, layers, P)         # a replay's view: what the allocation computed, kept
 
-    def allocate():
+    def allocate(prompt=bare):
         return check_allocation(policy, policy.allocate(budget, hkv, prompt, meta.softmax_scale), len(inputs), hkv)
 
-    budgets = allocate()
+    budgets = allocate(shared)
 
     def prefill():
         kernel = policy.kernels()[1]
         for layer, li in enumerate(inputs):
             params = policy.param_vector(meta.attention(layer))
-            head = np.ascontiguousarray(policy.replay_head_state(hkv, meta.model.head_dim, li,
-                                                                 layer_memo(inputs, layer), P), np.float64)
+            head = np.ascontiguousarray(initial_head_state(policy, li, layer_memo(inputs, layer), shared, layer),
+                                        np.float64)
             kernel(params, layer, budgets[layer], li.q[:P], li.k[:P], li.v[:P], float(meta.softmax_scale),
                    np.ones((hkv, P), np.uint8), np.zeros((hkv, P, policy.slot_fields)), head)
 
