@@ -13,6 +13,7 @@ from sim.executors import Job, TraceRef, consume, execute
 from sim.metrics import METRICS
 from sim.specs import parse_policy, split_policy_list, trace_id
 from sim.store import ResultStore, config_key
+from traces.format import Trace
 
 
 def expand_grid(spec: str) -> list[Policy]:
@@ -54,7 +55,7 @@ def parse_policy_grid(text: str) -> list[Policy]:
 
 def implicit_labels(text: str) -> frozenset[str]:
     """Labels of the policies a ``;``-separated list names only through ``all``: a sweep skips those a trace
-    cannot serve (``unservable``), where a policy named explicitly is an error."""
+    cannot serve (``cannot_serve``), where a policy named explicitly is an error."""
     parts = split_policy_list(text)
     if "all" not in parts:
         return frozenset()
@@ -62,28 +63,22 @@ def implicit_labels(text: str) -> frozenset[str]:
     return frozenset(pol.label() for pol in expand_grid("all")) - explicit
 
 
-def unservable(traces: Sequence[TraceRef], policies: Sequence[Policy]) -> dict[tuple[str, str], str]:
-    """(trace id, policy label) -> why that trace cannot serve that policy: it scores from a context-reconstruction
-    pass (KVzip) the trace was recorded without, or it needs the output projection W_O the trace lacks."""
-    missing: dict[tuple[str, str], str] = {}
-    for ref in traces:
-        trace, _ = ref.open()
-        for pol in policies:
-            if pol.reconstruction_chunk() is not None and not trace.has_reconstruction:
-                why = "the trace has no context-reconstruction pass; record it with `kvsim record --kvzip`"
-            elif pol.needs_wo and not trace.has_wo:
-                why = "the policy needs the output projection W_O, which the trace lacks; record it with `kvsim record`"
-            else:
-                continue
-            missing[(trace_id(trace), pol.label())] = why
-    return missing
+def cannot_serve(trace: Trace, policy: Policy) -> str | None:
+    """Why ``trace`` cannot serve ``policy`` (None when it can): the policy scores from a context-reconstruction pass
+    (KVzip) the trace was recorded without, or it needs the output projection W_O the trace lacks."""
+    if policy.reconstruction_chunk() is not None and not trace.has_reconstruction:
+        return "the trace has no context-reconstruction pass; record it with `kvsim record --kvzip`"
+    if policy.needs_wo and not trace.has_wo:
+        return "the policy needs the output projection W_O, which the trace lacks; record it with `kvsim record`"
+    return None
 
 
 def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequence[int],
-         done: set[str] = frozenset(), skip: Collection[tuple[str, str]] = ()) -> list[Job]:
-    """Jobs for every valid configuration not in ``done`` and whose (trace id, policy label) is not in ``skip``;
-    a one-pass strategy (the oracle's) gets one job per trace for all its budgets, the others one job per
-    budget."""
+         done: set[str] = frozenset(), optional: Collection[str] = ()) -> list[Job]:
+    """Jobs for every valid configuration not in ``done``; a one-pass strategy (the oracle's) gets one job per
+    trace for all its budgets, the others one job per budget. A trace that cannot serve a policy
+    (``cannot_serve``) is an error, unless the policy's label is in ``optional`` (``implicit_labels``: named only
+    through ``all``): then that pair is skipped with a notice on stderr."""
     from sim.replay import strategy_of
     from sim.replay_plan import effective_chunk
 
@@ -92,7 +87,11 @@ def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequen
         trace, _ = ref.open()
         tid = trace_id(trace)
         for pol in policies:
-            if (tid, pol.label()) in skip:
+            why = cannot_serve(trace, pol)
+            if why is not None:
+                if pol.label() not in optional:
+                    raise PolicyError(f"{pol.label()} on trace {tid}: {why}")
+                print(f"skipping {pol.label()} on trace {tid}: {why}", file=sys.stderr)
                 continue
             valid = [int(b) for b in budgets if pol.min_budget() <= b <= trace.meta.n_tokens]
             chunk = effective_chunk(pol, ref.chunk)
@@ -113,21 +112,15 @@ def run_sweep(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: S
               split_layers: int = 1, progress: bool = True, optional: Collection[str] = ()) -> pd.DataFrame:
     """Evaluate every configuration not yet in ``store`` and return the store's full table.
 
-    A trace that cannot serve a policy (``unservable``) is an error before anything runs, unless the policy's
-    label is in ``optional`` (``implicit_labels``: named only through ``all``): then that pair is skipped with
-    a notice.
+    A trace that cannot serve a policy is an error before anything runs, unless the policy's label is in
+    ``optional`` (``plan``).
 
     Each finished job is written at once (atomic part file), so Ctrl-C or kill -9 loses only running jobs
     and a rerun resumes where it stopped. ``threads`` per worker: see ``sim.executors.Executor``.
     ``split_layers`` > 1 runs each configuration as that many jobs of consecutive layers (``Executor.run_split``);
     its rows are written when its last group is back.
     """
-    missing = unservable(traces, policies)
-    for (tid, label), why in missing.items():
-        if label not in optional:
-            raise PolicyError(f"{label} on trace {tid}: {why}")
-        print(f"skipping {label} on trace {tid}: {why}", file=sys.stderr)
-    jobs = plan(traces, policies, budgets, store.keys(), skip=missing.keys())
+    jobs = plan(traces, policies, budgets, store.keys(), optional)
     total = sum(len(j.budgets) for j in jobs)
     with tqdm(total=total, desc="sweep", unit="cfg", disable=not progress) as bar:
         consume(execute(jobs, workers=workers, ray_address=ray_address, threads=threads, split_layers=split_layers),
