@@ -53,19 +53,29 @@ def test_workers_keep_running_jobs_after_the_probe():
     assert rows[0]["budget"] == 8 and rows[0]["slots_mean"] <= 8
 
 
-def test_ray_tasks_declare_and_cap_their_threads():
+def test_ray_tasks_declare_and_cap_their_threads(monkeypatch):
     ray = pytest.importorskip("ray")
     import sys
 
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])   # Ray workers cannot import this test module
+    declared: list[dict] = []
+    real_remote = ray.remote
+
+    def spy(**options):
+        declared.append(options)
+        return real_remote(**options)
+
+    monkeypatch.setattr(ray, "remote", spy)
     try:
         with Executor(ray_address="local") as ex:
             assert ex.plan == ThreadPlan(1, 1)
             counts = list(ex.run([JOB, JOB], fn=worker_thread_counts))
-            assert ex._remote._default_options["num_cpus"] == 1
     finally:
         ray.shutdown()
+    ours = [d for d in declared if "runtime_env" in d]             # Ray's own calls declare no environment
+    assert [(d["num_cpus"], d["num_gpus"]) for d in ours] == [(1, 0)]
+    assert ours[0]["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
     for c in counts:
         assert_capped(c, 1)
