@@ -158,7 +158,8 @@ class KVzip(ScorerPolicy):
 
     def prompt_scores(self, prompt_layers: Any) -> np.ndarray:
         """[L, Hkv, P] float64, one [Hkv, P] per compressed layer: the scores of every prompt token, from the
-        reconstruction pass the prompt view gives (``reconstruction(j)``: the trace's, or the closed loop's run in the model)."""
+        reconstruction pass the prompt view gives (``reconstruction(j)``: the trace's, or the closed loop's run in
+        the model)."""
         read = getattr(prompt_layers, "reconstruction", None)
         if read is None:
             raise PolicyError(f"{self.label()}: this prompt view has no context-reconstruction pass")

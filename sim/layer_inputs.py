@@ -109,12 +109,8 @@ class PromptLayers(Sequence):
     def __init__(self, trace: Trace, inputs: Sequence[LayerInputs], layers: Sequence[int], n_prompt: int) -> None:
         self.trace, self.inputs, self.layers, self.P = trace, inputs, list(layers), n_prompt
         stats = getattr(inputs, "stats", None)     # shared by the replays of these inputs, per set of layers
-        key = (tuple(self.layers), n_prompt)
-        if stats is not None and key not in stats:   # and by later processes, for a recorded trace (on disk)
-            from sim.trace_tables import table_memo
-
-            stats[key] = table_memo(trace, self.layers, n_prompt)
-        self.cache = None if stats is None else stats[key]
+        self.cache = None if stats is None else _stats_memo(stats, (tuple(self.layers), n_prompt), trace,
+                                                             self.layers, n_prompt)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -146,10 +142,16 @@ def layer_memo(inputs: Sequence[LayerInputs], layer: int) -> dict | None:
     stats = getattr(inputs, "stats", None)
     if stats is None:
         return None
-    memo = stats.get(("layer_memo", layer))
+    trace = getattr(inputs, "trace", None)
+    return _stats_memo(stats, ("layer_memo", layer), trace, [layer], trace.meta.n_prompt if trace else 0)
+
+
+def _stats_memo(stats: dict, key: tuple, trace: Trace | None, layers: Sequence[int], n_prompt: int) -> dict:
+    """``stats[key]``, created on first use as the ``sim.trace_tables.table_memo`` of ``layers`` of ``trace`` (on
+    disk for a recorded trace, so later processes share it too)."""
+    memo = stats.get(key)
     if memo is None:
         from sim.trace_tables import table_memo
 
-        trace = getattr(inputs, "trace", None)
-        memo = stats[("layer_memo", layer)] = table_memo(trace, [layer], trace.meta.n_prompt if trace else 0)
+        memo = stats[key] = table_memo(trace, layers, n_prompt)
     return memo
