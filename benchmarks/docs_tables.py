@@ -303,21 +303,28 @@ def gpu_page() -> str:
         out.append(table(["step", "ok", "seconds"],
                          [[k, v["ok"], v.get("step_seconds")] for k, v in d["steps"].items()]))
         out.append("\n" + measured_on(d, "gpu_check"))
-    # the generate step's latest run: a rerun of that step alone when there is one
-    name = "gpu_check_generate" if (RESULTS / "gpu_check_generate.json").exists() else "gpu_check"
-    d = load(name)
-    if d is not None and "generate" in d["steps"]:
+    # the generate step's latest run (a rerun of that step alone when there is one), then its float32 diagnostic
+    for name in ("gpu_check_generate" if (RESULTS / "gpu_check_generate.json").exists() else "gpu_check",
+                 "gpu_check_generate_fp32"):
+        d = load(name)
+        if d is None or "generate" not in d["steps"]:
+            continue
         runs = d["steps"]["generate"]["runs"]
         out.append(f"\n### generate(): Triton against torch backend, and against transformers ({name}.json)\n\n")
-        out.append(table(["model", "prompt", "same tokens", "logit max diff / max", "kept sets equal (layer 0)",
-                          "kept sets equal", "kept Jaccard", "K+V held (MB)", "full (MB)", "tok/s Triton",
-                          "tok/s torch", "tok/s transformers", "ok"],
-                         [[r["model"], r["prompt_tokens"], f"{r['tokens_equal_prefix']} of {r['new_tokens']}",
+        out.append(table(["model", "dtype", "prompt", "same tokens", "logit max diff / max",
+                          "kept sets equal (layer 0)", "kept sets equal", "kept Jaccard", "K+V held (MB)", "full (MB)",
+                          "tok/s Triton", "tok/s torch", "tok/s transformers", "ok"],
+                         [[r["model"], r.get("dtype", "bfloat16"), r["prompt_tokens"],
+                           f"{r['tokens_equal_prefix']} of {r['new_tokens']}",
                            r["logit_max_abs_diff"] / max(r["logit_max_abs"], 1e-12),
                            (r.get("kept_agreement_per_layer") or [None])[0], r["kept_agreement"],
                            r["kept_jaccard"], r["kv_bytes_held"] / 1e6, r["kv_bytes_full_cache"] / 1e6,
                            r["tokens_per_s_triton"], r["tokens_per_s_torch"], r["tokens_per_s_transformers_sdpa"],
                            r["ok"]] for r in runs if "error" not in r]))
+        for r in runs:
+            if "error" in r:
+                why = ". ".join(r["error"].split(". ")[:2])
+                out.append(f"\n{r['model']} at {r['prompt_tokens']} tokens failed: {why}.\n")
         out.append("\n" + measured_on(d, name))
     d = load("kernels")
     out.append("\n## Decode attention kernel (`benchmarks/kernels.py`)\n\n")

@@ -4,10 +4,11 @@ Steps, each recorded with its outcome and time (one failing step does not stop t
 after each, so a killed run keeps what finished):
 
 1. ``generate``: for a random-weight Llama-3-8B-shaped model (4 layers) and a Gemma-3-270M-shaped one (sliding
-   window 512), in bf16, at 8 k and 32 k prompt tokens, greedy ``generate()`` over kvsim's cache with ``POLICY`` at
-   ``BUDGET`` on the Triton backend and on the torch backend: the same kept sets (every layer, step and KV head),
-   logits within tolerance up to the first differing token, the K+V bytes held against the full cache's, and
-   decode tokens/s against transformers' own cache (SDPA, ``model.generate`` timed at N and at 1 new token).
+   window 512), in bf16 (``--dtype float32`` tells the backends' agreement apart from bf16 rounding), at 8 k and
+   32 k prompt tokens, greedy ``generate()`` over kvsim's cache with ``POLICY`` at ``BUDGET`` on the Triton
+   backend and on the torch backend (each warmed up at that length first): the same kept sets (every layer, step
+   and KV head), logits within tolerance up to the first differing token, the K+V bytes held against the full
+   cache's, and decode tokens/s against transformers' own cache (SDPA, ``model.generate`` timed at N and at 1 new token).
 2. ``kernel_tests``: the Triton kernel tests (tests/test_kernels_*.py) compiled on the device (TRITON_INTERPRET=0;
    hypothesis's ``dev`` profile, 10 examples a property, since every new shape is a new compile).
 3. ``kernel_benchmark``: ``python -m benchmarks.kernels --quick`` (its own JSON, benchmarks/results/kernels.json).
@@ -16,9 +17,9 @@ after each, so a killed run keeps what finished):
 ``kernels.py --interpret-smoke``, toy-sized configs of the same two shapes with 48/96-token prompts) in well
 under a minute; tests/test_gpu_check.py runs it, so the script cannot rot.
 
-Run: python -m benchmarks.gpu_check [--dry-run] [--out PATH] [--steps S ...] [--models M ...]   (default
-benchmarks/results/gpu_check.json, or gpu_check_dry_run.json for a dry run; a rerun of one step or model on a short
-device lease: ``--steps generate --models llama3-8b-shaped-4l``)
+Run: python -m benchmarks.gpu_check [--dry-run] [--out PATH] [--steps S ...] [--models M ...] [--dtype D]
+(default benchmarks/results/gpu_check.json, or gpu_check_dry_run.json for a dry run; a rerun of one step or model
+on a short device lease: ``--steps generate --models llama3-8b-shaped-4l [--dtype float32]``)
 """
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ def gemma3_shaped(toy: bool):
 
 
 MODELS: dict[str, Callable[[bool], Any]] = {"llama3-8b-shaped-4l": llama3_shaped, "gemma3-270m-shaped": gemma3_shaped}
+#: the generate step's model dtypes, the default first
+DTYPES = ("bfloat16", "float32")
 #: the steps, in their default order (the end-to-end check first: it matters most)
 STEPS = ("generate", "kernel_tests", "kernel_benchmark")
 
@@ -146,6 +149,7 @@ def _transformers_decode(model, ids, n: int) -> dict[str, Any]:
         return time.perf_counter() - t0
 
     model.set_attn_implementation("sdpa")
+    timed(2)                                    # this prompt length's kernels chosen outside the timing
     seconds = timed(n) - timed(1)
     return {"decode_seconds": seconds, "tokens_per_s": (n - 1) / seconds if seconds > 0 else None}
 
@@ -159,6 +163,8 @@ def generate_check(name: str, model, P: int, sizes: Sizes) -> dict[str, Any]:
     dev = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (1, P), generator=torch.Generator().manual_seed(P)).to(dev)
     n, t0 = sizes.new_tokens, time.perf_counter()
+    for backend in ("triton", "torch"):         # kernels specialised on this length compiled outside the timings
+        _run_generate(model, ids, 2, backend, sizes.budget, P)
     tri, ref = (_run_generate(model, ids, n, b, sizes.budget, P) for b in ("triton", "torch"))
     same = next((i for i, (a, b) in enumerate(zip(tri["tokens"], ref["tokens"])) if a != b), n)
     diff = float((tri["logits"][:same + 1] - ref["logits"][:same + 1]).abs().max())
@@ -169,7 +175,8 @@ def generate_check(name: str, model, P: int, sizes: Sizes) -> dict[str, Any]:
     per_layer = [compare_kept(tri["kept"][l:l + 1], ref["kept"][l:l + 1], steps)["kept_agreement"]
                  for l in range(tri["kept"].shape[0])]
     hf = _transformers_decode(model, ids, n)
-    row = {"model": name, "prompt_tokens": P, "new_tokens": n, "policy": POLICY, "budget": sizes.budget,
+    row = {"model": name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+           "prompt_tokens": P, "new_tokens": n, "policy": POLICY, "budget": sizes.budget,
            "tokens_equal_prefix": same, "logit_max_abs_diff": diff, "logit_max_abs": scale,
            "kept_steps_compared": steps, "kept_agreement": kept["kept_agreement"], "kept_jaccard": kept["kept_jaccard"],
            "kept_symmetric_difference_max": kept["symmetric_difference_max"], "kept_agreement_per_layer": per_layer,
@@ -183,9 +190,10 @@ def generate_check(name: str, model, P: int, sizes: Sizes) -> dict[str, Any]:
     return row
 
 
-def generate_step(sizes: Sizes, device: str, models: list[str], on_row: Callable[[list], None]) -> dict[str, Any]:
-    """`generate_check` for each of ``models`` at every prompt length (each model built once, from its config, and
-    warmed up first: a short generate on each backend compiles the Triton and numba kernels outside the timings);
+def generate_step(sizes: Sizes, device: str, models: list[str], dtype: str,
+                  on_row: Callable[[list], None]) -> dict[str, Any]:
+    """`generate_check` for each of ``models`` at every prompt length (each model built once, from its config, in
+    ``dtype``; `generate_check` warms each backend up at each length, so compiling stays outside the timings);
     ``on_row(rows)`` after each row, so a killed run keeps what finished."""
     import torch
 
@@ -194,10 +202,7 @@ def generate_step(sizes: Sizes, device: str, models: list[str], on_row: Callable
         torch.manual_seed(0)
         with torch.device(device):
             model = MODELS[name](sizes.toy)
-        model = model.to(torch.bfloat16).eval()
-        warm = torch.randint(0, model.config.vocab_size, (1, 2 * sizes.budget), device=device)
-        for backend in ("triton", "torch"):
-            _run_generate(model, warm, 3, backend, sizes.budget // 2, warm.shape[1])
+        model = model.to(getattr(torch, dtype)).eval()
         for P in sizes.prompts:
             try:
                 rows.append(generate_check(name, model, P, sizes))
@@ -217,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="the steps run, in this order")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
                     help="the model shapes of the generate step")
+    ap.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
+                    help="the models' dtype in the generate step (float32 separates the backends' agreement from "
+                         "bf16 rounding)")
     args = ap.parse_args(argv)
     sizes = DRY if args.dry_run else GPU
     os.environ.setdefault("TRITON_INTERPRET", "1" if args.dry_run else "0")    # before triton is imported
@@ -253,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         write()
 
     steps: dict[str, Callable[[], dict[str, Any]]] = {
-        "generate": lambda: generate_step(sizes, device, args.models, generate_progress),
+        "generate": lambda: generate_step(sizes, device, args.models, args.dtype, generate_progress),
         "kernel_tests": lambda: run_subprocess([*pytest, *sizes.kernel_tests], sizes.timeout_s, compiled),
         "kernel_benchmark": lambda: run_subprocess([sys.executable, "-m", "benchmarks.kernels", *sizes.kernel_benchmark],
                                                    sizes.timeout_s, compiled),
