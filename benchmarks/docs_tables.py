@@ -291,6 +291,11 @@ def model_losses(d: dict[str, Any]) -> str:
             table(["policy", *[f"ΔNLL @{b}" for b in budgets]], [[lab, *xs] for lab, xs in rows]))
 
 
+def _answer_cell(answer: dict) -> str:
+    """A recommendation's answer as "budget, choice"."""
+    return f"{answer['budget']}, {(answer.get('choice') or {}).get('label')}"
+
+
 def gpu_page() -> str:
     """The prepared GPU check and the kernel benchmark, on the device named in the JSON."""
     out = ["# On a GPU\n"]
@@ -326,6 +331,19 @@ def gpu_page() -> str:
                 why = ". ".join(r["error"].split(". ")[:2])
                 out.append(f"\n{r['model']} at {r['prompt_tokens']} tokens failed: {why}.\n")
         out.append("\n" + measured_on(d, name))
+    d = load("gpu_check_recommend")
+    if d is not None and "recommend" in d["steps"]:
+        r = d["steps"]["recommend"]
+        out.append("\n### `kvsim recommend` with its closed loop on the GPU and on the CPU (gpu_check_recommend.json)"
+                   "\n\n")
+        out.append(table(["closed loop", "backend", "answer (budget, choice)", "closed-loop runs", "seconds"],
+                         [[dev, run["backend"], _answer_cell(run["answer"]), run["model_runs"], run["seconds"]]
+                          for dev, run in r["runs"].items()]))
+        out.append(f"\nThe tiny model, target {r['target']}, {r['segments']} segments of {r['prompt_tokens']} + "
+                   f"{r['decode_tokens']} tokens: {r['confirmed_both']} configurations confirmed on both, measured "
+                   f"ΔNLL within {r['measured_max_abs_diff']:.2g} nats/token of each other (tolerance "
+                   f"{r['tolerance']:g}); ok: {'yes' if r['ok'] else 'no'}.\n")
+        out.append("\n" + measured_on(d, "gpu_check_recommend"))
     d = load("kernels")
     out.append("\n## Decode attention kernel (`benchmarks/kernels.py`)\n\n")
     if d is None:

@@ -8,10 +8,13 @@ after each, so a killed run keeps what finished):
    32 k prompt tokens, greedy ``generate()`` over kvsim's cache with ``POLICY`` at ``BUDGET`` on the Triton
    backend and on the torch backend (each warmed up at that length first): the same kept sets (every layer, step
    and KV head), logits within tolerance up to the first differing token, the K+V bytes held against the full
-   cache's, and decode tokens/s against transformers' own cache (SDPA, ``model.generate`` timed at N and at 1 new token).
-2. ``kernel_tests``: the Triton kernel tests (tests/test_kernels_*.py) compiled on the device (TRITON_INTERPRET=0;
+   cache's, and decode tokens/s against transformers' own cache (SDPA, ``model.generate`` timed at N and at 1 new
+   token).
+2. ``recommend``: ``kvsim recommend`` on the shipped tiny model with its closed loop on the GPU (Triton cache) and
+   on the CPU (torch cache): the same answer, and the same measured losses where both confirmed a configuration.
+3. ``kernel_tests``: the Triton kernel tests (tests/test_kernels_*.py) compiled on the device (TRITON_INTERPRET=0;
    hypothesis's ``dev`` profile, 10 examples a property, since every new shape is a new compile).
-3. ``kernel_benchmark``: ``python -m benchmarks.kernels --quick`` (its own JSON, benchmarks/results/kernels.json).
+4. ``kernel_benchmark``: ``python -m benchmarks.kernels --quick`` (its own JSON, benchmarks/results/kernels.json).
 
 ``--dry-run`` runs the same steps on the CPU at toy sizes (one kernel test file under the Triton interpreter,
 ``kernels.py --interpret-smoke``, toy-sized configs of the same two shapes with 48/96-token prompts) in well
@@ -93,10 +96,15 @@ def gemma3_shaped(toy: bool):
 
 
 MODELS: dict[str, Callable[[bool], Any]] = {"llama3-8b-shaped-4l": llama3_shaped, "gemma3-270m-shaped": gemma3_shaped}
+#: the recommend step: ``kvsim recommend`` on the shipped tiny model, small enough to run twice in seconds
+RECOMMEND = dict(segments=2, prompt_tokens=96, decode_tokens=16, policies="h2o;snapkv;streaming_llm;buzz;d2o")
+RECOMMEND_TARGET = "dnll=0.1"
+#: |measured ΔNLL on the device - on the CPU| allowed for a configuration both confirmed, nats/token
+RECOMMEND_TOLERANCE = 0.01
 #: the generate step's model dtypes, the default first
 DTYPES = ("bfloat16", "float32")
 #: the steps, in their default order (the end-to-end check first: it matters most)
-STEPS = ("generate", "kernel_tests", "kernel_benchmark")
+STEPS = ("generate", "recommend", "kernel_tests", "kernel_benchmark")
 
 
 def run_subprocess(argv: list[str], timeout_s: int, compiled: bool) -> dict[str, Any]:
@@ -215,6 +223,39 @@ def generate_step(sizes: Sizes, device: str, models: list[str], dtype: str,
     return {"ok": all(r["ok"] for r in rows), "runs": rows}
 
 
+def recommend_step(device: str) -> dict[str, Any]:
+    """`recommend_texts` on the tiny model with its closed loop on ``device`` (the Triton cache on CUDA) and on the
+    CPU (the torch cache): the same answer, and the measured losses of the configurations both confirmed within
+    `RECOMMEND_TOLERANCE`. On a CPU-only dry run the two are one run, which checks the plumbing only."""
+    import tempfile
+
+    from gpu_validate.recommend import recommend_texts
+
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for dev in dict.fromkeys((device, "cpu")):
+            t0 = time.perf_counter()
+            rep = recommend_texts("tiny", ["default"], RECOMMEND_TARGET, out=Path(tmp) / dev, device=dev,
+                                  progress=False, **RECOMMEND)
+            measured = {(c["label"], c["budget"]): c["measured"] for c in rep["configurations"]
+                        if c["measured"] == c["measured"]}          # NaN: not run in the model
+            runs[dev] = {"backend": rep["backend"], "answer": rep["answer"], "model_runs": rep["model_runs"],
+                         "measured": measured, "seconds": time.perf_counter() - t0}
+    dev, cpu = runs[device], runs["cpu"]
+    both = sorted(set(dev["measured"]) & set(cpu["measured"]))
+    diff = max((abs(dev["measured"][k] - cpu["measured"][k]) for k in both), default=float("nan"))
+
+    def pick(r: dict[str, Any]) -> tuple[Any, Any]:
+        return r["answer"]["budget"], (r["answer"].get("choice") or {}).get("label")
+
+    out = {"model": "tiny", "target": RECOMMEND_TARGET, **RECOMMEND, "device": device,
+           "answer_device": pick(dev), "answer_cpu": pick(cpu), "confirmed_both": len(both),
+           "measured_max_abs_diff": diff, "tolerance": RECOMMEND_TOLERANCE,
+           "runs": {d: {k: v for k, v in r.items() if k != "measured"} for d, r in runs.items()}}
+    out["ok"] = bool(pick(dev) == pick(cpu) and both and diff <= RECOMMEND_TOLERANCE)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU at toy sizes")
@@ -262,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
 
     steps: dict[str, Callable[[], dict[str, Any]]] = {
         "generate": lambda: generate_step(sizes, device, args.models, args.dtype, generate_progress),
+        "recommend": lambda: recommend_step(device),
         "kernel_tests": lambda: run_subprocess([*pytest, *sizes.kernel_tests], sizes.timeout_s, compiled),
         "kernel_benchmark": lambda: run_subprocess([sys.executable, "-m", "benchmarks.kernels", *sizes.kernel_benchmark],
                                                    sizes.timeout_s, compiled),

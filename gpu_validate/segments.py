@@ -185,8 +185,9 @@ def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Poli
             store.add(rows)
             if ray is not None:
                 bar.update(len(rows))
-            bar.write(f"batch of {len(rows)}: mean ΔNLL {np.mean([r['delta_nll'] for r in rows]):.4f}")
-            sys.stdout.flush()
+            if progress:
+                bar.write(f"batch of {len(rows)}: mean ΔNLL {np.mean([r['delta_nll'] for r in rows]):.4f}")
+                sys.stdout.flush()
     return store.load()
 
 

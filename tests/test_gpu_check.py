@@ -16,7 +16,10 @@ def test_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     assert gpu_check.main(["--dry-run", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["ok"] and report["dry_run"]
-    assert set(report["steps"]) == {"kernel_tests", "kernel_benchmark", "generate"}
+    assert set(report["steps"]) == set(gpu_check.STEPS)
+    rec = report["steps"]["recommend"]    # one CPU run compared with itself: the plumbing, an answer, no difference
+    assert rec["answer_device"] == rec["answer_cpu"] and rec["confirmed_both"] > 0
+    assert rec["measured_max_abs_diff"] == 0.0
     runs = report["steps"]["generate"]["runs"]
     assert {(r["model"], r["prompt_tokens"]) for r in runs} == {(m, p) for m in gpu_check.MODELS
                                                                 for p in gpu_check.DRY.prompts}
