@@ -73,6 +73,24 @@ def cannot_serve(trace: Trace, policy: Policy) -> str | None:
     return None
 
 
+def servable(trace: Trace, policies: Sequence[Policy], optional: Collection[str] = (),
+             name: str | None = None) -> list[Policy]:
+    """The ``policies`` that ``trace`` (called ``name`` in messages) can serve: one it cannot (``cannot_serve``) is
+    a `PolicyError`, unless its label is in ``optional`` (``implicit_labels``: named only through ``all``); then it
+    is left out with a notice on stderr."""
+    out = []
+    where = f" on trace {name}" if name else ""
+    for pol in policies:
+        why = cannot_serve(trace, pol)
+        if why is None:
+            out.append(pol)
+        elif pol.label() in optional:
+            print(f"skipping {pol.label()}{where}: {why}", file=sys.stderr)
+        else:
+            raise PolicyError(f"{pol.label()}{where}: {why}")
+    return out
+
+
 def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequence[int],
          done: set[str] = frozenset(), optional: Collection[str] = ()) -> list[Job]:
     """Jobs for every valid configuration not in ``done``; a one-pass strategy (the oracle's) gets one job per
@@ -86,13 +104,7 @@ def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequen
     for ref in traces:
         trace, _ = ref.open()
         tid = trace_id(trace)
-        for pol in policies:
-            why = cannot_serve(trace, pol)
-            if why is not None:
-                if pol.label() not in optional:
-                    raise PolicyError(f"{pol.label()} on trace {tid}: {why}")
-                print(f"skipping {pol.label()} on trace {tid}: {why}", file=sys.stderr)
-                continue
+        for pol in servable(trace, policies, optional, tid):
             valid = [int(b) for b in budgets if pol.min_budget() <= b <= trace.meta.n_tokens]
             chunk = effective_chunk(pol, ref.chunk)
             todo = [(b, config_key(tid, pol.name, pol.params, b, ref.sliding, chunk)) for b in valid]

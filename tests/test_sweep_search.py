@@ -160,3 +160,19 @@ def test_sweep_cli_all_on_a_trace_without_the_pass(tmp_path, capsys):
     assert main(["sweep", path, "--policies", "all", "--budgets", "8", "--out", str(tmp_path / "r"), "--quiet"]) == 0
     out = capsys.readouterr()
     assert "skipping kvzip" in out.err and "h2o" in out.out
+
+
+def test_report_occupancy_all_on_a_trace_without_the_pass(tmp_path, capsys):
+    path = _trace_without_pass(tmp_path)
+    store = tmp_path / "r"
+    assert main(["sweep", path, "--policies", "h2o", "--budgets", "8", "--out", str(store), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["report", str(store), "--occupancy", path, "--policies", "all", "--budget", "8",
+                 "--out", str(tmp_path / "rep")]) == 0
+    err = capsys.readouterr().err
+    assert "skipping kvzip" in err and "skipping buzz: budget 8" in err
+    assert (tmp_path / "rep" / "occupancy.png").exists()
+    # named: an error that says what to do, before any replay
+    assert main(["report", str(store), "--occupancy", path, "--policies", "h2o;kvzip", "--budget", "8",
+                 "--out", str(tmp_path / "rep2")]) != 0
+    assert "kvsim record --kvzip" in capsys.readouterr().err and not (tmp_path / "rep2" / "occupancy.png").exists()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from sim.commands._common import (add_budget_option, add_policies_option, add_synthetic_size_args,
@@ -63,13 +64,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _occupancy(args: argparse.Namespace, out: Path, facts: dict) -> Path:
-    """The occupancy maps of ``--policies`` on ``--occupancy TRACE`` at ``--budget``; the trace's facts join
+    """The occupancy maps of ``--policies`` on ``--occupancy TRACE`` at ``--budget`` (with ``all``, the policies
+    the trace cannot serve or the budget cannot hold are left out, as a sweep leaves them); the trace's facts join
     ``facts`` when the store did not have them."""
     from sim.report import occupancy_figure
     from sim.runinfo import trace_facts
     from sim.specs import parse_policy_list
+    from sim.sweep import implicit_labels, servable
 
     trace = load(args, args.occupancy)
     f = trace_facts(trace)
     facts.setdefault(f["trace_id"], f)
-    return occupancy_figure(trace, parse_policy_list(args.policies), args.budget, out / "occupancy.png")
+    implicit = implicit_labels(args.policies)
+    policies = []
+    for pol in servable(trace, parse_policy_list(args.policies), implicit):
+        if pol.label() in implicit and pol.min_budget() > args.budget:
+            print(f"skipping {pol.label()}: budget {args.budget} is below its minimum {pol.min_budget()}",
+                  file=sys.stderr)
+        else:
+            policies.append(pol)
+    return occupancy_figure(trace, policies, args.budget, out / "occupancy.png")
