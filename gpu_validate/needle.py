@@ -119,10 +119,11 @@ def run_needle(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tuple[P
                     run_batch(model, jobs, backend=backend, max_rows=rows_cap, on_result=finished, prompt_memo=memo)
                     store.add(rows)
                     out += rows
-                    acc = np.mean([r["success"] for r in rows])
-                    bar.write(f"{p.prompt_id} ({'streamed' if streams else 'prefilled'}): {len(rows)} cells, "
-                              f"accuracy {acc:.2f}")
-                    sys.stdout.flush()
+                    if progress:
+                        acc = np.mean([r["success"] for r in rows])
+                        bar.write(f"{p.prompt_id} ({'streamed' if streams else 'prefilled'}): {len(rows)} cells, "
+                                  f"accuracy {acc:.2f}")
+                        sys.stdout.flush()
             return out
 
         def cell(p: NeedlePrompt) -> tuple[str, int]:

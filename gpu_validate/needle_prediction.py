@@ -54,8 +54,9 @@ FEATURES_VERSION = 3
 
 def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy, int]], *,
                     model_id: str = "model", chunk: int = 1) -> list[dict[str, float]]:
-    """Per (policy, budget): every `FEATURES` value, from a teacher-forced trace of prompt + answer replayed in
-    the simulator (with the closed loop's prompt ``chunk``, `run_needle`)."""
+    """Per (policy, budget): every `FEATURES` value, the `DIAGNOSTICS` and the K/V bytes held while answering
+    (``kv_bytes_mean``), from a teacher-forced trace of prompt + answer replayed in the simulator (with the closed
+    loop's prompt ``chunk``, `run_needle`)."""
     from sim.layer_inputs import load_layers
     from sim.replay import replay
     from traces.format import load_trace
@@ -81,7 +82,8 @@ def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy,
             res = replay(trace, policy, int(budget), inputs=inputs, record_kept=(P, n_ans), threads=1, chunk=C)
             first_full = policy.has_prefill or C >= P   # the first answer token comes from the prompt's own forward
             held = _held(res, key_pos, attn.shape, windows, P, first_full)
-            out.append({**_features(attn, held, targets), **_diagnostics(attn, held, layer_ids)})
+            out.append({**_features(attn, held, targets), **_diagnostics(attn, held, layer_ids),
+                        "kv_bytes_mean": res.summary()["kv_bytes_mean"]})
     return out
 
 
@@ -125,7 +127,8 @@ def stored_features(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tu
     want = pd.DataFrame([{"key": feature_key(p, pol, b, model_id, chunk)} for p in prompts for pol, b in configs
                          if fits(p, pol, b)])
     rows = want.merge(known, on="key", how="left")
-    return rows[["prompt_id", "label", "budget", *[f for f in (*FEATURES, *DIAGNOSTICS) if f in rows.columns]]]
+    extra = (*FEATURES, *DIAGNOSTICS, "kv_bytes_mean")      # the K/V bytes held while answering (not stored before)
+    return rows[["prompt_id", "label", "budget", *[f for f in extra if f in rows.columns]]]
 
 
 def prediction_table(df, features) -> "Any":

@@ -46,6 +46,11 @@ class NeedlePrompt:
             return base                      # the original needle grid's ids (stores written before the tasks)
         return f"{self.task}{'' if self.repeats == 1 else f'x{self.repeats}'}-{base}"
 
+    @property
+    def name(self) -> str:
+        """The prompt's name where a recommendation names its units (a text segment's ``name``)."""
+        return self.prompt_id
+
     def success(self, generated: Sequence[int], decode: Callable[[list[int]], str] | None = None) -> bool:
         """Whether greedy decoding retrieved: every value in the decoded generation (``decode``), or, without a
         decoder, the answer's tokens reproduced exactly."""

@@ -163,7 +163,8 @@ def answer_lines(report: dict[str, Any], command_model: str) -> list[str]:
     """The printed answer: the choice, the runner-up, the confidence, and the command that uses the choice."""
     a = report["answer"]
     ch = a["choice"]
-    unit = "nats/token" if report["target_column"] == "delta_nll" else "(top-1 disagreement)"
+    unit = {"delta_nll": "nats/token", "top1_disagreement": "(top-1 disagreement)",
+            "retrieval_failure": "(share of pass keys lost)"}[report["target_column"]]
 
     def loss(c: dict[str, Any]) -> str:
         return (f"measured {c['measured']:.4f} (upper bound {c['upper_bound']:.4f}), predicted {c['predicted']:.4f} "

@@ -91,11 +91,12 @@ def test_features_full_budget_retains_everything_and_small_budget_less(llama):
     tok = CharTok()
     p = make_prompt(tok, tok.encode(TEXT), 280, 0.5, 0)
     f = needle_features(llama, p, [(get_policy("streaming_llm"), 286), (get_policy("streaming_llm", n_sinks=4), 8)])
-    assert set(f[0]) == set(FEATURES) | set(DIAGNOSTICS)
+    assert set(f[0]) == set(FEATURES) | set(DIAGNOSTICS) | {"kv_bytes_mean"}
     assert all(f[0][k] == pytest.approx(1.0) for k in FEATURES)
     assert f[1]["weakest_layer_index"] in (0, 1) and 0 <= f[1]["weakest_step_index"] < len(p.answer)
     assert f[1]["weakest_answer_step"] <= f[1]["retained_share"] and 0.0 <= f[1]["copy_target"] <= 1.0
     assert 0.0 <= f[1]["retained_share"] < 1.0 and 0.0 <= f[1]["weakest_layer"] <= f[1]["retained_share"]
+    assert f[1]["kv_bytes_mean"] < f[0]["kv_bytes_mean"]            # 8 slots hold less than the whole prompt
 
 
 def test_threshold_and_prediction_report():

@@ -96,6 +96,29 @@ class _TableRecommender(Recommender):
                 self.runs += 1
 
 
+@pytest.mark.parametrize("margin_z", [0.0, 1.645])
+def test_upper_bound_takes_the_larger_of_the_token_and_the_segment_margin(margin_z, tmp_path):
+    from scipy.stats import norm, t
+
+    rec = _TableRecommender(np.ones((2, 1)), np.ones((2, 1)), 0.1, 1, tmp_path)
+    rec.margin_z = margin_z
+    a, b = (lab for lab in rec.cands)
+    budget = rec.budgets[0]
+    # segments that differ much more than the token blocks say (a): the pooled segment margin wins for both
+    rec.segment_losses = {(a, budget): np.array([0.02, 0.10]), (b, budget): np.array([0.05, 0.07])}
+    rec.measured = {k: float(v.mean()) for k, v in rec.segment_losses.items()}
+    rec.block_se = {(a, budget): 0.001, (b, budget): 0.06}
+    rec._bound_rung(budget)
+    pooled = (2 * 0.04 ** 2 + 2 * 0.01 ** 2) / 2                     # two cells, one degree of freedom each
+    seg = float(t.ppf(norm.cdf(margin_z), 2)) * np.sqrt(pooled / 2) if margin_z else 0.0
+    assert rec.bound[a, budget] == pytest.approx(0.06 + seg)
+    assert rec.bound[b, budget] == pytest.approx(0.06 + max(margin_z * 0.06, seg))
+    if margin_z == 0:               # judged on the mean
+        assert rec.bound == rec.measured
+    else:                           # a noisy cell's own token margin can exceed the pooled one
+        assert margin_z * 0.06 > seg and rec.bound[b, budget] > rec.bound[a, budget]
+
+
 @settings(max_examples=60, deadline=None)
 @given(n_cfg=st.integers(2, 6), n_budgets=st.integers(1, 5), k=st.integers(1, 4), target=st.floats(0.05, 0.5),
        seed=st.integers(0, 10 ** 6))

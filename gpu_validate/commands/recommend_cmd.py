@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text", nargs="+", default=["default"], metavar="NAME|FILE",
                    help=f"your texts: shipped ({', '.join(SHIPPED_TEXTS)}) or UTF-8 files; --segments windows of "
                         "each are simulated and run")
-    p.add_argument("--segments", type=positive_int, default=3, help="segments per text")
+    p.add_argument("--segments", type=positive_int, default=3,
+                   help="segments per text (a retrieval target: pass-key seeds per text, each at 5 depths)")
     p.add_argument("--prompt-tokens", type=positive_int, default=512, help="prompt tokens of a segment")
     p.add_argument("--decode-tokens", type=positive_int, default=128,
                    help="tokens after the prompt, scored teacher-forced")
