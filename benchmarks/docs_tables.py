@@ -267,12 +267,20 @@ def fidelity_page() -> str:
                    f"runs; target {d['target']}; simulated loss `{s.get('sim_loss')}`. {d.get('split_note', '')}.\n\n")
         keys = ["pick_in_model_top3_share", "median_regret_share", "median_regret_nats", "target_met_share",
                 "budget_ratio_median", "model_runs_share"]
-        out.append(table(["measure", "folds", "goal"], [[k, s.get(k), goals.get(k)] for k in keys if k in s]))
-        rho = s.get("within_family_rho", {})
+        split = {kind: s.get(kind, {}).get("all_cells", {}) for kind in ("fold", "cross_text")}
+        out.append("kvsim's answers beside those of the model itself on the segments a recommendation sees (its whole "
+                   "grid there: what a perfect simulator would answer), both judged on the held-out segments:\n\n")
+        out.append(table(["measure", "kvsim, folds", "model on seen, folds", "kvsim, cross-text",
+                          "model on seen, cross-text", "goal"],
+                         [[k, split["fold"].get(k), split["fold"].get(f"model_on_seen_{k}"),
+                           split["cross_text"].get(k), split["cross_text"].get(f"model_on_seen_{k}"), goals.get(k)]
+                          for k in keys if k in s]))
+        rho = dict(s.get("within_family_rho", {}))
+        rho.update({f"model, {pair}": per for pair, per in s.get("within_family_rho_model_across_texts", {}).items()})
         if rho:
             fams = sorted({f for per in rho.values() for f in per})
-            out.append("\nWithin-family Spearman ρ (simulator against model, over each family's values), per "
-                       "text:\n\n")
+            out.append("\nWithin-family Spearman ρ over each family's values: the simulator against the model per "
+                       "text, and the model on one text against itself on the other:\n\n")
             out.append(table(["text", *fams], [[t, *[per.get(f) for f in fams]] for t, per in rho.items()]))
         out.append("\n" + measured_on(d, name))
     return "".join(out)

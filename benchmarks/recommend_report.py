@@ -6,6 +6,13 @@ other segments of the same texts -- a user samples their corpus and deploys on t
 sees every segment of one text and is judged on the other text -- a distribution shift, reported beside the folds.
 A cell is one (split, budget); the model's own split-half reliability on the held-out segments of the cell says
 which cells can judge a ranking at all, and the summary gives the shares over every cell and over the reliable ones.
+
+**The model's own ceiling.** Beside the simulator's first pick, each cell judges the pick of a perfect simulator:
+the model's own closed-loop loss on the segments the recommendation sees (``model_on_seen_first``), and each
+recommendation the answer of the model's whole grid there (``model_on_seen``: the smallest budget whose best
+configuration meets the target). Nothing predicted from those segments knows the held-out ones better than the
+model's own losses there, so these shares (``model_on_seen_*`` in the summary) are what the goals can be measured
+against: where the model's own ranking does not carry from seen to held-out segments, no simulator's can.
 """
 from __future__ import annotations
 
@@ -48,8 +55,22 @@ def within_family_rho(sim: pd.DataFrame, model: pd.DataFrame, family_of: dict[st
         labs = [lab for lab in sim.index if family_of[lab] == fam]
         if len(labs) >= 3:
             vals = [spearman(sim.loc[labs, b], model.loc[labs, b]) for b in sim.columns]
-            out[fam] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
+            out[fam] = round(float(np.nanmean(vals)), 6) if np.isfinite(vals).any() else float("nan")
     return out
+
+
+def model_on_seen_answer(seen: pd.DataFrame, held: pd.DataFrame, tg, smallest_held: int | None) -> dict[str, Any]:
+    """The recommendation a perfect simulator would make, the model's exhaustive grid on the seen segments
+    (``seen``, ``held``: label x budget losses): the smallest budget where its best configuration meets the target,
+    judged on the held-out segments as the recommendation is."""
+    meet = [b for b in seen.columns if tg.met(seen[b].min())]
+    if not meet:
+        return {"met_on_seen": False, "held_out_met": False, "budget_ratio": float("nan")}
+    b = meet[0]
+    label = seen[b].idxmin()
+    loss = float(held.loc[label, b])
+    return {"met_on_seen": True, "budget": int(b), "label": label, "held_out_loss": loss,
+            "held_out_met": tg.met(loss), "budget_ratio": b / smallest_held if smallest_held else float("nan")}
 
 
 def splits(segs: dict[str, list]) -> list[dict[str, Any]]:
@@ -82,7 +103,13 @@ def summarise(cells: Sequence[dict], recs: Sequence[dict], reliable_only: bool) 
             "recommendation_median_regret_nats": median([c["recommendation_pick"]["regret_nats"] for c in cells]),
             "target_met_share": share([r["held_out_met"] for r in recs]),
             "budget_ratio_median": float(np.nanmedian([r["budget_ratio"] for r in recs])) if recs else float("nan"),
-            "model_runs_share": share([r["model_runs_share"] for r in recs])}
+            "model_runs_share": share([r["model_runs_share"] for r in recs]),
+            "model_on_seen_pick_in_model_top3_share": share([c["model_on_seen_first"]["in_top3"] for c in cells]),
+            "model_on_seen_median_regret_share": median([c["model_on_seen_first"]["regret_share"] for c in cells]),
+            "model_on_seen_median_regret_nats": median([c["model_on_seen_first"]["regret_nats"] for c in cells]),
+            "model_on_seen_target_met_share": share([r["model_on_seen"]["held_out_met"] for r in recs]),
+            "model_on_seen_budget_ratio_median": (float(np.nanmedian([r["model_on_seen"]["budget_ratio"] for r in recs]))
+                                                  if recs else float("nan"))}
 
 
 def report(args, load) -> int:
@@ -141,24 +168,28 @@ def report(args, load) -> int:
         held = table(sp["held"], tg.column)
         held_loss = float(held.loc[a["choice"]["label"], a["budget"]])
         meets = [b for b in budgets if (held[b] <= tg.limit).any()]
+        seen = table(sp["seen"], tg.column)
         recs.append({"split": sp["name"], "kind": sp["kind"], "target": str(tg), "answer": a,
                      "held_out_loss": held_loss, "held_out_met": tg.met(held_loss),
                      "smallest_grid_budget_meeting_target": meets[0] if meets else None,
                      "budget_ratio": a["budget"] / meets[0] if meets else float("nan"), "model_runs": rec["model_runs"],
                      "model_runs_share": rec["model_runs"] / (len(configs) * len(sp["held"])),
-                     "confidence": rec["confidence"], "calibration": rec["calibration"]})
+                     "confidence": rec["confidence"], "calibration": rec["calibration"],
+                     "model_on_seen": model_on_seen_answer(seen, held, tg, meets[0] if meets else None)})
         print(f"{sp['name']} {tg} (validate {validate}, {per_family}/family): {a['choice']['label']} @ {a['budget']}, "
               f"held-out {held_loss:.4f} ({'meets' if tg.met(held_loss) else 'MISSES'}), smallest meeting "
               f"{meets[:1]}", flush=True)
         if cells is None:
             return
-        sim_seen = table(sp["seen"], SIM_LOSS)
+        sim_seen, model_seen = table(sp["seen"], SIM_LOSS), table(sp["seen"], tg.column)
         for rung in rec["per_budget"]:
             b = rung["budget"]
             default_pick = sim_seen.loc[list(default.values()), b].idxmin()
+            model_default_pick = model_seen.loc[list(default.values()), b].idxmin()
             cells.append({"split": sp["name"], "kind": sp["kind"], "budget": b,
                           "held_reliability": reliability(sp["held"], b),
                           "simulator_first": rank_stats(sim_seen[b].idxmin(), held[b], default_pick),
+                          "model_on_seen_first": rank_stats(model_seen[b].idxmin(), held[b], model_default_pick),
                           "recommendation_pick": {**rank_stats(rung["pick"]["label"], held[b], default_pick),
                                                   "source": rung["source"]}})
 
@@ -184,6 +215,10 @@ def report(args, load) -> int:
     every = [s for v in segs.values() for s in v]
     summary["within_family_rho"] = {t: within_family_rho(table(v, SIM_LOSS), table(v, "delta_nll"), family_of)
                                     for t, v in segs.items()}
+    texts = list(segs)          # the model on one text against itself on another (symmetric)
+    summary["within_family_rho_model_across_texts"] = {
+        f"{a} <-> {b}": within_family_rho(table(segs[a], "delta_nll"), table(segs[b], "delta_nll"), family_of)
+        for i, a in enumerate(texts) for b in texts[i + 1:]}
     summary["within_family_rho_by_sim_loss"] = {s: within_family_rho(table(every, s), table(every, "delta_nll"),
                                                                      family_of) for s in SIM_LOSSES}
     summary["model_split_half_reliability"] = {
