@@ -304,11 +304,18 @@ class Recommender:
         share = agree / total if total else float("nan")
         level = ("high" if share >= 0.8 and cal.rms_log <= 0.3 else
                  "medium" if share >= 0.6 and cal.rms_log <= 0.6 else "low")
-        advice = {"high": "The simulator ordered the confirmed configurations as the model did",
-                  "medium": "The simulator's order was partly wrong among the confirmed configurations; "
-                            "confirming more (--validate) may find a better one",
-                  "low": "The simulator is not a reliable guide for this model and text: confirm more "
-                         "configurations in the model (--validate) before trusting the choice"}[level]
+        if level == "low":
+            advice = ("The simulator is not a reliable guide for this model and text: confirm more configurations "
+                      "in the model (--validate) before trusting the choice")
+        elif level == "high":
+            advice = "The simulator ordered the confirmed configurations as the model did"
+        elif share >= 0.8:          # the order held; the calibrated values did not
+            advice = ("The simulator ordered the confirmed configurations as the model did, but its calibrated "
+                      "losses are loose: the measured ones decided the budget, and the rungs nobody confirmed are "
+                      "only estimates")
+        else:
+            advice = ("The simulator's order was partly wrong among the confirmed configurations; confirming more "
+                      "(--validate) may find a better one")
         return {"pair_agreement": share, "pairs": total, "calibration_rms_log": cal.rms_log, "level": level,
                 "advice": advice}
 

@@ -22,8 +22,10 @@ TERMS = {
     "simulated": "the simulator's loss of the configuration (its ranking key), the mean over the segments",
     "predicted": "the model loss the calibration (a power law fitted on the confirmed runs) predicts from it",
     "measured": "the model's loss in the closed loop (the policy evicting inside the model), mean over the segments",
-    "bound": "the measured mean plus 1.645 standard errors (one-sided 95%; token blocks over the segments): a budget "
-             "meets the target when this does, since the best of several noisy measurements is optimistic",
+    "bound": "the one-sided 95% upper bound of the measured loss: the mean plus the larger of 1.645 standard errors "
+             "over token blocks and a Student-t margin over segments (a retrieval target: the Clopper-Pearson limit "
+             "of the failures). A budget meets the target when this does, since the best of several noisy "
+             "measurements is optimistic and the answer must hold on text it has not seen",
     "confirmed": "run in the model; a budget's choice is its best confirmed configuration, else the simulator's "
                  "first",
     "pair agreement": "among pairs of configurations confirmed at the same budget, the share the simulator ordered "
@@ -89,8 +91,14 @@ def recommend_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: 
                 "texts: simulated for every configuration, confirmed in the model near the target.")
     page.fact("model", "model", report["model"])
     page.fact("target", "target", f"{report['target']} ({report['target_column']} ≤ {report['target_limit']:g})")
-    page.fact("segments", "segments", f"{len(report['segments'])} of {report['n_prompt']:,} prompt + "
-                                      f"{report['n_decode']:,} scored tokens: {', '.join(report['segments'])}")
+    if report.get("retrieval_prompts"):
+        page.fact("segments", "pass-key prompts",
+                  f"{len(report['segments'])} of {report['n_prompt']:,} tokens that the full cache answers (of "
+                  f"{report['retrieval_prompts']}; they can certify retrieval ≤ {report['retrieval_certifiable']:.2f})"
+                  f": {', '.join(report['segments'])}")
+    else:
+        page.fact("segments", "segments", f"{len(report['segments'])} of {report['n_prompt']:,} prompt + "
+                                          f"{report['n_decode']:,} scored tokens: {', '.join(report['segments'])}")
     page.fact("budgets", "budgets", ", ".join(map(str, report["budgets"])))
     page.fact("runs", "closed-loop runs", str(report["model_runs"]))
     run_facts(page, report, command)
