@@ -266,7 +266,7 @@ def fidelity_page() -> str:
                    f"budgets {', '.join(map(str, d['grid']['budgets']))}, {d['grid']['closed_loop_runs']} closed-loop "
                    f"runs; target {d['target']}; simulated loss `{s.get('sim_loss')}`. {d.get('split_note', '')}.\n\n")
         keys = ["pick_in_model_top3_share", "median_regret_share", "median_regret_nats", "target_met_share",
-                "budget_ratio_median", "model_runs_share"]
+                "claimed_met_share", "target_met_share_of_claimed", "budget_ratio_median", "model_runs_share"]
         split = {kind: s.get(kind, {}).get("all_cells", {}) for kind in ("fold", "cross_text")}
         out.append("kvsim's answers beside those of the model itself on the segments a recommendation sees (its whole "
                    "grid there: what a perfect simulator would answer), both judged on the held-out segments:\n\n")

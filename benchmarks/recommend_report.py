@@ -102,12 +102,19 @@ def summarise(cells: Sequence[dict], recs: Sequence[dict], reliable_only: bool) 
             "recommendation_median_regret_share": median([c["recommendation_pick"]["regret_share"] for c in cells]),
             "recommendation_median_regret_nats": median([c["recommendation_pick"]["regret_nats"] for c in cells]),
             "target_met_share": share([r["held_out_met"] for r in recs]),
+            # an answer may say the target is met at no budget tried: the share that claim, and how many of those
+            # claims held on the held-out segments
+            "claimed_met_share": share([r["answer"]["met"] for r in recs]),
+            "target_met_share_of_claimed": share([r["held_out_met"] for r in recs if r["answer"]["met"]]),
             "budget_ratio_median": float(np.nanmedian([r["budget_ratio"] for r in recs])) if recs else float("nan"),
             "model_runs_share": share([r["model_runs_share"] for r in recs]),
             "model_on_seen_pick_in_model_top3_share": share([c["model_on_seen_first"]["in_top3"] for c in cells]),
             "model_on_seen_median_regret_share": median([c["model_on_seen_first"]["regret_share"] for c in cells]),
             "model_on_seen_median_regret_nats": median([c["model_on_seen_first"]["regret_nats"] for c in cells]),
             "model_on_seen_target_met_share": share([r["model_on_seen"]["held_out_met"] for r in recs]),
+            "model_on_seen_claimed_met_share": share([r["model_on_seen"]["met_on_seen"] for r in recs]),
+            "model_on_seen_target_met_share_of_claimed": share([r["model_on_seen"]["held_out_met"] for r in recs
+                                                                if r["model_on_seen"]["met_on_seen"]]),
             "model_on_seen_budget_ratio_median": (float(np.nanmedian([r["model_on_seen"]["budget_ratio"] for r in recs]))
                                                   if recs else float("nan"))}
 
