@@ -17,7 +17,7 @@ their model and texts -- decided by the simulator, confirmed in the model.
    over blocks of scored tokens (the noise within the segments), and Student's t times the standard error over
    segments, with the variance of the segments' losses about their configuration's mean pooled over the rung's
    confirmed configurations (how much segments differ: on the recommend benchmark's held-out segments the token
-   blocks alone understated the deviation 1.4× on SmolLM2 and 3-4× on Gemma-3). ``margin_z=0`` judges the mean.
+   blocks alone understated the deviation 1.4× on SmolLM2 and 2.3× on Gemma-3). ``margin_z=0`` judges the mean.
 
 Every closed-loop run goes into a `sim.store.ResultStore` under the output folder (the simulated cells into a
 second one), so an interrupted recommendation resumes without repeating a model run. The recommendation states its
