@@ -83,7 +83,7 @@ def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy,
             first_full = policy.has_prefill or C >= P   # the first answer token comes from the prompt's own forward
             held = _held(res, key_pos, attn.shape, windows, P, first_full)
             out.append({**_features(attn, held, targets), **_diagnostics(attn, held, layer_ids),
-                        "kv_bytes_mean": res.summary()["kv_bytes_mean"]})
+                        "kv_bytes_mean": res.kv_bytes_mean})
     return out
 
 

@@ -153,25 +153,33 @@ class Recommender:
         return part.label.tolist()
 
     def confirm(self, cells: Sequence[tuple[str, int]]) -> None:
-        """Closed-loop runs of the (label, budget) cells not yet measured, on every segment; their mean model
-        loss over the segments goes into ``measured``."""
+        """Closed-loop runs of the (label, budget) cells not yet measured, on every segment (`_measure`): their
+        losses per segment, their mean (``measured``) and the rungs' upper bounds (`_bound_rung`)."""
         todo = [(lab, int(b)) for lab, b in dict.fromkeys(cells) if (lab, int(b)) not in self.measured]
         if not todo:
             return
+        for cell, losses in zip(todo, self._measure(todo)):
+            self.segment_losses[cell] = losses
+            self.measured[cell] = float(losses.mean())
+            self.runs += len(losses)
+        for b in {b for _, b in todo}:
+            self._bound_rung(b)
+
+    def _measure(self, todo: Sequence[tuple[str, int]]) -> list[np.ndarray]:
+        """The (label, budget) cells ``todo`` run closed loop on every segment: each one's loss per segment (and
+        its standard error over token blocks, into ``block_se``)."""
         configs = [(self.cands[lab].policy, b) for lab, b in todo]
         df = closed_loop(self.model, self.segments, configs, self.closed_store, n_prompt=self.n_prompt,
                          model_id=self.model_id, progress=self.progress, backend=self.backend, log=self.log,
                          ray=self.ray)
         by_key = df.set_index("key")
-        for (lab, b), (pol, _) in zip(todo, configs):
-            keys = [cell_key(self.model_id, s, self.n_prompt, pol, b) for s in self.segments]
-            rows = by_key.loc[keys]
-            self.segment_losses[lab, b] = losses = rows[self.target.column].to_numpy(float)
-            self.measured[lab, b] = mean = float(losses.mean())
-            self.block_se[lab, b] = self._standard_error(rows, mean)
-            self.runs += len(keys)
-        for b in {b for _, b in todo}:
-            self._bound_rung(b)
+        out = []
+        for cell, (pol, b) in zip(todo, configs):
+            rows = by_key.loc[[cell_key(self.model_id, s, self.n_prompt, pol, b) for s in self.segments]]
+            losses = rows[self.target.column].to_numpy(float)
+            self.block_se[cell] = self._standard_error(rows, float(losses.mean()))
+            out.append(losses)
+        return out
 
     def _bound_rung(self, budget: int) -> None:
         """The upper bounds of a rung's confirmed cells (see the module docstring). The segment margin pools the

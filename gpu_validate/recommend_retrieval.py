@@ -90,7 +90,7 @@ def solved_prompts(model, prompts: Sequence[NeedlePrompt], store, *, model_id: s
 
 class RetrievalRecommender(Recommender):
     """`Recommender` on solved needle prompts (the ``segments``): the simulated table from the needle features,
-    confirmations by closed-loop retrieval, bounds from the binomial failure count."""
+    measurements by closed-loop retrieval, bounds from the binomial failure count."""
 
     def __init__(self, model, prompts: Sequence[NeedlePrompt], cands: Sequence[Candidate], budgets: Sequence[int],
                  target: Target, *, decode: Callable[[list[int]], str], **kwargs) -> None:
@@ -112,24 +112,22 @@ class RetrievalRecommender(Recommender):
         self.table = table
         return table
 
-    def confirm(self, cells: Sequence[tuple[str, int]]) -> None:
-        """Closed-loop retrieval of the cells not yet measured on every prompt: the failure share and its
-        per-prompt outcomes."""
+    def _measure(self, todo: Sequence[tuple[str, int]]) -> list[np.ndarray]:
+        """Closed-loop retrieval of the cells ``todo`` on every prompt: each one's failures (1.0) per prompt."""
         from gpu_validate.needle import config_key, run_needle
 
-        todo = [(lab, int(b)) for lab, b in dict.fromkeys(cells) if (lab, int(b)) not in self.measured]
-        if not todo:
-            return
         configs = [(self.cands[lab].policy, b) for lab, b in todo]
         df = run_needle(self.model, self.segments, configs, self.closed_store, model_id=self.model_id,
                         backend=self.backend, decode=self.decode, progress=self.progress, log=self.log)
         success = dict(zip(df.key, df.success.astype(bool)))
-        for (lab, b), (pol, _) in zip(todo, configs):
-            fails = np.array([not success[config_key(p, pol, b, self.model_id)] for p in self.segments], float)
-            self.segment_losses[lab, b] = fails
-            self.measured[lab, b] = float(fails.mean())
-            self.bound[lab, b] = failure_upper_limit(int(fails.sum()), len(fails), self.margin_z)
-            self.runs += len(fails)
+        return [np.array([not success[config_key(p, pol, b, self.model_id)] for p in self.segments], float)
+                for pol, b in configs]
+
+    def _bound_rung(self, budget: int) -> None:
+        """Each confirmed cell's Clopper-Pearson limit of its failure share (a cell's own count: no pooling)."""
+        for (lab, b), fails in self.segment_losses.items():
+            if b == budget:
+                self.bound[lab, b] = failure_upper_limit(int(fails.sum()), len(fails), self.margin_z)
 
 
 def recommend_retrieval(model, tokenizer, texts: dict[str, str], cands: Sequence[Candidate], budgets: Sequence[int],
@@ -147,11 +145,11 @@ def recommend_retrieval(model, tokenizer, texts: dict[str, str], cands: Sequence
     root = Path(out) / f"retrieval-{prompts_digest(prompts)}"
     solved = solved_prompts(model, prompts, ResultStore(root / "closed_loop"), model_id=model_id, backend=backend,
                             decode=tokenizer.decode, progress=progress, log=log)
-    best = certifiable(len(solved), z)
     if not solved:
         raise ValidateError(f"the full cache answers none of the {len(prompts)} pass-key prompts of {prompt_tokens} "
                             "tokens in these texts: retrieval cannot be a target for this model here (try shorter "
                             "--prompt-tokens, or a dnll/top1 target)")
+    best = certifiable(len(solved), z)
     if target.value > best:
         raise ValidateError(f"{len(solved)} prompts the full cache answers (of {len(prompts)}) can certify at most "
                             f"retrieval={best:.2f} (one-sided 95%: every one answered); give a lower target or more "

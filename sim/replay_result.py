@@ -52,6 +52,14 @@ class ReplayResult:
         """The trace's stored-layer index of each replayed layer."""
         return np.arange(self.metrics.shape[0]) if self.layers is None else self.layers
 
+    @property
+    def kv_bytes_mean(self) -> float:
+        """The K/V bytes held (every layer, the ones not replayed included), mean over the measured steps."""
+        if not self.metrics.shape[1]:
+            return float("nan")
+        held = self.slots.sum(axis=(0, 2)) + (0 if self.held_elsewhere is None else self.held_elsewhere)
+        return float((held * 2 * self.head_dim * KV_ELEMENT_BYTES).mean())
+
     def metric(self, name: str) -> np.ndarray:
         """One metric as [L, S, Hq]."""
         return self.metrics[..., NAMES.index(name)]
@@ -65,9 +73,7 @@ class ReplayResult:
         out["miss_mass"] = 1.0 - out["mass_mean"]   # `sim.metrics.COLUMNS["miss_mass"]`: the attention not held
         out["slots_mean"] = float(self.slots.mean()) if n else float("nan")
         out["slots_peak"] = int(self.slots.sum(axis=2).max()) if n else 0
-        held = self.slots.sum(axis=(0, 2)) + (0 if self.held_elsewhere is None else self.held_elsewhere)
-        per_step_bytes = held * 2 * self.head_dim * KV_ELEMENT_BYTES
-        out["kv_bytes_mean"] = float(per_step_bytes.mean()) if n else float("nan")
+        out["kv_bytes_mean"] = self.kv_bytes_mean
         out["n_steps"] = int(n)
         out["n_layers_compressed"] = int(self.metrics.shape[0])
         out["err_by_layer"] = [float(x) for x in self.metric("err").mean(axis=(1, 2))] if n else []
