@@ -267,13 +267,14 @@ def fidelity_page() -> str:
                    f"runs; target {d['target']}; simulated loss `{s.get('sim_loss')}`. {d.get('split_note', '')}.\n\n")
         keys = ["pick_in_model_top3_share", "median_regret_share", "median_regret_nats", "target_met_share",
                 "claimed_met_share", "target_met_share_of_claimed", "budget_ratio_median", "model_runs_share"]
-        split = {kind: s.get(kind, {}).get("all_cells", {}) for kind in ("fold", "cross_text")}
+        kinds = [(kind, name) for kind, name in (("fold", "folds"), ("halves", "halves"), ("cross_text", "cross-text"))
+                 if kind in s]
         out.append("kvsim's answers beside those of the model itself on the segments a recommendation sees (its whole "
                    "grid there: what a perfect simulator would answer), both judged on the held-out segments:\n\n")
-        out.append(table(["measure", "kvsim, folds", "model on seen, folds", "kvsim, cross-text",
-                          "model on seen, cross-text", "goal"],
-                         [[k, split["fold"].get(k), split["fold"].get(f"model_on_seen_{k}"),
-                           split["cross_text"].get(k), split["cross_text"].get(f"model_on_seen_{k}"), goals.get(k)]
+        out.append(table(["measure", *[f"{who}, {name}" for _, name in kinds for who in ("kvsim", "model on seen")],
+                          "goal"],
+                         [[k, *[s[kind]["all_cells"].get(f"{pre}{k}") for kind, _ in kinds
+                                for pre in ("", "model_on_seen_")], goals.get(k)]
                           for k in keys if k in s]))
         rho = dict(s.get("within_family_rho", {}))
         rho.update({f"model, {pair}": per for pair, per in s.get("within_family_rho_model_across_texts", {}).items()})

@@ -1,9 +1,11 @@
 """Stage 2 of benchmarks/recommend.py: recommendations made on some segments, judged on segments they never saw
 against the exhaustive closed-loop grid there (see that file's docstring).
 
-Two kinds of split. **Folds** (the headline): the recommendation sees segment i of each text and is judged on the
-other segments of the same texts -- a user samples their corpus and deploys on the rest of it. **Cross-text**: it
-sees every segment of one text and is judged on the other text -- a distribution shift, reported beside the folds.
+Three kinds of split. **Folds** (the headline): the recommendation sees segment i of each text and is judged on the
+other segments of the same texts -- a user samples their corpus and deploys on the rest of it. **Halves** (from 4
+segments a text): it sees half of each text's segments, every choice of them, and is judged on the other half -- the
+same user with more of their text sampled, which says what more seen text buys. **Cross-text**: it sees every
+segment of one text and is judged on the other text -- a distribution shift, reported beside the folds.
 A cell is one (split, budget); the model's own split-half reliability on the held-out segments of the cell says
 which cells can judge a ranking at all, and the summary gives the shares over every cell and over the reliable ones.
 
@@ -16,6 +18,7 @@ against: where the model's own ranking does not carry from seen to held-out segm
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import tempfile
 import time
@@ -74,10 +77,17 @@ def model_on_seen_answer(seen: pd.DataFrame, held: pd.DataFrame, tg, smallest_he
 
 
 def splits(segs: dict[str, list]) -> list[dict[str, Any]]:
-    """The folds (segment i of each text seen, the rest held out) and the two cross-text splits."""
+    """The folds (segment i of each text seen, the rest held out), the halves (every way of seeing half of each
+    text's segments, the same indices in every text, the other half held out; from 4 segments a text) and the two
+    cross-text splits."""
     n = min(len(v) for v in segs.values())
     out = [{"name": f"fold {i}", "kind": "fold", "seen": [v[i] for v in segs.values()],
             "held": [s for v in segs.values() for j, s in enumerate(v) if j != i]} for i in range(n)]
+    if n >= 4:
+        for seen in itertools.combinations(range(n), n // 2):
+            out.append({"name": "half " + ",".join(map(str, seen)), "kind": "halves",
+                        "seen": [v[i] for v in segs.values() for i in seen],
+                        "held": [s for v in segs.values() for j, s in enumerate(v[:n]) if j not in seen]})
     texts = list(segs)
     out += [{"name": f"{a} -> {b}", "kind": "cross_text", "seen": segs[a], "held": segs[b]}
             for a in texts for b in texts if a != b]
@@ -211,7 +221,7 @@ def report(args, load) -> int:
                 judge(sp, tg, len(default), 1, more_recs, more_cells if tg is target else None)
 
     summary: dict[str, Any] = {"sim_loss": SIM_LOSS}
-    for kind in ("fold", "cross_text"):
+    for kind in sorted({sp["kind"] for sp in splits(segs)}):
         kc = [c for c in cells if c["kind"] == kind]
         kr = [r for r in recs if r["kind"] == kind]
         summary[kind] = {"all_cells": summarise(kc, kr, False), "reliable_cells": summarise(kc, kr, True)}
@@ -238,7 +248,8 @@ def report(args, load) -> int:
             for (t, lab, b), r in means.iterrows()]
     out = {"model": args.model, "texts_seen": list(segs), "texts_held_out": list(segs),
            "split_note": "folds: segment i of each text seen, the other segments of the same texts held out; "
-                         "cross_text: one text seen, the other held out",
+                         "halves: half of each text's segments seen (every choice of indices), the other half held "
+                         "out; cross_text: one text seen, the other held out",
            "texts": {t: SHIPPED_TEXTS[t][1] for t in segs}, "segments": {t: [s.name for s in v] for t, v in segs.items()},
            "n_prompt": args.prompt, "n_decode": args.decode, "target": str(target),
            "targets": [str(t) for t in targets], "validate": VALIDATE, "reliable_threshold": RELIABLE,
