@@ -11,10 +11,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_validate.jobs import ValidateError
-from gpu_validate.recommend import Recommender, fit_calibration, shortlist
+from gpu_validate.recommend import Calibration, Recommender, fit_calibration, shortlist
 from gpu_validate.recommend_grid import FAMILY_GRID, Target, budget_ladder, candidates
 from policies import get_policy
 from policies.errors import PolicyError
+
+
+@pytest.mark.parametrize("flip,rms,level", [(False, 0.2, "high"), (False, 1.5, "medium"), (True, 0.2, "low"),
+                                             (True, 1.5, "low")])
+def test_confidence_trusts_the_confirmed_order_over_the_calibration(flip, rms, level):
+    """An order of confirmed pairs that held keeps the level at least medium however loose the calibration (a
+    retrieval target's measured shares of 0 defeat a log-scale fit); an order that failed makes it low."""
+    from types import SimpleNamespace
+
+    sims = {("a", 64): 0.1, ("b", 64): 0.2, ("c", 64): 0.3}
+    measured = {k: (-v if flip else v) for k, v in sims.items()}
+    fake = SimpleNamespace(budgets=[64], measured=measured, _sim=lambda lab, b: sims[(lab, b)])
+    conf = Recommender._confidence(fake, Calibration(0.0, 1.0, 3, rms))
+    assert (conf["level"], conf["pairs"], conf["pair_agreement"]) == (level, 3, 0.0 if flip else 1.0)
+    assert ("ordered the confirmed configurations as the model did" in conf["advice"]) == (not flip)
 
 
 def test_target_parse_and_errors():
