@@ -67,7 +67,7 @@ def _cosines(uT, rows: int = 16, repeat: int = 2048) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from policies.kernels import GROUP_REDUCE, prompt_attention
-    from policies._bumblebee_greedy import COL_CACHE_BYTES, unit_keys_t
+    from policies._bumblebee_greedy import default_cache_columns, unit_keys_t
     from policies.scorer import recent_slots
     from traces.format import load_trace
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         m = prompt_attention(q, k, scale, GROUP_REDUCE.index("mean"))[0]
         importance_s = time.perf_counter() - t0
         uT = unit_keys_t(k[:, 0, :])
-        default_cols = min(P, COL_CACHE_BYTES // (4 * P))
+        default_cols = default_cache_columns(P)
         row = {"layer": li, "n_prompt": P, "head_dim": int(k.shape[2]), "importance_seconds": importance_s,
                "cosines": _cosines(uT), "greedy": []}
         for b in (int(x) for x in args.budgets.split(",")):

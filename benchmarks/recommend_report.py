@@ -87,7 +87,7 @@ def splits(segs: dict[str, list]) -> list[dict[str, Any]]:
         for seen in itertools.combinations(range(n), n // 2):
             out.append({"name": "half " + ",".join(map(str, seen)), "kind": "halves",
                         "seen": [v[i] for v in segs.values() for i in seen],
-                        "held": [s for v in segs.values() for j, s in enumerate(v[:n]) if j not in seen]})
+                        "held": [s for v in segs.values() for j, s in enumerate(v) if j not in seen]})
     texts = list(segs)
     out += [{"name": f"{a} -> {b}", "kind": "cross_text", "seen": segs[a], "held": segs[b]}
             for a in texts for b in texts if a != b]
@@ -214,14 +214,15 @@ def report(args, load) -> int:
     cells: list = []
     more_recs: list = []
     more_cells: list = []
-    for sp in splits(segs):
+    every_split = splits(segs)
+    for sp in every_split:
         for tg in targets:
             judge(sp, tg, VALIDATE, 2, recs, cells if tg is target else None)
             if sp["kind"] == "fold":      # what confirming one configuration of every family buys
                 judge(sp, tg, len(default), 1, more_recs, more_cells if tg is target else None)
 
     summary: dict[str, Any] = {"sim_loss": SIM_LOSS}
-    for kind in sorted({sp["kind"] for sp in splits(segs)}):
+    for kind in sorted({sp["kind"] for sp in every_split}):
         kc = [c for c in cells if c["kind"] == kind]
         kr = [r for r in recs if r["kind"] == kind]
         summary[kind] = {"all_cells": summarise(kc, kr, False), "reliable_cells": summarise(kc, kr, True)}

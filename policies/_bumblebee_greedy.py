@@ -408,6 +408,13 @@ def _cache_slot(ckey, cmark, mark):
 
 
 @njit(cache=True)
+def default_cache_columns(n):
+    """The columns of n float32 cosines the bounded greedy keeps by default: COL_CACHE_BYTES' worth (at least
+    COL_ROWS, at most n)."""
+    return min(n, max(COL_ROWS, COL_CACHE_BYTES // (4 * max(n, 1))))
+
+
+@njit(cache=True)
 def greedy_select_keys(uT, m, budget, forced, lam, kind, alpha, beta, lazy, mode, cache_cols=-1):
     """``greedy_select`` over V = the columns of uT (``unit_keys_t``) without the n x n matrix: the same picks in
     the same order after the same gain evaluations. Returns (picks, gain evaluations, columns computed).
@@ -418,7 +425,7 @@ def greedy_select_keys(uT, m, budget, forced, lam, kind, alpha, beta, lazy, mode
     when held, else it computes the column with the next COL_ROWS - 1 uncached stale items of the heap (the ones it
     evaluates next if the top does not stay on top) into the cache, evicting the lowest bounds; a pick leaves it.
     The naive greedy computes every unchosen column each round, O(budget n^2 d) time. Memory: uT, the cache
-    (``cache_cols`` columns, by default min(n, COL_CACHE_BYTES / 4n)) and O(COL_ROWS n).
+    (``cache_cols`` columns, by default ``default_cache_columns(n)``) and O(COL_ROWS n).
     """
     d, n = uT.shape
     R = COL_ROWS
@@ -427,8 +434,7 @@ def greedy_select_keys(uT, m, budget, forced, lam, kind, alpha, beta, lazy, mode
     blk_rows = np.arange(R)
     col = np.empty((1, n), np.float64)
     items = np.empty(R, np.int64)
-    cap = (min(n, max(R, COL_CACHE_BYTES // (4 * max(n, 1)))) if cache_cols < 0 else min(n, max(1, cache_cols))
-           if lazy else 0)
+    cap = (default_cache_columns(n) if cache_cols < 0 else min(n, max(1, cache_cols))) if lazy else 0
     cache = np.empty((cap, n), np.float32)
     slot = np.full(n, -1, np.int64)
     owner = np.full(cap, -1, np.int64)
