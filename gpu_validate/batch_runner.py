@@ -13,7 +13,6 @@ forwards) is the model adapter's, `traces.hf`.
 """
 from __future__ import annotations
 
-import functools
 import time
 from typing import Sequence
 
@@ -21,12 +20,14 @@ import numpy as np
 import torch
 
 from gpu_validate.backends import HostKVCache, TorchVarlenKVCache, make_cache
-from gpu_validate.host_steps import row_post, row_prep
+from gpu_validate.cache import layer_views
+from gpu_validate.decode_graph import DecodeGraph, GraphCaptureFailed
+from gpu_validate.decode_steps import DecodeSteps
 from gpu_validate.jobs import BatchJob, RunResult, ValidateError, check_run_args
 from gpu_validate.prompt_loading import PromptLoading
 from gpu_validate.prompt_store import PromptCapture, PromptLayers
 from policies.base import Policy, PolicyError, compiled, unit_logit_scale
-from sim.contract import OK, check_allocation, check_scale, raise_on, slot_capacity
+from sim.contract import check_allocation, check_scale, raise_on, slot_capacity
 from traces.hf.forward import forward_at
 from traces.hf.geometry import layer_attention, model_shape, output_projection
 from traces.hf.routing import attention_call, routed
@@ -87,7 +88,8 @@ class BatchRunner(PromptLoading):
 
     def __init__(self, model, jobs: Sequence[BatchJob], *, backend: str = "torch", open_loop: bool = False,
                  record_kept: tuple[int, int] | None = None, cache_dtype: torch.dtype | None = None,
-                 keep_logits: bool = False, sliding: str = "keep", prompt_memo: dict | None = None) -> None:
+                 keep_logits: bool = False, sliding: str = "keep", prompt_memo: dict | None = None,
+                 steps_after_forward: bool = True, cuda_graphs: bool = True) -> None:
         if not jobs:
             raise ValidateError("a batch needs at least one job")
         for j in jobs:
@@ -111,6 +113,13 @@ class BatchRunner(PromptLoading):
         self.layer_window: dict[int, int | None] = {}
         self._wo_cache: dict[int, np.ndarray] = {}
         self.prompt_memo = prompt_memo
+        #: True: every layer's policy step runs after the model's forward (one host round trip per decode step,
+        #: `gpu_validate.decode_steps`); False: each layer's right after its attention (the path before, kept to
+        #: show the two agree and to time them side by side)
+        self.steps_after_forward = steps_after_forward
+        self.cuda_graphs = cuda_graphs
+        self._pending: dict[int, np.ndarray | None] = {}
+        self.graph: DecodeGraph | None = None
 
     # ----- attention entry point (called by every attention module) -----
     def attention(self, module, query, key, value, attention_mask, **kwargs):
@@ -127,8 +136,9 @@ class BatchRunner(PromptLoading):
         return self._decode_attention(layer, query, key, value), None
 
     def _decode_attention(self, layer: int, query, key, value, *, extend_dense: bool = True) -> torch.Tensor:
-        """Append the C new tokens one by one, each attending over the cache; one policy step after the last.
-        Open loop, the output is the full cache's (a dense copy, extended by the new tokens)."""
+        """Append the C new tokens one by one, each attending over the cache; the layer's policy step after the last
+        is due (`finish_step`, or at once when ``steps_after_forward`` is off). Open loop, the output is the full
+        cache's (a dense copy, extended by the new tokens)."""
         t0, B, C = self.t, len(self.rows), query.shape[2]
         cache = self.caches[layer]
         window = self.attn[layer].window
@@ -139,8 +149,10 @@ class BatchRunner(PromptLoading):
             if self.host:
                 cache.append(key[:, :, j:j + 1], value[:, :, j:j + 1], t)
             else:
+                self.steps.check_append(layer, 1, t)
+                pos = self._new_pos if C == 1 else torch.full((B, 1), t, device=self.device, dtype=torch.int64)
                 cache.append(key[:, :, j:j + 1].to(self.cache_dtype), value[:, :, j:j + 1].to(self.cache_dtype),
-                             positions=torch.full((B, 1), t, device=self.device, dtype=torch.int64))
+                             positions=pos, check=False)
             mults = self._mults(t) if self.compressed[layer] else None   # a kept window is the model's own
             visible_from = t - window + 1 if window and C > 1 else None       # older chunk-mates' windows moved
             outs.append(self._attend(cache, query[:, :, j, :].to(self.cache_dtype), mults, visible_from))
@@ -150,7 +162,10 @@ class BatchRunner(PromptLoading):
                 else:
                     p = self._host_padded(layer, cache, cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
                 summed = p if summed is None else summed + p
-        self._last_deviated = self._policy_step(layer, t0 + C - 1, cache, probs=summed)
+        self._pending[layer] = summed
+        self._due = (t0 + C - 1, C)
+        if not self.steps_after_forward:
+            self.finish_step()
         o = outs[0][:, None] if C == 1 else torch.stack(outs, 1)                # [B, C, Hq, d]
         if self.open_loop and extend_dense:
             dk, dv = self.dense[layer]
@@ -168,6 +183,16 @@ class BatchRunner(PromptLoading):
             o = torch.nn.functional.scaled_dot_product_attention(query, kk, vv, attn_mask=seen,
                                                                  scale=self.layer_scale[layer]).transpose(1, 2)
         return o.to(query.dtype).reshape(B, C, self.n_q, self.head_dim)
+
+    def finish_step(self) -> bool:
+        """The policy steps due since the last call (every layer's, after a forward) at the step of the tokens
+        appended last (`DecodeSteps.step`); True when some row evicted or merged a slot of a compressed layer."""
+        if not self._pending:
+            return False
+        pending, self._pending = self._pending, {}
+        t, n_new = self._due
+        summed = {layer: p for layer, p in pending.items() if p is not None}
+        return self.steps.step(sorted(pending), t, n_new, summed)
 
     def _mults(self, t: int) -> np.ndarray | None:
         """Every row's logit multiplier at step t, checked (computed once per step for all layers); None when
@@ -218,90 +243,6 @@ class BatchRunner(PromptLoading):
         out[~(np.arange(cache.max_capacity)[None, :] < lengths[:, None])] = fill
         return out
 
-    # ----- the policy step of every row on host arrays, as sim/engine.py calls it -----
-    def _scratch(self, cap: int) -> tuple:
-        """Contiguous per-row step inputs of width ``cap`` (shared by the rows of that width: they step in turn)."""
-        sc = self._scratches.get(cap)
-        if sc is None:
-            H, G, d = self.n_kv, self.group, self.head_dim
-            sc = self._scratches[cap] = (
-                np.zeros(H, np.int64), np.zeros((H, G, cap)), np.zeros((H, cap, d), np.float32),
-                np.zeros((H, cap, d), np.float32), np.full((H, cap), -1, np.int64), np.ones((H, cap), np.uint8),
-                np.full((H, cap), -1, np.int64), np.ones((H, cap)))
-        return sc
-
-    def _policy_step(self, layer: int, t: int, cache, probs: np.ndarray | None = None) -> bool:
-        """Every row's policy step on this layer, then the layer's window; True when some row's policy evicted or
-        merged a slot of a layer it compresses (so the cache no longer holds what the model's attention sees).
-        ``probs`` [B*Hkv, G, width]: a prompt chunk's summed attention (default: the cache's last attention).
-
-        Per row: the policy's jitted step runs on the row's slots -- views of the host cache when the row is as
-        wide as the layer, else (or from a device cache) contiguous copies of the row's width (`row_prep`) --
-        then `row_post` checks the contract, applies the window and compacts: in place on the host cache's
-        arrays, or into flat masks for one ``compact`` of the layer's device cache."""
-        H, host = self.n_kv, self.host
-        if host:
-            lengths_all, keys_all, values_all, pos_all = cache.length, cache.k3, cache.v3, cache.pos
-            if probs is None:
-                probs = (cache.p.double().numpy() if self.layer_reads[layer]
-                         else self._probs_buffer(cache.max_capacity))
-            keep_all, mt_all, mw_all = self._no_masks
-        else:
-            lengths_all = cache.length.cpu().numpy().astype(np.int64)
-            if probs is None:
-                probs = self._host_padded(layer, cache, cache.probs, 0.0).transpose(0, 2, 1).astype(np.float64)
-            keys_all = self._host_padded(layer, cache, cache.k, 0.0).astype(np.float32, copy=False)
-            values_all = self._host_padded(layer, cache, cache.v, 0.0).astype(np.float32, copy=False)
-            pos_all = self._host_padded(layer, cache, cache.positions, -1)
-            width = cache.max_capacity
-            keep_all = np.zeros((len(self.rows) * H, width), np.uint8)
-            mt_all = np.full((len(self.rows) * H, width), -1, np.int64)
-            mw_all = np.ones((len(self.rows) * H, width), np.float64)
-        window = int(self.attn[layer].window or 0)
-        compressed = bool(self.compressed[layer])
-        n_new = t - self.t + 1                    # the step's new slots (a prompt chunk's) start at zero state
-        deviated = evicted = False
-        info, out = self._info, self._out
-        for b, row in enumerate(self.rows):
-            r0 = b * H
-            step, params, budget, adaptive, bounded, sst, hst, cap, views = row.plan[layer]
-            ln, pr, ks, vs, ps, keep, merge_to, merge_w = self._scratch(cap)
-            if views is not None:               # the row's slots as they lie in the host cache
-                ln, ks, vs, ps = views
-                pr = probs[r0:r0 + H]
-            else:
-                row_prep(r0, n_new, lengths_all, probs, keys_all, values_all, pos_all, sst, ln, pr, ks, vs, ps)
-            step(params, layer, t, budget, ln, pr, ks, vs, ps, sst, hst, keep, merge_to, merge_w)
-            status = row_post(t, budget, adaptive, bounded, window, compressed, ln, keep, merge_to, merge_w, ps,
-                              sst, info, out, host, r0, keys_all, values_all, pos_all, lengths_all, keep_all, mt_all,
-                              mw_all)
-            if status != OK:
-                raise_on(row.layer_policy[layer], status, info, layer)
-            deviated |= bool(out[0])
-            evicted |= bool(out[1])
-            row.held[layer] = int(out[2])
-            if row.kept is not None:
-                r = t - self.record_kept[0]
-                if 0 <= r < row.kept.shape[1]:
-                    row.kept[layer, r, :, :cap] = pos_all[r0:r0 + H, :cap] if host else ps
-        if evicted and not host:
-            idx, valid_all = self.slot_index[layer], np.arange(cache.max_capacity)[None, :] < lengths_all[:, None]
-            flat = idx[valid_all]
-            total = cache.total_capacity
-            flat_keep = np.zeros(total, np.uint8)
-            flat_keep[flat] = keep_all[valid_all]
-            merging = bool((mt_all[valid_all] >= 0).any())
-            flat_mt = flat_mw = None
-            dev = self.device
-            if merging:
-                flat_mt = np.full(total, -1, np.int32)
-                flat_mw = np.ones(total, np.float32)
-                flat_mt[flat] = mt_all[valid_all]
-                flat_mw[flat] = mw_all[valid_all]
-                flat_mt, flat_mw = torch.from_numpy(flat_mt).to(dev), torch.from_numpy(flat_mw).to(dev)
-            cache.compact(torch.from_numpy(flat_keep).to(dev), flat_mt, flat_mw)
-        return deviated
-
     def _prompt_forward(self, prompts: list[tuple[int, ...]]) -> torch.Tensor:
         """The distinct prompts through the model, their q/k/v captured (`PromptCapture.forward`; every token's k/v
         when the prompt is streamed or the loop open); open loop, each row's dense copy of its prompt's k/v. Returns
@@ -318,10 +259,66 @@ class BatchRunner(PromptLoading):
         """Feed each row's tokens (one, or a prompt chunk) at positions t, t+1, ...; the logits after the last,
         or None with ``logits=False`` (streamed prompt tokens: their predictions are never read, so the LM head
         -- a fifth of SmolLM2's decode FLOPs -- is skipped by running only the decoder stack)."""
-        self.t = t
         ids = torch.tensor([[int(x) for x in row] for row in tokens], device=self.device)
+        if logits and ids.shape[1] == 1:
+            return self.decode_logits(ids, t)
+        self.t = t
+        if not self.host:
+            self._new_pos.fill_(t)
         pos = (t + torch.arange(ids.shape[1], device=self.device, dtype=torch.int64))[None, :].expand(len(tokens), -1)
-        return forward_at(self.model, ids, pos, logits=logits)
+        out = forward_at(self.model, ids, pos, logits=logits)
+        self.finish_step()
+        return out
+
+    def decode_logits(self, ids: torch.Tensor, t: int) -> torch.Tensor:
+        """One decode step of every row: token ids [B, 1] at position t through the model (a CUDA graph's replay
+        where one serves, `gpu_validate.decode_graph`), then every layer's policy steps; the logits [B, V] float32."""
+        self.t = t
+        if self.graph is None:
+            self.graph = DecodeGraph(lambda i, p: forward_at(self.model, i, p), self._graph_reason())
+        if not self.host:
+            self._new_pos.fill_(t)
+        pos = torch.full((len(self.rows), 1), t, device=self.device, dtype=torch.int64)
+        snap = self.steps.snapshot() if self.graph.capturing_next else None
+        try:
+            out = self.graph.logits(ids, pos, lambda: self.graph_bookkeeping(t))
+        except GraphCaptureFailed:
+            self.steps.restore(snap)
+            self._pending = {}
+            out = forward_at(self.model, ids, pos)
+        self.finish_step()
+        return out
+
+    def graph_bookkeeping(self, t: int) -> None:
+        """What a decode forward's Python does on the host per layer (a graph's replay runs none): each device
+        layer's mirror gets the new slot, and every layer's step is due."""
+        for layer in range(self.n_layers):
+            self.steps.check_append(layer, 1, t)
+            self._pending[layer] = None
+        self._due = (t, 1)
+
+    def _graph_reason(self) -> str | None:
+        """Why the decode forward cannot be a CUDA graph, or None."""
+        if not self.cuda_graphs:
+            return "turned off (cuda_graphs=False)"
+        if self.device.type != "cuda":
+            return f"no CUDA device ({self.device.type})"
+        if self.backend != "triton":
+            return "the torch backend's attention gathers by masks (host syncs); the Triton cache replays"
+        if self.open_loop:
+            return "open loop: the dense reference copy grows every step"
+        if self._scaled_rows:
+            return "a row's attention-logit scale changes every step (BUZZ log n)"
+        if not self.steps_after_forward:
+            return "policy steps inside the forward (steps_after_forward=False)"
+        return None
+
+    def run_info(self) -> dict:
+        """How the decode steps ran: CUDA graph or eager (and why), one host round trip per step or per layer,
+        host seconds of the policy steps."""
+        graph = self.graph.info() if self.graph else {"cuda_graph": False, "cuda_graph_fallback": "no decode step"}
+        return {**graph, "host_round_trips": "per step" if self.steps_after_forward else "per layer",
+                "host_step_seconds": self.steps.host_seconds}
 
     def _record(self, rows: list[_Row], logits: torch.Tensor, r: int) -> None:
         """Store prediction r of every row (argmax, NLL of the teacher-forced token, logits if asked)."""
@@ -377,35 +374,37 @@ class BatchRunner(PromptLoading):
                 row.slot_state = [np.zeros((self.n_kv, int(cap[l].max()), row.layer_policy[l].slot_fields))
                                   for l in range(self.n_layers)]
                 row.head_state = [self._head_state(row, l) for l in range(self.n_layers)]
-                row.plan = [(row.kernels[l][0], row.params[l], np.ascontiguousarray(row.budgets[l]),
-                             bool(row.layer_policy[l].head_adaptive), not row.layer_policy[l].unbounded,
-                             row.slot_state[l], row.head_state[l], int(cap[l].max())) for l in range(self.n_layers)]
                 if self.record_kept:
                     row.kept = np.full((self.n_layers, self.record_kept[1], self.n_kv, int(cap.max())), -1, np.int32)
             caps_all = np.stack(caps, 1)   # [L, B, Hkv]
             B = len(rows)
             self.host = (self._host_cache and self.backend == "torch" and self.device.type == "cpu"
                          and self.cache_dtype == torch.float32)
-            self.caches = [(HostKVCache if self.host else functools.partial(make_cache, self.backend))(
-                batch=B, n_kv_heads=self.n_kv, n_q_heads=self.n_q, head_dim=self.head_dim,
-                capacity=caps_all[l].reshape(-1).tolist(), dtype=self.cache_dtype, device=self.device,
-                softmax_scale=self.layer_scale[l], track_acc=False) for l in range(self.n_layers)]
+            layer_caps = [caps_all[l].reshape(-1).tolist() for l in range(self.n_layers)]
+            common = dict(n_kv_heads=self.n_kv, n_q_heads=self.n_q, head_dim=self.head_dim, dtype=self.cache_dtype,
+                          device=self.device, track_acc=False)
+            if self.host:
+                self.kv_group = None
+                self.caches = [HostKVCache(batch=B, capacity=layer_caps[l], softmax_scale=self.layer_scale[l],
+                                           **common) for l in range(self.n_layers)]
+            else:                  # every layer's cache a view of one (`layer_views`): one compaction per step
+                self.kv_group = make_cache(self.backend, batch=self.n_layers * B,
+                                           capacity=[c for caps_l in layer_caps for c in caps_l], **common)
+                self.caches = layer_views(self.kv_group, self.n_layers,
+                                          [self.layer_scale[l] for l in range(self.n_layers)])
             self.slot_index = None if self.host else [c.slot_rows.cpu().numpy() for c in self.caches]
-            H = self.n_kv
-            for b, row in enumerate(rows):   # a row as wide as its layer's host cache steps on views of it
-                row.plan = [plan + ((c.length[b * H:(b + 1) * H], c.k3[b * H:(b + 1) * H], c.v3[b * H:(b + 1) * H],
-                                     c.pos[b * H:(b + 1) * H]) if self.host and plan[7] == c.max_capacity else None,)
-                            for plan, c in zip(row.plan, self.caches)]
-            self._scratches, self._probs_buf, self._mults_memo = {}, {}, {}
-            self._info, self._out = np.zeros(3, np.int64), np.zeros(3, np.int64)
-            self._no_masks = (np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
+            self._probs_buf, self._mults_memo = {}, {}
             unit = compiled(unit_logit_scale)
             self._scaled_rows = [b for b, row in enumerate(rows) if row.scale_fn is not unit]
             self.reads_attention = any(row.policy.reads_attention for row in rows)
             self.layer_reads = [any(row.layer_policy[l].reads_attention for row in rows) for l in range(self.n_layers)]
+            self.steps = DecodeSteps(self, caps_all)
+            self._new_pos = None if self.host else torch.zeros((B, 1), dtype=torch.int64, device=self.device)
             self.mode = "decode"
             if not streams:
                 self._prefill(P)
+                if not self.host:
+                    self.steps.sync_mirrors()
             else:
                 t_model = self._fast_forward(P)
                 for l, (dk, dv) in self.dense.items():   # the dense copy holds the tokens the cache has seen
@@ -433,7 +432,7 @@ class BatchRunner(PromptLoading):
                 logits = self._forward([[tok] for tok in tokens], t)
                 self._record(rows, logits, r + 1)
                 for row in rows:
-                    row.kv_bytes.append(sum(row.held) * 2 * self.head_dim * elem)
+                    row.kv_bytes.append(int(row.held.sum()) * 2 * self.head_dim * elem)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
@@ -449,7 +448,7 @@ class BatchRunner(PromptLoading):
                 kept_steps=None if row.kept is None else np.arange(self.record_kept[0],
                                                                      self.record_kept[0] + self.record_kept[1]),
                 logits=torch.stack(row.logits).numpy() if self.keep_logits else None,
-                extra={"cache_elem_bytes": elem, "batch_rows": len(rows)}))
+                extra={"cache_elem_bytes": elem, "batch_rows": len(rows), **self.run_info()}))
         return results
 
     def _layer_attention(self) -> None:

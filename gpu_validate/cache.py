@@ -75,6 +75,7 @@ class VarlenKVCache:
         self.acc = torch.zeros(total, dtype=torch.float32, device=dev) if track_acc else None
         self.ema = torch.zeros(total, dtype=torch.float32, device=dev) if track_ema else None
         self.probs = torch.zeros(total, self.group, dtype=torch.float32, device=dev)
+        self.counters = torch.zeros(n_heads, dtype=torch.int32, device=dev)   # the fused attention's tickets
         self.slot_owner = slot_heads(self.start, self.capacity, total)
 
     @property
@@ -147,7 +148,7 @@ class VarlenKVCache:
             q, self.k, self.v, self.start, self.length, max_len=self.max_capacity,
             softmax_scale=self.softmax_scale, logit_scale=logit_scale, probs=self.probs, want_probs=want_probs,
             acc=self.acc if upd_acc else None, ema=self.ema if upd_ema else None, ema_gamma=self.ema_gamma,
-            num_splits=num_splits,
+            num_splits=num_splits, counters=self.counters,
         )
         return out.o, out.probs
 
@@ -225,4 +226,39 @@ class VarlenKVCache:
         self.length.copy_(n_keep)
 
 
-__all__ = ["CacheCapacityError", "KernelInputError", "VarlenKVCache"]
+def layer_views(cache: VarlenKVCache, n_layers: int, softmax_scales: Sequence[float]) -> list[VarlenKVCache]:
+    """The per-layer caches of a model laid out in one cache: ``cache`` holds ``n_layers`` layers' heads layer by
+    layer (``batch`` = n_layers x B, heads ordered (layer, batch row, KV head)), and layer l's cache is a view of its
+    slice of every buffer (k, v, positions, probs, statistics, lengths), with its own starts, capacities and
+    softmax scale. A layer's attend / append / prefill write through its view, so the whole model's caches are one
+    set of buffers: one device-to-host copy reads every layer's probabilities, and one ``compact`` of ``cache``
+    applies every layer's keep and merge decisions (the closed loop's one round trip per decode step)."""
+    if n_layers < 1 or cache.batch % n_layers or len(softmax_scales) != n_layers:
+        raise KernelInputError(f"a cache of batch {cache.batch} cannot hold {n_layers} layers of equal batch "
+                               f"(with {len(softmax_scales)} softmax scales)")
+    per = cache.batch // n_layers * cache.n_kv_heads
+    starts, caps = cache.start.long(), cache.capacity.long()
+    out = []
+    for layer in range(n_layers):
+        h0, h1 = layer * per, (layer + 1) * per
+        lo = int(starts[h0])
+        hi = int(starts[h1 - 1] + caps[h1 - 1])
+        view = object.__new__(type(cache))
+        view.__dict__.update({k: v for k, v in cache.__dict__.items() if k != "slot_rows"})
+        view.batch = cache.batch // n_layers
+        view.softmax_scale = float(softmax_scales[layer])
+        view.start = (cache.start[h0:h1] - lo).contiguous()
+        view.capacity = cache.capacity[h0:h1]
+        view.length = cache.length[h0:h1]
+        view.counters = cache.counters[h0:h1]
+        view.max_capacity = int(caps[h0:h1].max())
+        for name in ("k", "v", "positions", "probs", "acc", "ema"):
+            buf = getattr(cache, name)
+            setattr(view, name, None if buf is None else buf[lo:hi])
+        view.slot_owner = slot_heads(view.start, view.capacity, hi - lo)
+        view.flat_offset = lo
+        out.append(view)
+    return out
+
+
+__all__ = ["CacheCapacityError", "KernelInputError", "VarlenKVCache", "layer_views"]

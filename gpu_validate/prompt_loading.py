@@ -23,7 +23,7 @@ from sim.contract import check_kept, raise_on
 class PromptLoading:
     """`BatchRunner`'s prompt-loading steps (a mixin): they read and fill the runner's state after its setup --
     ``rows``, ``caches``, ``capture``, ``prompt_of``, ``attn`` / ``compressed``, ``host`` -- and step through its
-    ``_policy_step``, ``_mults`` and ``_host_padded``."""
+    ``steps`` (`gpu_validate.decode_steps.DecodeSteps`) and ``_mults``."""
 
     def _fast_forward(self, P: int) -> int:
         """Stream the prompt's first chunks without the model, as long as no row has evicted anything.
@@ -46,7 +46,7 @@ class PromptLoading:
             self.t = t0
             pos = None if self.host else (t0 + torch.arange(stop - t0, device=dev, dtype=torch.int64))[None, :].expand(
                 B, -1)
-            evicted = False
+            summed = {}
             for layer in range(self.n_layers):   # (an open loop's dense copy already holds the prompt)
                 cache = self.caches[layer]
                 if self.host:
@@ -55,24 +55,25 @@ class PromptLoading:
                 else:
                     k, v = (cap.rows(a, layer, idx, t0, stop).to(dev, self.cache_dtype)
                             for a in (cap.k, cap.v))                                        # [B, Hkv, C, d]
-                    cache.append(k, v, positions=pos)
+                    self.steps.check_append(layer, stop - t0, t0)
+                    cache.append(k, v, positions=pos, check=False)
                 del k, v
-                probs = self._probs_buffer(cache.max_capacity)
+                probs = summed[layer] = self._probs_buffer(layer, cache.max_capacity)
                 if self.compressed[layer] and self.reads_attention:   # a kept window's policy does not read it
-                    slot_pos = cache.pos if self.host else self._host_padded(layer, cache, cache.positions, -1)
+                    slot_pos = cache.pos if self.host else self.steps.mirrors[layer].pos
                     for u, bs in groups:
-                        summed = cap.chunk_probs(layer, u, t0, stop, self.attn[layer].window)   # [Hkv, G, stop]
-                        map_prompt_probs(summed, bs, self.n_kv, slot_pos, probs)
-                evicted |= self._policy_step(layer, stop - 1, cache, probs=probs)
-            if evicted:
+                        chunk = cap.chunk_probs(layer, u, t0, stop, self.attn[layer].window)   # [Hkv, G, stop]
+                        map_prompt_probs(chunk, bs, self.n_kv, slot_pos, probs)
+            if self.steps.step(range(self.n_layers), stop - 1, stop - t0, summed):
                 return stop
         return P
 
-    def _probs_buffer(self, width: int) -> np.ndarray:
-        """A zeroed [B*Hkv, G, width] float64 buffer for a fast-forwarded chunk's attention (reused)."""
-        buf = self._probs_buf.get(width)
-        if buf is None:
-            buf = self._probs_buf[width] = np.zeros((len(self.rows) * self.n_kv, self.group, width))
+    def _probs_buffer(self, layer: int, width: int) -> np.ndarray:
+        """A zeroed [B*Hkv, G, width] float64 buffer for a fast-forwarded chunk's attention in ``layer`` (reused;
+        one per layer, since the layers' steps run side by side)."""
+        buf = self._probs_buf.get(layer)
+        if buf is None or buf.shape[2] != width:
+            buf = self._probs_buf[layer] = np.zeros((len(self.rows) * self.n_kv, self.group, width))
         else:
             buf.fill(0.0)
         return buf

@@ -243,6 +243,11 @@ class Policy:
     #: the step reads the step's attention ``probs``; False lets the engine skip the attention of unmeasured
     #: (prompt) steps, the bulk of a streamed prompt's cost
     reads_attention: ClassVar[bool] = True
+    #: the step reads the cached ``keys`` / ``values`` (True unless declared otherwise): the GPU closed loop copies a
+    #: layer's keys / values to the host for its steps only when some row's policy reads them
+    #: (tests/test_policy_reads.py checks every registered policy that declares False against random keys / values)
+    reads_keys: ClassVar[bool] = True
+    reads_values: ClassVar[bool] = True
     #: the step handles several new slots at once (a chunked prefill appends a prompt chunk before one step);
     #: False for policies whose state follows each new token in order (BUZZ's counters, Cascading's offers...)
     multi_token_steps: ClassVar[bool] = True

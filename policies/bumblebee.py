@@ -285,6 +285,7 @@ class BumbleBee(Policy):
     """
 
     name = "bumblebee"
+    reads_values = False
     summary = "submodular diversity + importance"
     schema = SCHEMA
     P = P

@@ -325,6 +325,8 @@ class Buzz(Policy):
     """
 
     name = "buzz"
+    reads_keys = False
+    reads_values = False
     summary = "sinks + beehive local-max sampling + window, threshold passes"
     schema = SCHEMA
     P = P

@@ -355,6 +355,8 @@ class Cascading(Policy):
     """
 
     name = "cascading"
+    reads_keys = False
+    reads_values = False
     summary = "sinks + cascading sub-caches with EMA-scored token selection"
     schema = SCHEMA
     P = P

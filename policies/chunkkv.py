@@ -201,6 +201,8 @@ class ChunkKV(ScorerPolicy):
     per layer with ``scope=layer``; see the module docstring for kvpress's reading)."""
 
     name = "chunkkv"
+    reads_keys = False
+    reads_values = False
     summary = "whole chunks by summed attention score"
     schema = SCHEMA
     P = P

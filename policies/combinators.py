@@ -210,7 +210,7 @@ class CriticalStage(Stage):
     params = (EPSILON, FIRST_STAGE_RATIO)
     head_fields = 4          # its slot-field index, G*d, hidden, norm-table width; the W_O block follows
     slot_fields = 1          # the slot's projected value norm, computed once
-    policy_attrs = {"needs_wo": True}
+    policy_attrs = {"needs_wo": True, "reads_values": True}
 
     @classmethod
     def refuse(cls, inner: type[ScorerPolicy]) -> str | None:

@@ -460,6 +460,7 @@ class D2O(Policy):
     ``preset=reference`` reproduces the authors' released code (AIoT-MLSys-Lab/D2O)."""
 
     name = "d2o"
+    reads_values = False
     summary = "layer budgets by attention variance + H2O-style eviction + EMA-threshold merging"
     schema = SCHEMA
     P = P

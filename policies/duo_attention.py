@@ -163,6 +163,8 @@ class DuoAttention(Policy):
     on-the-fly head scores); see the module docstring for the head scores, the budget and the defaults."""
 
     name = "duo_attention"
+    reads_keys = False
+    reads_values = False
     summary = "retrieval heads keep the budget, streaming heads sinks + recent (on-the-fly head split)"
     schema = SCHEMA
     P = P

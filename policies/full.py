@@ -21,6 +21,8 @@ class FullCache(Policy):
     """Keep every token; its budget is ignored and its memory grows with the sequence."""
 
     name = "full"
+    reads_keys = False
+    reads_values = False
     reads_attention = False
     summary = "keep everything (reference)"
     unbounded = True

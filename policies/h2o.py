@@ -50,6 +50,8 @@ class H2O(ScorerPolicy):
     """
 
     name = "h2o"
+    reads_keys = False
+    reads_values = False
     summary = "accumulated attention + recent window"
     schema = SCHEMA
     P = P

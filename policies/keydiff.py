@@ -56,6 +56,7 @@ class KeyDiff(ScorerPolicy):
     protected tokens in the paper, the newest is kept at decode (``n_recent=1``)."""
 
     name = "keydiff"
+    reads_values = False
     summary = "keys least similar to the mean key kept"
     schema = SCHEMA
     P = P

@@ -34,6 +34,7 @@ class Knorm(ScorerPolicy):
     token is kept (``n_recent=1``) so a high-norm new key is not dropped before any query sees it."""
 
     name = "knorm"
+    reads_values = False
     summary = "lowest key L2 norm kept"
     schema = SCHEMA
     P = P

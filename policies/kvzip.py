@@ -144,6 +144,8 @@ class KVzip(ScorerPolicy):
     ``KVzipPress``); see the module docstring for the pass, the budgets and the decode rule."""
 
     name = "kvzip"
+    reads_keys = False
+    reads_values = False
     summary = "attention received while the model rereads its context (KVzip's reconstruction pass)"
     schema = SCHEMA
     P = P

@@ -84,6 +84,8 @@ class ObservedAttention(ScorerPolicy):
     See the module docstring for the decode rule and the protection."""
 
     name = "observed_attention"
+    reads_keys = False
+    reads_values = False
     summary = "prompt attention received, averaged over the queries that saw the token"
     schema = SCHEMA
     P = P

@@ -92,6 +92,7 @@ class QFilter(ScorerPolicy):
     with the filters calibrated on the prompt's queries instead of downloaded (see the module docstring)."""
 
     name = "qfilter"
+    reads_values = False
     summary = "key projection on the queries' principal direction (filters from the prompt)"
     schema = SCHEMA
     P = P

@@ -47,6 +47,8 @@ class RandomEviction(Policy):
     of (seed, layer, head, step), so replays are deterministic under a seed."""
 
     name = "random"
+    reads_keys = False
+    reads_values = False
     reads_attention = False
     summary = "uniform random eviction"
     schema = SCHEMA

@@ -139,6 +139,8 @@ class SnapKV(ScorerPolicy):
     the budget with the same rule over a sliding observation window (the last ``window_size`` queries)."""
 
     name = "snapkv"
+    reads_keys = False
+    reads_values = False
     summary = "observation-window prompt selection with pooling"
     schema = SCHEMA
     P = P

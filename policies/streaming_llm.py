@@ -26,6 +26,8 @@ class StreamingLLM(ScorerPolicy):
     """Keep the first ``n_sinks`` tokens and the most recent ``budget - n_sinks`` (paper default: 4 sinks)."""
 
     name = "streaming_llm"
+    reads_keys = False
+    reads_values = False
     reads_attention = False
     summary = "sinks + sliding window"
     schema = SCHEMA

@@ -92,6 +92,8 @@ class TOVA(ScorerPolicy):
     """
 
     name = "tova"
+    reads_keys = False
+    reads_values = False
     summary = "lowest current attention"
     schema = SCHEMA
     P = P

@@ -24,6 +24,8 @@ class SlidingWindow(Policy):
     """Keep the last ``budget`` tokens (including the newest)."""
 
     name = "window"
+    reads_keys = False
+    reads_values = False
     reads_attention = False
     summary = "most recent tokens only"
     step_fn = _step

@@ -19,11 +19,10 @@ from collections import namedtuple
 import numpy as np
 import time
 
-from numba import njit, objmode, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, objmode
 
 from sim.attention_kernels import qk_dot32, qk_dots, weighted_sums
+from sim.row_moves import move_rows as _move_rows
 from sim.contract import OK, OVER_CAPACITY, apply_window, check_kept, check_scale, check_step
 from sim.metrics import N_METRICS, measure
 from sim.softmax_kernels import softmax_rows
@@ -86,30 +85,6 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, mult, ck, cv, 
                 if p > 0.0:
                     kl += p * (np.log(p) - log_pfull)
         measure(mass, kl, o[t, hq], oacc[g], 1.0, vmax1[t, h], metric_row[hq])
-
-
-@intrinsic
-def _move_rows(typingctx, arr, i, j, dst):
-    """Move rows [i, j) of the C-contiguous array ``arr`` to rows [dst, dst + j - i): one ``llvm.memmove`` (the
-    regions may overlap), so the copy runs at the C library's memmove speed."""
-    if not (isinstance(arr, types.Array) and arr.layout == "C"):
-        return None
-
-    def codegen(context, builder, signature, args):
-        a, lo, hi, to = args
-        ary = context.make_array(signature.args[0])(context, builder, a)
-        shapes = cgutils.unpack_tuple(builder, ary.shape, arr.ndim)
-        row = context.get_constant(types.intp, 1)
-        for extent in shapes[1:]:
-            row = builder.mul(row, extent)
-        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(arr.dtype)))
-        base = builder.bitcast(ary.data, cgutils.voidptr_t)
-        src = builder.gep(base, [builder.mul(builder.mul(lo, row), itemsize)])
-        dest = builder.gep(base, [builder.mul(builder.mul(to, row), itemsize)])
-        cgutils.raw_memmove(builder, dest, src, builder.mul(builder.sub(hi, lo), row), itemsize)
-        return context.get_dummy_value()
-
-    return types.void(arr, types.intp, types.intp, types.intp), codegen
 
 
 @njit(cache=True, nogil=True)

@@ -198,3 +198,109 @@ def test_prompt_captures_keep_a_kept_sliding_layers_window_and_are_reused(monkey
     for got, fresh in ((a, run_batch(model, pre, keep_logits=True)), (b, run_batch(model, stream, keep_logits=True)),
                        (c, a)):
         _same(got[0], fresh[0])
+
+
+@pytest.mark.parametrize("arch,path", [("llama", "host"), ("llama", "device"), ("gemma3", "host"),
+                                       ("gemma3", "device")])
+def test_steps_after_the_forward_equal_steps_per_layer(llama, arch, path, monkeypatch):
+    """Every layer's policy step after the model's forward (one host round trip per decode step) gives exactly
+    what stepping each layer right after its attention gives: tokens, losses, logits, memory and kept sets, for
+    every closed-loop policy, streamed and prefilled, on the CPU's host cache and on the device-cache path
+    (mirrored lengths and positions, one compaction of all layers), with a sliding layer kept or compressed."""
+    model = llama if arch == "llama" else random_gemma3(GEMMA3_TINY)
+    monkeypatch.setattr(BatchRunner, "_host_cache", path == "host")
+    ids = _ids(11)
+    jobs = [BatchJob(get_policy(n), 7, ids[:16], continuation=ids[16:26]) for n in CLOSED_LOOP
+            if get_policy(n).min_budget() <= 7]
+    kw = dict(keep_logits=True, record_kept=(16, 4))
+    for sliding in (("keep", "compress") if arch == "gemma3" else ("keep",)):
+        after = run_batch(model, jobs, sliding=sliding, **kw)
+        per_layer = run_batch(model, jobs, sliding=sliding, steps_after_forward=False, **kw)
+        for a, b, j in zip(after, per_layer, jobs):
+            assert a.top1.tolist() == b.top1.tolist(), j.policy.label()
+            np.testing.assert_array_equal(a.nll, b.nll)
+            np.testing.assert_array_equal(a.logits, b.logits)
+            np.testing.assert_array_equal(a.kv_bytes, b.kv_bytes)
+            np.testing.assert_array_equal(a.kept, b.kept)
+
+
+def test_a_device_layers_mirror_is_its_cache(llama, monkeypatch):
+    """The host's mirror of the device caches (lengths, positions) equals the caches after every step, merges
+    (D2O) and windows included."""
+    from gpu_validate.decode_steps import DecodeSteps
+
+    monkeypatch.setattr(BatchRunner, "_host_cache", False)
+    seen = []
+    real = DecodeSteps.step
+
+    def checked(self, layers, t, n_new, summed=None):
+        out = real(self, layers, t, n_new, summed)
+        for layer in layers:
+            cache, m = self.caches[layer], self.mirrors[layer]
+            assert np.array_equal(cache.length.numpy(), m.length)
+            assert np.array_equal(cache.padded(cache.positions, -1).numpy(), m.pos)
+        seen.append(t)
+        return out
+
+    monkeypatch.setattr(DecodeSteps, "step", checked)
+    ids = _ids(12)
+    jobs = [BatchJob(get_policy(n), 6, ids[:14], continuation=ids[14:22]) for n in ("d2o", "h2o", "snapkv", "tova")]
+    run_batch(model=llama, jobs=jobs)
+    assert len(seen) > 8
+
+
+def test_graph_bookkeeping_is_the_host_side_of_a_decode_forward(llama, monkeypatch):
+    """What a CUDA graph's replay skips -- the Python of the forward's routed attention: each device layer's mirror
+    gets the new slot, every layer's step becomes due -- is exactly what `graph_bookkeeping` does before a replay."""
+    from traces.hf.forward import forward_at
+    from traces.hf.routing import routed
+
+    monkeypatch.setattr(BatchRunner, "_host_cache", False)
+    ids = _ids(13)
+    runner = BatchRunner(llama, [BatchJob(get_policy(n), 6, ids[:14], n_generate=4) for n in ("h2o", "tova")])
+    runner.start()
+    t = 14
+    before = runner.steps.snapshot()
+    runner.graph_bookkeeping(t)
+    booked = runner.steps.snapshot(), dict(runner._pending), runner._due
+    runner.steps.restore(before)
+    runner._pending = {}
+    with torch.no_grad(), routed(llama, runner.attention):
+        runner.t = t
+        runner._new_pos.fill_(t)
+        pos = torch.full((2, 1), t, dtype=torch.int64)
+        forward_at(llama, torch.tensor([[ids[14]]] * 2), pos)
+    eager = runner.steps.snapshot(), dict(runner._pending), runner._due
+    for (la, pa), (lb, pb) in zip(booked[0], eager[0]):
+        assert np.array_equal(la, lb) and np.array_equal(pa, pb)
+    assert booked[1] == eager[1] and booked[2] == eager[2]
+    runner.steps.restore(before)                                      # and a snapshot restores what it took
+    assert all(np.array_equal(a, b) for x, y in zip(runner.steps.snapshot(), before) for a, b in zip(x, y))
+
+
+def test_a_failed_graph_capture_falls_back_to_the_eager_step(llama, monkeypatch):
+    """A capture that fails is undone (the host state its Python touched restored) and the step runs eagerly, as
+    every later one: the results are the eager run's, and the run info names the reason."""
+    from gpu_validate.decode_graph import DecodeGraph, GraphCaptureFailed
+
+    monkeypatch.setattr(BatchRunner, "_host_cache", False)
+    ids = _ids(14)
+    jobs = [BatchJob(get_policy(n), 6, ids[:14], continuation=ids[14:24]) for n in ("h2o", "tova", "d2o")]
+    eager = run_batch(llama, jobs, keep_logits=True)
+    captures = []
+
+    def failing_capture(self, ids, positions, bookkeeping):
+        captures.append(1)
+        bookkeeping()                       # what the captured forward's Python would have done to the host state
+        self.reason = "capture failed: simulated"
+        raise GraphCaptureFailed(self.reason)
+
+    monkeypatch.setattr(BatchRunner, "_graph_reason", lambda self: None)
+    monkeypatch.setattr(DecodeGraph, "_capture", failing_capture)
+    fell_back = run_batch(llama, jobs, keep_logits=True)
+    assert captures == [1]
+    for a, b in zip(eager, fell_back):
+        np.testing.assert_array_equal(a.logits, b.logits)
+        assert a.top1.tolist() == b.top1.tolist()
+    assert fell_back[0].extra["cuda_graph"] is False
+    assert fell_back[0].extra["cuda_graph_fallback"] == "capture failed: simulated"

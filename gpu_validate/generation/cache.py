@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -177,9 +178,12 @@ class KVSimCache(Cache):
         self.seen = T
         return logits
 
-    def begin_step(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Before a decode forward of one token per row: each runner's step position set; returns the rows'
-        position ids [B, 1] (their own prompt length plus the steps taken, padding not counted)."""
+    def decode(self, input_ids: torch.Tensor, hf_forward) -> Any:
+        """One decode forward of one token per row, timed: with one runner (every prompt of one length) its own
+        decode step (`BatchRunner.decode_logits`: a CUDA graph's replay where one serves, then the policy steps of
+        every layer in one host round trip); with several, the model's forward over all rows (``hf_forward(
+        position_ids)``: its attention calls split among the runners by row), then each runner's policy steps.
+        Returns the model output ``generate`` reads."""
         if not self.groups:
             raise ValidateError("the first forward through a KVSimCache must be the prompt")
         if input_ids.shape[1] != 1:
@@ -187,18 +191,26 @@ class KVSimCache(Cache):
                                 f"{input_ids.shape[1]}")
         if self.steps >= self.max_new_tokens - 1:
             raise ValidateError(f"this KVSimCache was made for max_new_tokens={self.max_new_tokens}")
-        for g in self.groups:
-            g.runner.t = g.prompt_len + self.steps
         self._sync()
-        self._t0 = time.perf_counter()
-        return (self._prompt_lens + self.steps)[:, None]
-
-    def end_step(self) -> None:
-        """After a decode forward: the step counted and timed."""
+        t0 = time.perf_counter()
+        if len(self.groups) == 1:
+            g = self.groups[0]
+            out = model_output(self, g.runner.decode_logits(input_ids, g.prompt_len + self.steps))
+        else:
+            for g in self.groups:
+                g.runner.t = g.prompt_len + self.steps
+            out = hf_forward((self._prompt_lens + self.steps)[:, None])
+            for g in self.groups:
+                g.runner.finish_step()
         self._sync()
-        self.decode_seconds += time.perf_counter() - self._t0
+        self.decode_seconds += time.perf_counter() - t0
         self.steps += 1
         self.seen += 1
+        return out
+
+    def run_info(self) -> dict:
+        """How the decode steps ran (the first runner's: CUDA graph or eager and why, round trips, host seconds)."""
+        return self.groups[0].runner.run_info() if self.groups else {}
 
     def attention(self, module, query, key, value, attention_mask, **kwargs):
         """A decode step's routed attention call of one layer ([B, Hq, 1, d]), split among the runners by row."""
@@ -227,7 +239,7 @@ class KVSimCache(Cache):
         window included), at the cache's dtype."""
         out = [0] * sum(len(g.rows) for g in self.groups)
         for b, g, row in self._rows():
-            out[b] = sum(row.held) * 2 * self.head_dim * _elem(g)
+            out[b] = int(row.held.sum()) * 2 * self.head_dim * _elem(g)
         return out
 
     def kv_bytes_full_cache(self) -> list[int]:
@@ -246,3 +258,12 @@ class KVSimCache(Cache):
         """Row b's kept positions after the steps of ``record_kept`` ([L, n, Hkv, W], -1 padded), as
         `gpu_validate.jobs.RunResult.kept`."""
         return next(row.kept for r, _, row in self._rows() if r == b)
+
+
+def model_output(cache: KVSimCache, logits: torch.Tensor):
+    """A forward's output as ``generate`` reads it: the logits [B, 1, V] and the cache, under the name the installed
+    transformers gives it."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    name = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+    return CausalLMOutputWithPast(logits=logits[:, None, :], **{name: cache})

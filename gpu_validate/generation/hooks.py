@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from gpu_validate.generation.architectures import check_architecture
-from gpu_validate.generation.cache import KVSimCache
+from gpu_validate.generation.cache import KVSimCache, model_output
 from gpu_validate.jobs import ValidateError
 from policies.base import Policy
 from traces.hf.routing import routed
@@ -70,19 +70,7 @@ def _wrapped_forward(forward, cache: KVSimCache):
             raise ValidateError("a KVSimCache needs input_ids (token ids), not inputs_embeds")
         with torch.no_grad():
             if not cache.groups:
-                return _prompt_output(cache, cache.prefill(ids, kw.get("attention_mask")))
-            kw["position_ids"] = cache.begin_step(ids)
-            out = forward(**kw)
-            cache.end_step()
-            return out
+                return model_output(cache, cache.prefill(ids, kw.get("attention_mask")))
+            return cache.decode(ids, lambda positions: forward(**{**kw, "position_ids": positions}))
 
     return wrapped
-
-
-def _prompt_output(cache: KVSimCache, logits: torch.Tensor):
-    """The prompt call's output: the logits after each row's prompt [B, 1, V], and the cache under the name the
-    installed transformers gives it."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    name = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-    return CausalLMOutputWithPast(logits=logits[:, None, :], **{name: cache})

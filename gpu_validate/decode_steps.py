@@ -1,0 +1,320 @@
+"""`DecodeSteps`: the host side of the closed loop's policy steps, all layers of a decode step in one round trip.
+
+A decode step's policy decisions in layer l apply from the next step on (the step's own attention in layer l was
+computed before them, and no other layer reads layer l's cache), so nothing in the model's forward waits for
+them: the runner's routed attention only appends and attends, and after the forward `DecodeSteps.step` runs the
+policies of every layer at once. On a device cache that is one round trip per decode step instead of two
+synchronisations per layer: one device-to-host copy of what the steps read (each reading layer's probabilities,
+and its keys / values only where some row's policy reads them, ``Policy.reads_keys`` / ``reads_values``), every
+layer's steps on the host (`gpu_validate.host_steps.step_layer`: one jitted call per layer for all its rows,
+layers on threads), one host-to-device copy of the flat keep / merge decisions and one compaction of the model's
+whole cache (`gpu_validate.cache.layer_views`: every layer's cache is a view of one set of buffers). The host keeps
+a mirror of each device layer's lengths and positions, exact because it applies the same decisions, so it never
+reads them back and checks capacities itself (a device append needs no status read either). On the CPU's host
+cache the steps compact the cache in place, as before; only the timing changed (after the forward instead of
+inside each layer's attention), which the results do not see (tested: identical tokens, losses and kept sets).
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from numba import typed, types
+
+from gpu_validate.host_steps import flatten_masks, step_layer, unflatten
+from gpu_validate.kernels.errors import CacheCapacityError
+from policies.base import STEP_SIG
+from sim.contract import raise_on
+from sim.replay_plan import replay_threads
+
+_STEP = types.FunctionType(STEP_SIG)
+
+
+@dataclass
+class LayerPlan:
+    """One layer's rows, as `step_layer` takes them: typed lists of each row's kernel and arrays, the per-row
+    flags, and the layer's constants."""
+
+    steps: Any
+    params: Any
+    budgets: Any
+    states: Any
+    heads: Any
+    adaptive: np.ndarray
+    bounded: np.ndarray
+    views: np.ndarray
+    scratch: Any
+    decisions: Any
+    caps: list[int]
+    window: int
+    compressed: bool
+    reads_probs: bool
+    read_k: bool
+    read_v: bool
+    row_k: np.ndarray
+    row_v: np.ndarray
+
+
+@dataclass
+class Mirror:
+    """The host's copy of one device layer's per-head state, padded to the layer's widest head ``W``: lengths
+    [B*Hkv], positions [B*Hkv, W] (-1 past a length), the step's probabilities [B*Hkv, G, W] and, for layers whose
+    policies read them, keys / values [B*Hkv, W, d] (else [B*Hkv, 1, d] placeholders), the decisions
+    ``row_post`` emits, and where the layer's heads lie in the flat cache (starts, capacities, offset)."""
+
+    length: np.ndarray
+    pos: np.ndarray
+    probs: np.ndarray
+    keys: np.ndarray
+    values: np.ndarray
+    keep: np.ndarray
+    merge_to: np.ndarray
+    merge_w: np.ndarray
+    start: np.ndarray
+    capacity: np.ndarray
+    offset: int
+    total: int
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(n: int) -> ThreadPoolExecutor | None:
+    """The process's pool of ``n`` threads for the layers' steps (None for one thread)."""
+    if n <= 1:
+        return None
+    if n not in _POOLS:
+        _POOLS[n] = ThreadPoolExecutor(n, thread_name_prefix="kvsim-steps")
+    return _POOLS[n]
+
+
+def _list(items: Sequence[Any], item_type: Any = None):
+    out = typed.List.empty_list(item_type) if item_type is not None else typed.List()
+    for x in items:
+        out.append(x)
+    return out
+
+
+class DecodeSteps:
+    """Every row's policy steps of a `gpu_validate.batch_runner.BatchRunner` (module docstring): built once the
+    rows' policies, budgets, states and caches are set up; `step` runs the steps of some layers at one step."""
+
+    def __init__(self, runner: Any, caps: np.ndarray) -> None:
+        self.runner = r = runner
+        self.rows, self.caches, self.host = r.rows, r.caches, r.host
+        self.H, self.G, self.d = r.n_kv, r.group, r.head_dim
+        B, L = len(self.rows), r.n_layers
+        self.plans = [self._plan(layer, [int(caps[layer, b].max()) for b in range(B)]) for layer in range(L)]
+        #: slots each row holds per layer after the last step ([B, L]; each row's ``held`` is its row of it)
+        self.held = np.zeros((B, L), np.int64)
+        for b, row in enumerate(self.rows):
+            self.held[b] = row.held
+            row.held = self.held[b]
+        self.mirrors = None if self.host else [self._mirror(layer) for layer in range(L)]
+        self._zero_probs: dict[int, np.ndarray] = {}
+        self._info = [np.zeros(3, np.int64) for _ in range(L)]
+        self._out = [np.zeros((B, 3), np.int64) for _ in range(L)]
+        self._no_masks = (np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
+        self._pool = _pool(replay_threads(None, L))
+        self.host_seconds = 0.0      # wall time of `step`, for the runner's profile
+
+    # ----- set-up -----
+    def _plan(self, layer: int, caps: list[int]) -> LayerPlan:
+        r, H, G, d = self.runner, self.H, self.G, self.d
+        policies = [row.layer_policy[layer] for row in self.rows]
+        row_k = np.array([p.reads_keys for p in policies], np.bool_)
+        row_v = np.array([p.reads_values for p in policies], np.bool_)
+        read_k, read_v = bool(row_k.any()), bool(row_v.any())
+        width = self.caches[layer].max_capacity
+        views = np.array([self.host and c == width for c in caps], np.bool_)
+        shared: dict[int, tuple] = {}
+        decisions: dict[int, tuple] = {}
+        scratch, dec = [], []
+        zero_kv: dict[int, np.ndarray] = {}
+        for b, cap in enumerate(caps):
+            if cap not in decisions:
+                decisions[cap] = (np.ones((H, cap), np.uint8), np.full((H, cap), -1, np.int64), np.ones((H, cap)))
+            dec.append(decisions[cap])
+            c = 1 if views[b] else cap               # a row stepping on views uses no scratch
+            key = (c, bool(row_k[b]), bool(row_v[b]))
+            if key not in shared:
+                if c not in zero_kv:                  # never written: rows that read neither share zeros
+                    zero_kv[c] = np.zeros((H, c, d), np.float32)
+                shared[key] = (np.zeros(H, np.int64), np.zeros((H, G, c)),
+                               np.zeros((H, c, d), np.float32) if row_k[b] else zero_kv[c],
+                               np.zeros((H, c, d), np.float32) if row_v[b] else zero_kv[c],
+                               np.full((H, c), -1, np.int64))
+            scratch.append(shared[key])
+        steps = _list([row.kernels[layer][0] for row in self.rows], _STEP)
+        return LayerPlan(
+            steps=steps, params=_list([row.params[layer] for row in self.rows]),
+            budgets=_list([np.ascontiguousarray(row.budgets[layer]) for row in self.rows]),
+            states=_list([row.slot_state[layer] for row in self.rows]),
+            heads=_list([np.ascontiguousarray(row.head_state[layer]) for row in self.rows]),
+            adaptive=np.array([p.head_adaptive for p in policies], np.bool_),
+            bounded=np.array([not p.unbounded for p in policies], np.bool_), views=views,
+            scratch=_list(scratch), decisions=_list(dec), caps=caps, window=int(r.attn[layer].window or 0),
+            compressed=bool(r.compressed[layer]), reads_probs=bool(r.layer_reads[layer]), read_k=read_k,
+            read_v=read_v, row_k=row_k, row_v=row_v)
+
+    def _mirror(self, layer: int) -> Mirror:
+        cache, plan = self.caches[layer], self.plans[layer]
+        BH, W, G, d = len(self.rows) * self.H, cache.max_capacity, self.G, self.d
+        start = cache.start.cpu().numpy().astype(np.int64)
+        capacity = cache.capacity.cpu().numpy().astype(np.int64)
+        return Mirror(length=np.zeros(BH, np.int64), pos=np.full((BH, W), -1, np.int64), probs=np.zeros((BH, G, W)),
+                      keys=np.zeros((BH, W if plan.read_k else 1, d), np.float32),
+                      values=np.zeros((BH, W if plan.read_v else 1, d), np.float32),
+                      keep=np.zeros((BH, W), np.uint8), merge_to=np.full((BH, W), -1, np.int64),
+                      merge_w=np.ones((BH, W)), start=start, capacity=capacity,
+                      offset=int(getattr(cache, "flat_offset", 0)), total=int(cache.total_capacity))
+
+    def sync_mirrors(self) -> None:
+        """Read every device layer's lengths and positions once (after the prompt was loaded into the caches)."""
+        for layer, (cache, m) in enumerate(zip(self.caches, self.mirrors)):
+            m.length[:] = cache.length.cpu().numpy()
+            m.pos[:] = cache.padded(cache.positions, -1).cpu().numpy()
+
+    def check_append(self, layer: int, n_new: int, t0: int) -> None:
+        """Before a device layer's append of ``n_new`` tokens at t0.. per head: refuse what exceeds a head's capacity
+        (the error the cache would raise), then record the new slots in the mirror."""
+        m = self.mirrors[layer]
+        over = np.flatnonzero(m.length + n_new > m.capacity)
+        if over.size:
+            i = int(over[0])
+            raise CacheCapacityError(f"head {i}: {int(m.length[i])} kept + {n_new} new slots exceed capacity "
+                                     f"{int(m.capacity[i])}")
+        rows = np.arange(m.length.size)
+        for j in range(n_new):
+            m.pos[rows, m.length + j] = t0 + j
+        m.length += n_new
+
+    def snapshot(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """The device mirrors' lengths and positions (before a decode graph's capture, whose Python appends)."""
+        return None if self.host else [(m.length.copy(), m.pos.copy()) for m in self.mirrors]
+
+    def restore(self, snap: list[tuple[np.ndarray, np.ndarray]] | None) -> None:
+        for m, (length, pos) in zip(self.mirrors or [], snap or []):
+            m.length[:] = length
+            m.pos[:] = pos
+
+    # ----- one step -----
+    def step(self, layers: Sequence[int], t: int, n_new: int, summed: dict[int, np.ndarray] | None = None) -> bool:
+        """Every row's policy step on ``layers`` at step t (``n_new`` new slots per head since the last step;
+        ``summed[layer]``: a prompt chunk's summed attention [B*Hkv, G, W], else the cache's last attention), its
+        window and its compaction. Returns True when some row's policy evicted or merged a slot of a layer it
+        compresses (the cache no longer holds what the model's attention would see)."""
+        t0 = time.perf_counter()
+        summed = summed or {}
+        layers = list(layers)
+        if self.host:
+            inputs = {layer: self._host_inputs(layer, summed.get(layer)) for layer in layers}
+        else:
+            inputs = self._device_inputs(layers, summed)
+
+        def run(layer: int) -> int:
+            p, (lengths, probs, keys, values, pos, masks) = self.plans[layer], inputs[layer]
+            return step_layer(p.steps, p.params, p.budgets, p.states, p.heads, p.adaptive, p.bounded, p.views,
+                              p.scratch, p.decisions, layer, t, n_new, p.window, p.compressed, p.row_k, p.row_v,
+                              self.host, not self.host, lengths, probs, keys, values, pos, *masks,
+                              self._info[layer], self._out[layer])
+
+        failed = list(self._pool.map(run, layers)) if self._pool and len(layers) > 1 else [run(x) for x in layers]
+        deviated = False
+        evicting = []
+        for layer, b in zip(layers, failed):
+            out = self._out[layer]
+            if b >= 0:
+                raise_on(self.rows[b].layer_policy[layer], int(out[b, 0]), self._info[layer], layer)
+            deviated |= bool(out[:, 0].any())
+            if out[:, 1].any():
+                evicting.append(layer)
+            self._record(layer, t, out)
+        if evicting and not self.host:
+            self._compact(evicting)
+        self.host_seconds += time.perf_counter() - t0
+        return deviated
+
+    def _host_inputs(self, layer: int, summed: np.ndarray | None) -> tuple:
+        cache, plan = self.caches[layer], self.plans[layer]
+        if summed is not None:
+            probs = summed
+        elif plan.reads_probs:
+            probs = cache.p.double().numpy()
+        else:
+            probs = self._zeros(layer, cache.max_capacity)
+        return cache.length, probs, cache.k3, cache.v3, cache.pos, self._no_masks
+
+    def _zeros(self, layer: int, width: int) -> np.ndarray:
+        """Zero probabilities for a layer whose policies do not read them (one buffer per layer: layers step on
+        threads)."""
+        z = self._zero_probs.get(layer)
+        if z is None or z.shape[2] != width:
+            z = self._zero_probs[layer] = np.zeros((len(self.rows) * self.H, self.G, width))
+        return z
+
+    def _device_inputs(self, layers: Sequence[int], summed: dict[int, np.ndarray]) -> dict[int, tuple]:
+        """One device-to-host copy of what ``layers``' steps read, laid out padded in their mirrors."""
+        pieces, spans = [], []
+        for layer in layers:
+            cache, plan = self.caches[layer], self.plans[layer]
+            for name, wanted, width in (("probs", plan.reads_probs and layer not in summed, self.G),
+                                        ("k", plan.read_k, self.d), ("v", plan.read_v, self.d)):
+                if wanted:
+                    x = getattr(cache, name)
+                    pieces.append(x.reshape(-1) if x.dtype == torch.float32 else x.float().reshape(-1))
+                    spans.append((layer, name, width))
+        flat = torch.cat(pieces).cpu().numpy() if pieces else None
+        at = 0
+        for layer, name, width in spans:
+            m = self.mirrors[layer]
+            n = m.total * width
+            rows = flat[at:at + n].reshape(m.total, width)
+            at += n
+            out = {"probs": m.probs, "k": m.keys, "v": m.values}[name]
+            unflatten(rows, m.start, m.length, out, name == "probs")
+        inputs = {}
+        for layer in layers:
+            m, plan = self.mirrors[layer], self.plans[layer]
+            if layer in summed:
+                probs = summed[layer]
+            elif plan.reads_probs:
+                probs = m.probs
+            else:
+                probs = self._zeros(layer, m.pos.shape[1])
+            inputs[layer] = (m.length, probs, m.keys, m.values, m.pos, (m.keep, m.merge_to, m.merge_w))
+        return inputs
+
+    def _compact(self, layers: Sequence[int]) -> None:
+        """One host-to-device copy of ``layers``' flat decisions and one compaction of the model's whole cache."""
+        group = self.runner.kv_group
+        total = group.total_capacity
+        keep = np.ones(total, np.uint8)
+        merge_to = np.full(total, -1, np.int32)
+        merge_w = np.ones(total, np.float32)
+        merging = False
+        for layer in layers:
+            m = self.mirrors[layer]
+            merging |= flatten_masks(m.keep, m.merge_to, m.merge_w, m.start, m.capacity, m.offset, keep, merge_to,
+                                     merge_w)
+        dev = group.device
+        if merging:      # D2O-style merges: rare, three copies
+            group.compact(torch.from_numpy(keep).to(dev), torch.from_numpy(merge_to).to(dev),
+                          torch.from_numpy(merge_w).to(dev), check=False)
+        else:
+            group.compact(torch.from_numpy(keep).to(dev), check=False)
+
+    def _record(self, layer: int, t: int, out: np.ndarray) -> None:
+        """The rows' slots held on ``layer`` after the step and, where asked, their kept positions."""
+        self.held[:, layer] = out[:, 2]
+        rec = self.runner.record_kept
+        if not rec or not 0 <= t - rec[0] < rec[1]:
+            return
+        pos = self.caches[layer].pos if self.host else self.mirrors[layer].pos
+        for b, row in enumerate(self.rows):
+            cap = self.plans[layer].caps[b]
+            row.kept[layer, t - rec[0], :, :cap] = pos[b * self.H:(b + 1) * self.H, :cap]
