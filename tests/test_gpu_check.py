@@ -21,13 +21,36 @@ def test_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     assert rec["answer_device"] == rec["answer_cpu"] and rec["confirmed_both"] > 0
     assert rec["measured_max_abs_diff"] == 0.0
     runs = report["steps"]["generate"]["runs"]
-    assert {(r["model"], r["prompt_tokens"]) for r in runs} == {(m, p) for m in gpu_check.MODELS
-                                                                for p in gpu_check.DRY.prompts}
+    assert {(r["model"], r["dtype"], r["prompt_tokens"]) for r in runs} == {
+        (m, d, p) for m, d in gpu_check.RUNS for p in gpu_check.DRY.prompts}
     for r in runs:      # Triton (interpreted) and torch backends: the same tokens, kept sets and bytes
         assert r["tokens_equal_prefix"] == r["new_tokens"] and r["kept_agreement"] == 1.0
         assert 0 < r["kv_bytes_held"] == r["kv_bytes_held_torch_backend"] < r["kv_bytes_full_cache"]
         # in bf16, as on the GPU: the two backends' logits agree to about bf16's resolution (2^-8 relative)
         assert r["logit_max_abs_diff"] <= 0.02 * r["logit_max_abs"] and r["tokens_per_s_transformers_sdpa"] > 0
+        assert r["ratio_full_vs_transformers"] > 0 and r["ratio_policy_vs_transformers_full"] > 0
+        # every configuration says how it ran: one round trip per step (the path before: per layer), and on the
+        # CPU no CUDA graph, with the reason
+        assert r["info_policy"]["host_round_trips"] == "per step"
+        assert r["info_policy_per_layer"]["host_round_trips"] == "per layer"
+        assert r["info_policy"]["cuda_graph"] is False and "CUDA" in r["info_policy"]["cuda_graph_fallback"]
+    loop = report["steps"]["closed_loop"]
+    assert loop["rows_1"]["rows"] == 1 and loop["rows_16"]["rows"] == 16 and loop["ratio_rows_vs_one"] > 0
+    assert set(report["goals"]) == set(gpu_check.GOALS)
+    assert "transformers" in gpu_check.table(report)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_resume_keeps_what_a_previous_run_did(tmp_path):
+    """--resume reruns nothing a previous run of the same JSON finished: its steps and generate rows are kept."""
+    out = tmp_path / "gpu_check.json"
+    done = {"steps": {"kernel_benchmark": {"ok": True, "marker": 1}, "kernel_tests": {"ok": False}}}
+    out.write_text(json.dumps(done))
+    assert gpu_check.main(["--dry-run", "--out", str(out), "--steps", "kernel_benchmark", "kernel_tests",
+                           "--resume"]) == 0
+    report = json.loads(out.read_text())
+    assert report["steps"]["kernel_benchmark"]["marker"] == 1          # kept
+    assert report["steps"]["kernel_tests"]["ok"]                       # the failed one rerun
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")

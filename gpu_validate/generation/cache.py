@@ -20,9 +20,11 @@ the torch one on the CPU, the Triton `VarlenKVCache` on CUDA.
 
 A batch of prompts of different lengths (``generate``'s left padding): each row's prompt is unpadded, rows of one
 length share a runner (one batch of its caches, as ``run_batch``) and a decode step's attention call is split
-among the runners by row, one slice per runner and layer (never per head). Each row is its run alone. The
-decode forwards themselves are ``generate``'s (all rows in one model call); `gpu_validate.generation.hooks`
-sends the prompt call here instead of to the model.
+among the runners by row, one slice per runner and layer (never per head). Each row is its run alone.
+`gpu_validate.generation.hooks` sends the prompt call here instead of to the model. With one runner (every prompt of one length) a decode step is
+the runner's own (`BatchRunner.decode_logits`: the forward as a CUDA graph's replay where one serves, then every
+layer's policy step in one host round trip); with several, ``generate``'s forward over all rows, each runner's
+policy steps after it.
 """
 from __future__ import annotations
 
@@ -92,7 +94,8 @@ class KVSimCache(Cache):
     ``policy``: a spec (``"decoding(snapkv, every=8)"``) or a `Policy`; ``budget``: slots per KV head and layer
     (None only for an unbounded policy such as ``full``); ``max_new_tokens``: the tokens the call generates (the
     caches of an unbounded policy are sized for them). ``backend`` None: triton on CUDA, torch elsewhere.
-    ``sliding``/``prefill_chunk``/``cache_dtype``/``open_loop``/``record_kept``: as `BatchRunner` and `BatchJob`.
+    ``sliding``/``prefill_chunk``/``cache_dtype``/``open_loop``/``record_kept``/``cuda_graphs``/
+    ``steps_after_forward``: as `BatchRunner` and `BatchJob`.
 
     Works only inside `gpu_validate.generation.hooks.kvsim_cache`, which routes the model's attention here.
     """
@@ -100,7 +103,8 @@ class KVSimCache(Cache):
     def __init__(self, model, policy: Policy | str, budget: int | None = None, *, max_new_tokens: int,
                  backend: str | None = None, sliding: str = "keep", prefill_chunk: int = 1,
                  cache_dtype: torch.dtype | None = None, open_loop: bool = False,
-                 record_kept: tuple[int, int] | None = None) -> None:
+                 record_kept: tuple[int, int] | None = None, cuda_graphs: bool = True,
+                 steps_after_forward: bool = True) -> None:
         from sim.specs import parse_policy
 
         self.model = model
@@ -117,7 +121,7 @@ class KVSimCache(Cache):
         check_run_args(self.policy, 1 if budget is None else budget, self.backend)
         self.budget, self.max_new_tokens, self.prefill_chunk = budget, int(max_new_tokens), int(prefill_chunk)
         self.options = dict(backend=self.backend, sliding=sliding, cache_dtype=cache_dtype, open_loop=open_loop,
-                            record_kept=record_kept)
+                            record_kept=record_kept, cuda_graphs=cuda_graphs, steps_after_forward=steps_after_forward)
         self.groups: list[_Group] = []
         self.active = False          # set while `kvsim_cache` routes the model's attention here
         self.seen = 0                # tokens per row transformers counts (left padding included)
