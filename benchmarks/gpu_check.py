@@ -35,8 +35,10 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+import numpy as np
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +59,9 @@ CONFIGS = {"full": ("full", None, "triton", {}),
            "policy_per_layer": (POLICY, "budget", "triton", {"steps_after_forward": False, "cuda_graphs": False})}
 #: the closed-loop step's configurations: prefilled policies (one batch key) at budgets within one tier
 BATCH_POLICIES = ("snapkv", "pyramidkv", "ada_snapkv", POLICY)
+#: new tokens of a warm-up generate: past the CUDA graph's capture and past POLICY's first compression (every=8), so
+#: that no kernel compiles inside a timed run
+WARMUP_TOKENS = 12
 
 
 @dataclass(frozen=True)
@@ -204,8 +209,8 @@ def generate_check(name: str, model, P: int, sizes: Sizes) -> dict[str, Any]:
     dev = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (1, P), generator=torch.Generator().manual_seed(P)).to(dev)
     n, t0 = sizes.new_tokens, time.perf_counter()
-    for config in CONFIGS:                      # kernels specialised on this length compiled outside the timings
-        _run_generate(model, ids, 2, config, sizes.budget, P)
+    for config in CONFIGS:     # every kernel of this length (graph capture, compaction) compiled outside the timings
+        _run_generate(model, ids, WARMUP_TOKENS, config, sizes.budget, P)
     runs = {config: _run_generate(model, ids, n, config, sizes.budget, P) for config in CONFIGS}
     tri, ref = runs["policy"], runs["policy_torch"]
     same = next((i for i, (a, b) in enumerate(zip(tri["tokens"], ref["tokens"])) if a != b), n)
@@ -280,8 +285,9 @@ def generate_step(sizes: Sizes, device: str, runs: list[tuple[str, str]], done: 
 
 def closed_loop_step(sizes: Sizes, device: str) -> dict[str, Any]:
     """The closed loop's batching on the Llama-shaped model (bf16 on a GPU): ``BATCH_POLICIES`` x
-    ``batch_budgets`` teacher-forced in one batch against the first configuration alone; decode tokens/s per
-    configuration (rows x steps / decode seconds) and the host seconds of the policy steps."""
+    ``batch_budgets`` teacher-forced in one batch, against one configuration of each policy (its middle budget)
+    run alone; decode tokens/s per configuration (configurations x steps / decode seconds) and the host seconds of
+    the policy steps."""
     import torch
 
     from gpu_validate.jobs import BatchJob
@@ -297,17 +303,24 @@ def closed_loop_step(sizes: Sizes, device: str) -> dict[str, Any]:
     jobs = [BatchJob(parse_policy(p), b, ids[:P], continuation=ids[P:]) for p in BATCH_POLICIES
             for b in sizes.batch_budgets]
     backend = "triton" if device == "cuda" else "torch"
-    out: dict[str, Any] = {"model": "llama3-8b-shaped-4l", "prompt_tokens": P, "decode_tokens": n,
-                           "configurations": [j.policy.label() + f"@{j.budget}" for j in jobs]}
-    for label, batch in (("rows_1", jobs[:1]), (f"rows_{len(jobs)}", jobs)):
-        run_batch(model, [BatchJob(j.policy, j.budget, j.prompt, continuation=j.continuation[:4]) for j in batch],
-                  backend=backend)                                  # compiled and warmed up outside the timing
+    mid = sizes.batch_budgets[len(sizes.batch_budgets) // 2]
+
+    def timed(batch: list) -> dict[str, Any]:
+        run_batch(model, [BatchJob(j.policy, j.budget, j.prompt, continuation=j.continuation[:WARMUP_TOKENS])
+                          for j in batch], backend=backend)     # compiled and warmed up outside the timing
         res = run_batch(model, batch, backend=backend)
         seconds = res[0].decode_seconds * len(batch)
-        out[label] = {"rows": len(batch), "decode_seconds": seconds,
-                      "tokens_per_s_per_configuration": len(batch) * (n - 1) / seconds,
-                      "info": {k: res[0].extra.get(k) for k in ("cuda_graph", "cuda_graph_fallback",
-                                                                "host_round_trips", "host_step_seconds")}}
+        return {"rows": len(batch), "decode_seconds": seconds,
+                "tokens_per_s_per_configuration": len(batch) * (n - 1) / seconds,
+                "info": {k: res[0].extra.get(k) for k in ("cuda_graph", "cuda_graph_fallback", "host_round_trips",
+                                                          "host_step_seconds")}}
+
+    out: dict[str, Any] = {"model": "llama3-8b-shaped-4l", "prompt_tokens": P, "decode_tokens": n,
+                           "configurations": [j.policy.label() + f"@{j.budget}" for j in jobs]}
+    alone = {j.policy.label(): timed([j]) for j in jobs if j.budget == mid}
+    out["rows_1"] = {"rows": 1, "configurations": list(alone), "tokens_per_s_per_configuration": float(
+        np.mean([a["tokens_per_s_per_configuration"] for a in alone.values()])), "each": alone}
+    out[f"rows_{len(jobs)}"] = timed(jobs)
     many = out[f"rows_{len(jobs)}"]["tokens_per_s_per_configuration"]
     out["ratio_rows_vs_one"] = many / out["rows_1"]["tokens_per_s_per_configuration"]
     out["ok"] = True
@@ -396,10 +409,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="the model shapes of the generate step")
     ap.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float32"), default=None,
                     help="the generate step's dtypes (default: bf16 and fp32 for the Llama shape, bf16 for Gemma-3)")
+    ap.add_argument("--prompts", type=int, nargs="+", default=None,
+                    help="the generate step's prompt lengths (default: 8192 32768; a dry run 64)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the steps (and generate rows) the JSON at --out already holds, run the rest")
     args = ap.parse_args(argv)
     sizes = DRY if args.dry_run else GPU
+    if args.prompts:
+        sizes = replace(sizes, prompts=tuple(args.prompts))
     os.environ.setdefault("TRITON_INTERPRET", "1" if args.dry_run else "0")    # before triton is imported
     import torch
     import triton

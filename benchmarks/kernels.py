@@ -5,7 +5,7 @@ with and without score output (best of a few tile configs), torch SDPA (GQA) and
 FlashAttention's `flash_attn_with_kvcache` on the same retained lengths (uniform, so padded = retained);
 achieved bandwidth = minimum bytes moved / median time, as a fraction of the device's datasheet HBM peak
 and of a measured device-to-device copy; what the closed loop runs (probabilities, no statistics) as graph
-replays, one launch against two and at the default and twice the default split count; plus compaction costs (one eviction + one append per head, with
+replays at the default and twice the default split count; plus compaction costs (one eviction + one append per head, with
 and without a D2O-style merge). Targets: >= 75% of peak at budget >= 2k, <= 1.1x SDPA's time with scores.
 Run: python -m benchmarks.kernels [--quick]   (writes benchmarks/results/kernels.json; needs a CUDA device)
      python -m benchmarks.kernels --interpret-smoke   (tiny CPU correctness pass, writes no numbers)
@@ -100,20 +100,18 @@ def measure(device: str, *, bench: Callable[[Callable[[], Any]], float],
             t_sdpa = bench(sdpa)
             t_ours_graph = bench_graph(ours(best[True][1], True))
             t_sdpa_graph = bench_graph(sdpa)
-            # what the closed loop runs: probabilities, no statistics; one launch (fused) against two, and the
-            # default split count against twice as many (more programs in flight at small batch)
-            counters = torch.zeros(n_heads, dtype=torch.int32, device=dev)
+            # what the closed loop runs: probabilities, no statistics, at the default split count and at twice it
+            # (more programs in flight at small batch), as graph replays
             bn, nw = best[True][1]
             splits0 = choose_splits(n_heads, budget, bn, dev)
 
-            def probs_only(fused, splits, q=q, k=k, v=v, start=start, length=length, probs=probs, budget=budget,
-                           bn=bn, nw=nw, counters=counters):
+            def probs_only(splits, q=q, k=k, v=v, start=start, length=length, probs=probs, budget=budget, bn=bn,
+                           nw=nw):
                 return lambda: varlen_decode_attention(q, k, v, start, length, max_len=budget, block_n=bn,
-                                                       num_warps=nw, probs=probs, num_splits=splits, fused=fused,
-                                                       counters=counters if fused else None)
+                                                       num_warps=nw, probs=probs, num_splits=splits)
 
-            t_probs = {(f, sp): bench_graph(probs_only(f, sp)) for f in (True, False) for sp in (splits0, 2 * splits0)}
-            (t_probs_best, (_, splits_best)) = min((t, key) for key, t in t_probs.items() if key[0])
+            t_probs = {sp: bench_graph(probs_only(sp)) for sp in (splits0, 2 * splits0)}
+            t_probs_best, splits_best = min((t, sp) for sp, t in t_probs.items())
             max_err = float((ours(DEFAULT_CONFIG, True)().o.float() - sdpa().view(bsz, n_q, d).float()).abs().max())
             t_fa = None
             if flash_attn_with_kvcache is not None:
@@ -141,11 +139,10 @@ def measure(device: str, *, bench: Callable[[Callable[[], Any]], float],
                 frac_peak_scores_graph=frac(b_scores, t_ours_graph), frac_copy_scores=b_scores / t_scores / copy_bw,
                 max_abs_err_vs_sdpa=max_err,
                 t_ours_probs_graph_s=t_probs_best, probs_splits=splits_best, default_splits=splits0,
-                t_ours_probs_two_launch_graph_s=min(t_probs[False, splits0], t_probs[False, 2 * splits0]),
                 ratio_probs_vs_sdpa_graph=t_probs_best / t_sdpa_graph,
             ))
             print(f"budget {budget:6d} batch {bsz:3d}: graph replay: probs {t_probs_best * 1e6:7.1f} us "
-                  f"(two launches {t_probs[False, splits0] * 1e6:7.1f}), sdpa {t_sdpa_graph * 1e6:7.1f} us", flush=True)
+                  f"({splits_best} splits), sdpa {t_sdpa_graph * 1e6:7.1f} us", flush=True)
             print(f"budget {budget:6d} batch {bsz:3d}: ours {t_scores * 1e6:8.1f} us with scores, "
                   f"{t_plain * 1e6:8.1f} us without; sdpa {t_sdpa * 1e6:8.1f} us; ratio {t_scores / t_sdpa:.2f}; "
                   f"{b_scores / t_scores / 1e9:.0f} GB/s", flush=True)

@@ -75,7 +75,6 @@ class VarlenKVCache:
         self.acc = torch.zeros(total, dtype=torch.float32, device=dev) if track_acc else None
         self.ema = torch.zeros(total, dtype=torch.float32, device=dev) if track_ema else None
         self.probs = torch.zeros(total, self.group, dtype=torch.float32, device=dev)
-        self.counters = torch.zeros(n_heads, dtype=torch.int32, device=dev)   # the fused attention's tickets
         self.slot_owner = slot_heads(self.start, self.capacity, total)
 
     @property
@@ -148,7 +147,7 @@ class VarlenKVCache:
             q, self.k, self.v, self.start, self.length, max_len=self.max_capacity,
             softmax_scale=self.softmax_scale, logit_scale=logit_scale, probs=self.probs, want_probs=want_probs,
             acc=self.acc if upd_acc else None, ema=self.ema if upd_ema else None, ema_gamma=self.ema_gamma,
-            num_splits=num_splits, counters=self.counters,
+            num_splits=num_splits,
         )
         return out.o, out.probs
 
@@ -250,7 +249,6 @@ def layer_views(cache: VarlenKVCache, n_layers: int, softmax_scales: Sequence[fl
         view.start = (cache.start[h0:h1] - lo).contiguous()
         view.capacity = cache.capacity[h0:h1]
         view.length = cache.length[h0:h1]
-        view.counters = cache.counters[h0:h1]
         view.max_capacity = int(caps[h0:h1].max())
         for name in ("k", "v", "positions", "probs", "acc", "ema"):
             buf = getattr(cache, name)

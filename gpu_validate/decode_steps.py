@@ -92,6 +92,12 @@ def _pool(n: int) -> ThreadPoolExecutor | None:
     return _POOLS[n]
 
 
+def _chunks(n: int, k: int) -> list[tuple[int, int]]:
+    """``range(n)`` cut into ``k`` contiguous (start, stop) pieces of near-equal size."""
+    edges = np.linspace(0, n, k + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
 def _list(items: Sequence[Any], item_type: Any = None):
     out = typed.List.empty_list(item_type) if item_type is not None else typed.List()
     for x in items:
@@ -108,6 +114,9 @@ class DecodeSteps:
         self.rows, self.caches, self.host = r.rows, r.caches, r.host
         self.H, self.G, self.d = r.n_kv, r.group, r.head_dim
         B, L = len(self.rows), r.n_layers
+        threads = replay_threads(None, L * B)
+        #: each layer's rows cut into chunks that step side by side (with the layers) when threads allow
+        self.chunks = _chunks(B, max(1, min(B, -(-threads // L))))
         self.plans = [self._plan(layer, [int(caps[layer, b].max()) for b in range(B)]) for layer in range(L)]
         #: slots each row holds per layer after the last step ([B, L]; each row's ``held`` is its row of it)
         self.held = np.zeros((B, L), np.int64)
@@ -116,10 +125,10 @@ class DecodeSteps:
             row.held = self.held[b]
         self.mirrors = None if self.host else [self._mirror(layer) for layer in range(L)]
         self._zero_probs: dict[int, np.ndarray] = {}
-        self._info = [np.zeros(3, np.int64) for _ in range(L)]
+        self._info = [[np.zeros(3, np.int64) for _ in self.chunks] for _ in range(L)]
         self._out = [np.zeros((B, 3), np.int64) for _ in range(L)]
         self._no_masks = (np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
-        self._pool = _pool(replay_threads(None, L))
+        self._pool = _pool(threads)
         self.host_seconds = 0.0      # wall time of `step`, for the runner's profile
 
     # ----- set-up -----
@@ -131,16 +140,18 @@ class DecodeSteps:
         read_k, read_v = bool(row_k.any()), bool(row_v.any())
         width = self.caches[layer].max_capacity
         views = np.array([self.host and c == width for c in caps], np.bool_)
-        shared: dict[int, tuple] = {}
-        decisions: dict[int, tuple] = {}
+        shared: dict[tuple, tuple] = {}
+        decisions: dict[tuple, tuple] = {}
         scratch, dec = [], []
         zero_kv: dict[int, np.ndarray] = {}
-        for b, cap in enumerate(caps):
-            if cap not in decisions:
-                decisions[cap] = (np.ones((H, cap), np.uint8), np.full((H, cap), -1, np.int64), np.ones((H, cap)))
-            dec.append(decisions[cap])
+        chunk_of = [ci for ci, (b0, b1) in enumerate(self.chunks) for _ in range(b0, b1)]
+        for b, cap in enumerate(caps):               # rows of one chunk step in turn and share their scratch
+            if (chunk_of[b], cap) not in decisions:
+                decisions[chunk_of[b], cap] = (np.ones((H, cap), np.uint8), np.full((H, cap), -1, np.int64),
+                                               np.ones((H, cap)))
+            dec.append(decisions[chunk_of[b], cap])
             c = 1 if views[b] else cap               # a row stepping on views uses no scratch
-            key = (c, bool(row_k[b]), bool(row_v[b]))
+            key = (chunk_of[b], c, bool(row_k[b]), bool(row_v[b]))
             if key not in shared:
                 if c not in zero_kv:                  # never written: rows that read neither share zeros
                     zero_kv[c] = np.zeros((H, c, d), np.float32)
@@ -216,20 +227,24 @@ class DecodeSteps:
         else:
             inputs = self._device_inputs(layers, summed)
 
-        def run(layer: int) -> int:
+        def run(task: tuple[int, int]) -> int:
+            layer, ci = task
             p, (lengths, probs, keys, values, pos, masks) = self.plans[layer], inputs[layer]
+            b0, b1 = self.chunks[ci]
             return step_layer(p.steps, p.params, p.budgets, p.states, p.heads, p.adaptive, p.bounded, p.views,
-                              p.scratch, p.decisions, layer, t, n_new, p.window, p.compressed, p.row_k, p.row_v,
-                              self.host, not self.host, lengths, probs, keys, values, pos, *masks,
-                              self._info[layer], self._out[layer])
+                              p.scratch, p.decisions, b0, b1, layer, t, n_new, p.window, p.compressed, p.row_k,
+                              p.row_v, self.host, not self.host, lengths, probs, keys, values, pos, *masks,
+                              self._info[layer][ci], self._out[layer])
 
-        failed = list(self._pool.map(run, layers)) if self._pool and len(layers) > 1 else [run(x) for x in layers]
+        tasks = [(layer, ci) for layer in layers for ci in range(len(self.chunks))]
+        failed = list(self._pool.map(run, tasks)) if self._pool and len(tasks) > 1 else [run(x) for x in tasks]
+        for (layer, ci), b in zip(tasks, failed):
+            if b >= 0:
+                raise_on(self.rows[b].layer_policy[layer], int(self._out[layer][b, 0]), self._info[layer][ci], layer)
         deviated = False
         evicting = []
-        for layer, b in zip(layers, failed):
+        for layer in layers:
             out = self._out[layer]
-            if b >= 0:
-                raise_on(self.rows[b].layer_policy[layer], int(out[b, 0]), self._info[layer], layer)
             deviated |= bool(out[:, 0].any())
             if out[:, 1].any():
                 evicting.append(layer)

@@ -172,10 +172,10 @@ def row_post(t, budget, head_adaptive, bounded, window, compressed, ln, keep, me
 
 
 @njit(cache=True, nogil=True)
-def step_layer(steps, params, budgets, states, heads, adaptive, bounded, views, scratch, decisions, layer, t, n_new,
-               window, compressed, read_k, read_v, kv_in_place, emit, lengths, probs, keys, values, pos, keep_all,
-               mt_all, mw_all, info, out):
-    """Every row's policy step on one layer: row b's ``steps[b]`` with ``params[b]``, ``budgets[b]``, slot state
+def step_layer(steps, params, budgets, states, heads, adaptive, bounded, views, scratch, decisions, b0, b1, layer, t,
+               n_new, window, compressed, read_k, read_v, kv_in_place, emit, lengths, probs, keys, values, pos,
+               keep_all, mt_all, mw_all, info, out):
+    """The policy steps of rows b0 .. b1-1 on one layer: row b's ``steps[b]`` with ``params[b]``, ``budgets[b]``, slot state
     ``states[b]`` and head state ``heads[b]``, on views of rows b*Hkv.. of the layer's padded host arrays when
     ``views[b]``, else on its own scratch (``scratch[b]``: lengths, probs, keys, values, positions of its width,
     filled by `row_prep`, which copies keys / values only where the row's policy reads them, ``read_k[b]`` /
@@ -183,7 +183,7 @@ def step_layer(steps, params, budgets, states, heads, adaptive, bounded, views, 
     ``out[b]``: (deviated, dropped, held). Returns -1, or the first row whose step broke the contract (its status
     in ``out[b, 0]``, the (step, head, value) in ``info``)."""
     H = lengths.shape[0] // len(steps)
-    for b in range(len(steps)):
+    for b in range(b0, b1):
         r0 = b * H
         keep, merge_to, merge_w = decisions[b]
         sst = states[b]

@@ -206,7 +206,8 @@ def test_steps_after_the_forward_equal_steps_per_layer(llama, arch, path, monkey
     """Every layer's policy step after the model's forward (one host round trip per decode step) gives exactly
     what stepping each layer right after its attention gives: tokens, losses, logits, memory and kept sets, for
     every closed-loop policy, streamed and prefilled, on the CPU's host cache and on the device-cache path
-    (mirrored lengths and positions, one compaction of all layers), with a sliding layer kept or compressed."""
+    (mirrored lengths and positions, one compaction of all layers), with a sliding layer kept or compressed; the
+    steps on 7 threads (layers and chunks of rows side by side) against one."""
     model = llama if arch == "llama" else random_gemma3(GEMMA3_TINY)
     monkeypatch.setattr(BatchRunner, "_host_cache", path == "host")
     ids = _ids(11)
@@ -214,7 +215,9 @@ def test_steps_after_the_forward_equal_steps_per_layer(llama, arch, path, monkey
             if get_policy(n).min_budget() <= 7]
     kw = dict(keep_logits=True, record_kept=(16, 4))
     for sliding in (("keep", "compress") if arch == "gemma3" else ("keep",)):
+        monkeypatch.setenv("KVSIM_THREADS", "7")        # layers and chunks of rows step side by side
         after = run_batch(model, jobs, sliding=sliding, **kw)
+        monkeypatch.setenv("KVSIM_THREADS", "1")
         per_layer = run_batch(model, jobs, sliding=sliding, steps_after_forward=False, **kw)
         for a, b, j in zip(after, per_layer, jobs):
             assert a.top1.tolist() == b.top1.tolist(), j.policy.label()

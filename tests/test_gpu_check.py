@@ -35,7 +35,8 @@ def test_dry_run_runs_every_step_and_writes_one_json(tmp_path):
         assert r["info_policy_per_layer"]["host_round_trips"] == "per layer"
         assert r["info_policy"]["cuda_graph"] is False and "CUDA" in r["info_policy"]["cuda_graph_fallback"]
     loop = report["steps"]["closed_loop"]
-    assert loop["rows_1"]["rows"] == 1 and loop["rows_16"]["rows"] == 16 and loop["ratio_rows_vs_one"] > 0
+    assert loop["rows_1"]["rows"] == 1 and len(loop["rows_1"]["each"]) == len(gpu_check.BATCH_POLICIES)
+    assert loop["rows_16"]["rows"] == 16 and loop["ratio_rows_vs_one"] > 0
     assert set(report["goals"]) == set(gpu_check.GOALS)
     assert "transformers" in gpu_check.table(report)
 

@@ -45,7 +45,7 @@ def to_dev(*ts):
 
 
 def check_against_reference(q, k, v, start, length, acc, ema, retained, max_len, *, logit_scale=1.0,
-                            softmax_scale=None, gamma=0.9, num_splits=None, block_n=64, fused=True):
+                            softmax_scale=None, gamma=0.9, num_splits=None, block_n=64):
     d = q.shape[-1]
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     ref = ref_decode_attention(q, k, v, start, length, softmax_scale=scale, logit_scale=logit_scale,
@@ -54,7 +54,7 @@ def check_against_reference(q, k, v, start, length, acc, ema, retained, max_len,
     probs = torch.full((k.shape[0], ref.probs.shape[1]), -7.0, device=DEVICE)
     out = varlen_decode_attention(qd, kd, vd, sd, ld, max_len=max_len, softmax_scale=softmax_scale,
                                   logit_scale=logit_scale, probs=probs, acc=ad, ema=ed, ema_gamma=gamma,
-                                  num_splits=num_splits, block_n=block_n, fused=fused)
+                                  num_splits=num_splits, block_n=block_n)
     tol = O_TOL[q.dtype]
     torch.testing.assert_close(out.o.float().cpu(), ref.o.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(out.lse.cpu(), ref.lse, atol=1e-5, rtol=1e-5)
@@ -70,10 +70,9 @@ def check_against_reference(q, k, v, start, length, acc, ema, retained, max_len,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("num_splits", [None, 3])
-@pytest.mark.parametrize("fused", [True, False])
-def test_ragged_lengths_all_dtypes(dtype, d, num_splits, fused):
+def test_ragged_lengths_all_dtypes(dtype, d, num_splits):
     case = make_case([1, 7, 64, 300], 320, n_batch=2, n_kv=2, group=4, d=d, dtype=dtype, seed=d)
-    check_against_reference(*case, num_splits=num_splits, fused=fused)
+    check_against_reference(*case, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
@@ -89,29 +88,9 @@ def test_long_head_4096_split_k():
     check_against_reference(*case, num_splits=7, block_n=128)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_many_splits_exceed_one_reduce_block(fused):
+def test_many_splits_exceed_one_reduce_block():
     case = make_case([600], 600, n_batch=1, n_kv=1, group=4, d=64, dtype=torch.float32, seed=9)
-    check_against_reference(*case, num_splits=38, block_n=16, fused=fused)
-
-
-def test_fused_launch_leaves_its_counters_zeroed_and_agrees_with_two_launches():
-    """The one-launch kernel's tickets are handed back (counters zero after every call, so a cache reuses one
-    tensor, inside a CUDA graph too), and it gives the two-launch kernel's outputs and probabilities."""
-    q, k, v, start, length, acc, ema, retained, max_len = make_case([5, 300, 0, 77], 320, n_batch=2, n_kv=2,
-                                                                    group=4, d=64, dtype=torch.float32, seed=3)
-    qd, kd, vd, sd, ld = to_dev(q, k, v, start, length)
-    counters = torch.zeros(4, dtype=torch.int32, device=DEVICE)
-    outs = []
-    for fused in (True, True, False):
-        probs = torch.zeros(k.shape[0], 4, device=DEVICE)
-        outs.append(varlen_decode_attention(qd, kd, vd, sd, ld, max_len=max_len, probs=probs, num_splits=4,
-                                            fused=fused, counters=counters if fused else None))
-        assert int(counters.abs().sum()) == 0
-    for out in outs[1:]:
-        torch.testing.assert_close(out.o, outs[0].o, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(out.probs[retained.to(DEVICE)], outs[0].probs[retained.to(DEVICE)],
-                                   atol=1e-7, rtol=1e-6)
+    check_against_reference(*case, num_splits=38, block_n=16)
 
 
 def test_empty_head_gives_zero_output_and_minus_inf_lse():

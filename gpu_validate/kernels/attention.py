@@ -4,10 +4,7 @@ Layout (Ada-KV style flat buffer): `k_cache[total_capacity, d]`, `v_cache[...]`;
 owns rows `start[i] : start[i] + length[i]` (retained slots only are read). GQA: the G = Hq/Hkv query heads
 of a group are processed by the same program, so each retained K/V row is read from memory once.
 
-One launch per call by default (`_attn_fused_kernel`): the split programs below, and the last program of each
-KV head to finish (an atomic ticket) does the combine and rewrites the head's logits as probabilities, so a decode
-step pays one launch, not two (at 2 k slots and batch 1 on an H100 the second launch was most of the gap to SDPA).
-``fused=False`` keeps the two launches (flash-decoding split-K):
+Two launches per call (flash-decoding split-K):
   1. `_attn_split_kernel`, grid (B*Hkv, n_splits): a program streams one chunk of one KV head, keeps an
      online softmax (max, sum, weighted V) per query head of the group and, when scores are wanted, writes
      the scaled raw logits (log2 domain) into the fp32 scores buffer `[total_capacity, G]`.
@@ -169,116 +166,6 @@ def _attn_reduce_kernel(
                 tl.store(EMA + rows, ema_gamma * e + (1.0 - ema_gamma) * (p_sum / G), mask=mask_n)
 
 
-@triton.jit
-def _attn_fused_kernel(
-    Q, K, V, START, LENGTH, LOGITS, ACC, EMA, M_PART, L_PART, O_PART, O, LSE, COUNTER,
-    qk_scale, ema_gamma, stride_qb, stride_qh, stride_kn, stride_vn, stride_ob, stride_oh,
-    N_KV_HEADS, CHUNK, N_SPLITS,
-    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SCORES: tl.constexpr, WRITE_PROBS: tl.constexpr,
-    UPDATE_ACC: tl.constexpr, UPDATE_EMA: tl.constexpr, DOT_MODE: tl.constexpr,
-):
-    """Split-K decode attention in one launch: each program streams its chunk as `_attn_split_kernel` does; the
-    head's last program to finish (a ticket from an acq_rel atomic counter, reset by that program, so the counters
-    stay zero between calls and the launch needs no memset) combines the partials into o and lse and rewrites
-    the head's logits as probabilities. Partials and logits other programs wrote are read past L1 (``.cg``)."""
-    pid_h = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    b = pid_h // N_KV_HEADS
-    hkv = pid_h % N_KV_HEADS
-    base = tl.load(START + pid_h).to(tl.int64)
-    n_len = tl.load(LENGTH + pid_h)
-    lo = pid_s * CHUNK
-    hi = tl.minimum(lo + CHUNK, n_len)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_g = offs_g < G
-    mask_d = offs_d < HEAD_DIM
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + (hkv * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        rows = base + offs_n
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), DOT_MODE) * qk_scale
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        if SCORES:
-            tl.store(LOGITS + rows[None, :] * G + offs_g[:, None], s, mask=mask_g[:, None] & mask_n[None, :])
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_MODE)
-        m_i = m_new
-    first = pid_h * N_SPLITS
-    part = first + pid_s
-    tl.store(M_PART + part * BLOCK_G + offs_g, m_i)
-    tl.store(L_PART + part * BLOCK_G + offs_g, l_i)
-    tl.store(O_PART + (part * G + offs_g)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], acc,
-             mask=mask_g[:, None] & mask_d[None, :])
-    ticket = tl.atomic_add(COUNTER + pid_h, 1, sem="acq_rel")
-    if ticket == N_SPLITS - 1:
-        tl.atomic_xchg(COUNTER + pid_h, 0)
-        offs_s = tl.arange(0, BLOCK_S)
-        m_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        for s0 in range(0, N_SPLITS, BLOCK_S):
-            ms = (s0 + offs_s) < N_SPLITS
-            m = tl.load(M_PART + (first + s0 + offs_s)[:, None] * BLOCK_G + offs_g[None, :], mask=ms[:, None],
-                        other=float("-inf"), cache_modifier=".cg")
-            m_max = tl.maximum(m_max, tl.max(m, 0))
-        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-        l_tot = tl.zeros([BLOCK_G], tl.float32)
-        for s0 in range(0, N_SPLITS, BLOCK_S):
-            ms = (s0 + offs_s) < N_SPLITS
-            ptrs = (first + s0 + offs_s)[:, None] * BLOCK_G + offs_g[None, :]
-            m = tl.load(M_PART + ptrs, mask=ms[:, None], other=float("-inf"), cache_modifier=".cg")
-            w = tl.exp2(m - m_safe[None, :])                                   # [BLOCK_S, BLOCK_G]
-            l_tot += tl.sum(w * tl.load(L_PART + ptrs, mask=ms[:, None], other=0.0, cache_modifier=".cg"), 0)
-        lse2 = tl.where(l_tot > 0, m_safe + tl.log2(tl.where(l_tot > 0, l_tot, 1.0)), float("-inf"))
-        hq0 = hkv * G
-        tl.store(LSE + b.to(tl.int64) * N_KV_HEADS * G + hq0 + offs_g, lse2 * 0.6931471805599453, mask=mask_g)
-        for gi in tl.static_range(G):
-            sel = offs_g == gi
-            m_g = tl.sum(tl.where(sel, m_safe, 0.0), 0)
-            l_g = tl.sum(tl.where(sel, l_tot, 0.0), 0)
-            o_g = tl.zeros([BLOCK_D], tl.float32)
-            for s0 in range(0, N_SPLITS, BLOCK_S):
-                ms = (s0 + offs_s) < N_SPLITS
-                m_s = tl.load(M_PART + (first + s0 + offs_s) * BLOCK_G + gi, mask=ms, other=float("-inf"),
-                              cache_modifier=".cg")
-                w = tl.exp2(m_s - m_g)
-                rows_o = ((first + s0 + offs_s) * G + gi).to(tl.int64)
-                part_o = tl.load(O_PART + rows_o[:, None] * HEAD_DIM + offs_d[None, :],
-                                 mask=ms[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-                o_g += tl.sum(w[:, None] * part_o, 0)
-            o_g = o_g / tl.where(l_g > 0, l_g, 1.0)
-            tl.store(O + b.to(tl.int64) * stride_ob + (hq0 + gi) * stride_oh + offs_d, o_g.to(O.dtype.element_ty),
-                     mask=mask_d)
-        if SCORES:
-            for n0 in range(0, n_len, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < n_len
-                rows = base + offs_n
-                ptrs = LOGITS + rows[:, None] * G + offs_g[None, :]
-                mask = mask_n[:, None] & mask_g[None, :]
-                p = tl.exp2(tl.load(ptrs, mask=mask, other=float("-inf"), cache_modifier=".cg") - lse2[None, :])
-                if WRITE_PROBS:
-                    tl.store(ptrs, p, mask=mask)
-                p_sum = tl.sum(p, 1)
-                if UPDATE_ACC:
-                    a = tl.load(ACC + rows, mask=mask_n, other=0.0)
-                    tl.store(ACC + rows, a + p_sum, mask=mask_n)
-                if UPDATE_EMA:
-                    e = tl.load(EMA + rows, mask=mask_n, other=0.0)
-                    tl.store(EMA + rows, ema_gamma * e + (1.0 - ema_gamma) * (p_sum / G), mask=mask_n)
-
-
 class AttentionOut(NamedTuple):
     """Kernel results: o [B, Hq, d] (q.dtype), lse [B, Hq] fp32 natural log, probs [total_capacity, G] or None."""
 
@@ -334,8 +221,6 @@ def varlen_decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-    fused: bool = True,
-    counters: torch.Tensor | None = None,
 ) -> AttentionOut:
     """Decode attention of q [B, Hq, d] over the varlen cache; optionally emits probs and updates acc/ema in place.
 
@@ -344,10 +229,6 @@ def varlen_decode_attention(
     BUZZ log-n variant's multiplier). `probs` (fp32 [total_capacity, G], written in place, also used as logit
     scratch) is allocated when None and scores are needed; it is returned only when `want_probs`, and without
     it pass 2 reads the logits but does not write probabilities back (statistics only).
-
-    ``fused`` (default): one launch, the head's last split program reducing (`_attn_fused_kernel`); it takes a
-    zeroed int32 [B*Hkv] ``counters`` tensor that it leaves zeroed (a cache keeps one; None allocates one).
-    ``fused=False``: the two launches of the module docstring.
     """
     if q.ndim != 3:
         raise KernelInputError(f"q must be [B, Hq, d], got shape {tuple(q.shape)}")
@@ -408,23 +289,6 @@ def varlen_decode_attention(
     if n_heads == 0:
         return AttentionOut(o, lse, probs if want_probs else None)
     block_s = min(32, max(2, triton.next_power_of_2(num_splits)))
-    if fused:
-        if counters is None:
-            counters = torch.zeros(n_heads, dtype=torch.int32, device=dev)
-        _check("counters", counters, 1, (torch.int32,), dev)
-        if counters.numel() != n_heads or not counters.is_contiguous():
-            raise KernelInputError(f"counters must be a contiguous zeroed int32 [{n_heads}] tensor")
-        dummy = m_part
-        _attn_fused_kernel[(n_heads, num_splits)](
-            q, k_cache, v_cache, start, length, logits, dummy if acc is None else acc, dummy if ema is None else ema,
-            m_part, l_part, o_part, o, lse, counters,
-            scale * _LOG2E, float(ema_gamma), q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
-            o.stride(0), o.stride(1), n_kv, chunk, num_splits,
-            G=g, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=block_s, SCORES=scores,
-            WRITE_PROBS=want_probs, UPDATE_ACC=acc is not None, UPDATE_EMA=ema is not None,
-            DOT_MODE=_DOT_MODES[q.dtype], num_warps=num_warps, num_stages=num_stages,
-        )
-        return AttentionOut(o, lse, probs if want_probs else None)
     _attn_split_kernel[(n_heads, num_splits)](
         q, k_cache, v_cache, start, length, logits, m_part, l_part, o_part,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
