@@ -5,8 +5,8 @@ with and without score output (best of a few tile configs), torch SDPA (GQA) and
 FlashAttention's `flash_attn_with_kvcache` on the same retained lengths (uniform, so padded = retained);
 achieved bandwidth = minimum bytes moved / median time, as a fraction of the device's datasheet HBM peak
 and of a measured device-to-device copy; what the closed loop runs (probabilities, no statistics) as graph
-replays at the default and twice the default split count; plus compaction costs (one eviction + one append per head, with
-and without a D2O-style merge). Targets: >= 75% of peak at budget >= 2k, <= 1.1x SDPA's time with scores.
+replays at the default and twice the default split count; plus compaction costs (one eviction + one append per
+head, with and without a D2O-style merge). Targets: >= 75% of peak at budget >= 2k, <= 1.1x SDPA's time with scores.
 Run: python -m benchmarks.kernels [--quick]   (writes benchmarks/results/kernels.json; needs a CUDA device)
      python -m benchmarks.kernels --interpret-smoke   (tiny CPU correctness pass, writes no numbers)
 """

@@ -62,13 +62,12 @@ class LayerPlan:
 @dataclass
 class Mirror:
     """The host's copy of one device layer's per-head state, padded to the layer's widest head ``W``: lengths
-    [B*Hkv], positions [B*Hkv, W] (-1 past a length), the step's probabilities [B*Hkv, G, W] and, for layers whose
-    policies read them, keys / values [B*Hkv, W, d] (else [B*Hkv, 1, d] placeholders), the decisions
+    [B*Hkv], positions [B*Hkv, W] (-1 past a length) and, for layers whose policies read them, keys / values
+    [B*Hkv, W, d] (else [B*Hkv, 1, d] placeholders; the probabilities are read from the flat copy itself), the decisions
     ``row_post`` emits, and where the layer's heads lie in the flat cache (starts, capacities, offset)."""
 
     length: np.ndarray
     pos: np.ndarray
-    probs: np.ndarray
     keys: np.ndarray
     values: np.ndarray
     keep: np.ndarray
@@ -128,6 +127,7 @@ class DecodeSteps:
         self._info = [[np.zeros(3, np.int64) for _ in self.chunks] for _ in range(L)]
         self._out = [np.zeros((B, 3), np.int64) for _ in range(L)]
         self._no_masks = (np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
+        self._no_flat = (np.zeros((1, 1), np.float32), np.zeros(0, np.int64))   # probabilities given padded
         self._pool = _pool(threads)
         self.host_seconds = 0.0      # wall time of `step`, for the runner's profile
 
@@ -174,10 +174,10 @@ class DecodeSteps:
 
     def _mirror(self, layer: int) -> Mirror:
         cache, plan = self.caches[layer], self.plans[layer]
-        BH, W, G, d = len(self.rows) * self.H, cache.max_capacity, self.G, self.d
+        BH, W, d = len(self.rows) * self.H, cache.max_capacity, self.d
         start = cache.start.cpu().numpy().astype(np.int64)
         capacity = cache.capacity.cpu().numpy().astype(np.int64)
-        return Mirror(length=np.zeros(BH, np.int64), pos=np.full((BH, W), -1, np.int64), probs=np.zeros((BH, G, W)),
+        return Mirror(length=np.zeros(BH, np.int64), pos=np.full((BH, W), -1, np.int64),
                       keys=np.zeros((BH, W if plan.read_k else 1, d), np.float32),
                       values=np.zeros((BH, W if plan.read_v else 1, d), np.float32),
                       keep=np.zeros((BH, W), np.uint8), merge_to=np.full((BH, W), -1, np.int64),
@@ -229,11 +229,11 @@ class DecodeSteps:
 
         def run(task: tuple[int, int]) -> int:
             layer, ci = task
-            p, (lengths, probs, keys, values, pos, masks) = self.plans[layer], inputs[layer]
+            p, (lengths, probs, flat, keys, values, pos, masks) = self.plans[layer], inputs[layer]
             b0, b1 = self.chunks[ci]
             return step_layer(p.steps, p.params, p.budgets, p.states, p.heads, p.adaptive, p.bounded, p.views,
                               p.scratch, p.decisions, b0, b1, layer, t, n_new, p.window, p.compressed, p.row_k,
-                              p.row_v, self.host, not self.host, lengths, probs, keys, values, pos, *masks,
+                              p.row_v, self.host, not self.host, lengths, probs, *flat, keys, values, pos, *masks,
                               self._info[layer][ci], self._out[layer])
 
         tasks = [(layer, ci) for layer in layers for ci in range(len(self.chunks))]
@@ -262,7 +262,7 @@ class DecodeSteps:
             probs = cache.p.double().numpy()
         else:
             probs = self._zeros(layer, cache.max_capacity)
-        return cache.length, probs, cache.k3, cache.v3, cache.pos, self._no_masks
+        return cache.length, probs, self._no_flat, cache.k3, cache.v3, cache.pos, self._no_masks
 
     def _zeros(self, layer: int, width: int) -> np.ndarray:
         """Zero probabilities for a layer whose policies do not read them (one buffer per layer: layers step on
@@ -284,24 +284,23 @@ class DecodeSteps:
                     pieces.append(x.reshape(-1) if x.dtype == torch.float32 else x.float().reshape(-1))
                     spans.append((layer, name, width))
         flat = torch.cat(pieces).cpu().numpy() if pieces else None
-        at = 0
+        at, flat_probs = 0, {}
         for layer, name, width in spans:
             m = self.mirrors[layer]
             n = m.total * width
             rows = flat[at:at + n].reshape(m.total, width)
             at += n
-            out = {"probs": m.probs, "k": m.keys, "v": m.values}[name]
-            unflatten(rows, m.start, m.length, out, name == "probs")
+            if name == "probs":              # read in place by the rows' `row_prep`
+                flat_probs[layer] = (rows, m.start)
+            else:
+                unflatten(rows, m.start, m.length, m.keys if name == "k" else m.values, False)
         inputs = {}
         for layer in layers:
-            m, plan = self.mirrors[layer], self.plans[layer]
-            if layer in summed:
-                probs = summed[layer]
-            elif plan.reads_probs:
-                probs = m.probs
-            else:
-                probs = self._zeros(layer, m.pos.shape[1])
-            inputs[layer] = (m.length, probs, m.keys, m.values, m.pos, (m.keep, m.merge_to, m.merge_w))
+            m = self.mirrors[layer]
+            width = m.pos.shape[1]
+            probs = summed[layer] if layer in summed else self._zeros(layer, 1 if layer in flat_probs else width)
+            inputs[layer] = (m.length, probs, flat_probs.get(layer, self._no_flat), m.keys, m.values, m.pos,
+                             (m.keep, m.merge_to, m.merge_w))
         return inputs
 
     def _compact(self, layers: Sequence[int]) -> None:

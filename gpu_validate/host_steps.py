@@ -22,9 +22,12 @@ from sim.row_moves import move_rows
 
 
 @njit(cache=True, nogil=True)
-def row_prep(r0, n_new, read_k, read_v, lengths, probs, keys, values, pos, sst, ln, pr, ks, vs, ps):
+def row_prep(r0, n_new, read_k, read_v, lengths, probs, flat_probs, start, keys, values, pos, sst, ln, pr, ks, vs,
+             ps):
     """One batch row's inputs to its policy step, from the layer's padded host arrays (rows r0 .. r0+Hkv-1 of
-    ``lengths`` [B*Hkv], ``probs`` [B*Hkv, G, W] float64, ``keys``/``values`` [B*Hkv, W, d], ``pos`` [B*Hkv, W])
+    ``lengths`` [B*Hkv], ``probs`` [B*Hkv, G, W] float64 -- or, where ``start`` is not empty, a device cache's
+    flat ``flat_probs`` [total, G] float32 read at ``start[r] + i`` --, ``keys``/``values`` [B*Hkv, W, d],
+    ``pos`` [B*Hkv, W])
     into the row's contiguous scratch of its own width ``cap`` (``pr`` [Hkv, G, cap], ``ks``/``vs``, ``ps``): zero
     / -1 past each head's length, exactly the arrays ``padded`` gives. Keys / values are copied only when some
     policy of the layer reads them (``read_k`` / ``read_v``; else the scratch stays zero). The step's ``n_new``
@@ -36,8 +39,13 @@ def row_prep(r0, n_new, read_k, read_v, lengths, probs, keys, values, pos, sst, 
         n = lengths[r]
         ln[h] = n
         for g in range(G):
-            for i in range(n):
-                pr[h, g, i] = probs[r, g, i]
+            if start.shape[0]:
+                s0 = start[r]
+                for i in range(n):
+                    pr[h, g, i] = flat_probs[s0 + i, g]
+            else:
+                for i in range(n):
+                    pr[h, g, i] = probs[r, g, i]
             for i in range(n, cap):
                 pr[h, g, i] = 0.0
         for i in range(n):
@@ -173,13 +181,14 @@ def row_post(t, budget, head_adaptive, bounded, window, compressed, ln, keep, me
 
 @njit(cache=True, nogil=True)
 def step_layer(steps, params, budgets, states, heads, adaptive, bounded, views, scratch, decisions, b0, b1, layer, t,
-               n_new, window, compressed, read_k, read_v, kv_in_place, emit, lengths, probs, keys, values, pos,
-               keep_all, mt_all, mw_all, info, out):
+               n_new, window, compressed, read_k, read_v, kv_in_place, emit, lengths, probs, flat_probs, start, keys,
+               values, pos, keep_all, mt_all, mw_all, info, out):
     """The policy steps of rows b0 .. b1-1 on one layer: row b's ``steps[b]`` with ``params[b]``, ``budgets[b]``, slot state
     ``states[b]`` and head state ``heads[b]``, on views of rows b*Hkv.. of the layer's padded host arrays when
     ``views[b]``, else on its own scratch (``scratch[b]``: lengths, probs, keys, values, positions of its width,
     filled by `row_prep`, which copies keys / values only where the row's policy reads them, ``read_k[b]`` /
-    ``read_v[b]``), with its decision arrays ``decisions[b]`` (keep, merge_to, merge_w); then `row_post`.
+    ``read_v[b]``, and reads the probabilities from the flat ``flat_probs`` where ``start`` is not empty), with its
+    decision arrays ``decisions[b]`` (keep, merge_to, merge_w); then `row_post`.
     ``out[b]``: (deviated, dropped, held). Returns -1, or the first row whose step broke the contract (its status
     in ``out[b, 0]``, the (step, head, value) in ``info``)."""
     H = lengths.shape[0] // len(steps)
@@ -195,7 +204,8 @@ def step_layer(steps, params, budgets, states, heads, adaptive, bounded, views, 
             ps = pos[r0:r0 + H]
         else:
             ln, pr, ks, vs, ps = scratch[b]
-            row_prep(r0, n_new, read_k[b], read_v[b], lengths, probs, keys, values, pos, sst, ln, pr, ks, vs, ps)
+            row_prep(r0, n_new, read_k[b], read_v[b], lengths, probs, flat_probs, start, keys, values, pos, sst, ln,
+                     pr, ks, vs, ps)
         steps[b](params[b], layer, t, budgets[b], ln, pr, ks, vs, ps, sst, heads[b], keep, merge_to, merge_w)
         row_out = out[b]
         status = row_post(t, budgets[b], adaptive[b], bounded[b], window, compressed, ln, keep, merge_to, merge_w,
