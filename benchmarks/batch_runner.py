@@ -6,7 +6,7 @@ solo ones. Writes benchmarks/results/batch_runner.json.
 
 ``--streamed``: one batch of STREAMED configurations (policies without a prefill selector, whose prompt goes token by
 token through the policy: the closed loop's costliest batches) on 512 + 128 tokens of the shipped text, one thread,
-timed; with ``--before DIR`` the same batch is first timed on another checkout of the code (e.g. ``git worktree add
+timed, with the CPU time of its policy steps (the host's work around the model) per token; with ``--before DIR`` the same batch is first timed on another checkout of the code (e.g. ``git worktree add
 /tmp/head HEAD``) in a subprocess and the results compared. Adds the ``streamed`` object to batch_runner.json,
 keeping its other keys.
 
@@ -56,13 +56,42 @@ def _streamed_batch(model_name: str, n_prompt: int, n_decode: int) -> dict:
     jobs = [BatchJob(parse_policy(s), STREAMED_BUDGET, ids[:n_prompt], continuation=ids[n_prompt:]) for s in STREAMED]
     if len({j.batch_key for j in jobs}) != 1:
         raise SystemExit("the streamed configurations do not form one batch")
+    host = _time_host_steps()
     run_batch(model, [BatchJob(j.policy, j.budget, ids[:12], continuation=ids[12:16]) for j in jobs])   # compile
+    host.update(cpu=0.0, wall=0.0)
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     res = run_batch(model, jobs)
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "load": [load0, os.getloadavg()[0]], "rows": len(res),
+            "host_cpu_seconds": host["cpu"], "host_wall_seconds": host["wall"], "host_steps": host["what"],
             "nll": np.stack([r.nll for r in res]).tolist(), "top1": np.stack([r.top1 for r in res]).tolist()}
+
+
+def _time_host_steps() -> dict:
+    """Accumulate the CPU and wall time of the closed loop's policy steps (the host's work around the model: the
+    steps, their contract checks and the compaction) in the returned dict: `DecodeSteps.step` (every layer after
+    the forward), or, in a checkout from before it, `BatchRunner._policy_step` (one layer inside its attention)."""
+    acc = {"cpu": 0.0, "wall": 0.0}
+    try:
+        from gpu_validate.decode_steps import DecodeSteps as owner
+        name = "step"
+    except ImportError:
+        from gpu_validate.batch_runner import BatchRunner as owner
+        name = "_policy_step"
+    acc["what"] = f"{owner.__name__}.{name}"
+    real = getattr(owner, name)
+
+    def timed(*a, **k):
+        c0, w0 = time.thread_time(), time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            acc["cpu"] += time.thread_time() - c0
+            acc["wall"] += time.perf_counter() - w0
+
+    setattr(owner, name, timed)
+    return acc
 
 
 def streamed_main(args) -> int:
@@ -89,13 +118,26 @@ def streamed_main(args) -> int:
         print(f"before: {before['seconds']:.1f} s, load {before['load']}", flush=True)
     after = _streamed_batch(args.model, args.prompt, args.decode)
     print(f"after: {after['seconds']:.1f} s, load {after['load']}", flush=True)
+    tokens = args.prompt + args.decode
     streamed = {"n_configs": after["rows"], "n_prompt": args.prompt, "n_decode": args.decode, "threads": 1,
                 "batch_seconds": after["seconds"],
                 "before_seconds": before["seconds"] if before else args.before_seconds,
-                "load": after["load"][0]}
+                "load": after["load"][0],
+                "host_cpu_ms_per_token": 1e3 * after["host_cpu_seconds"] / tokens,
+                "before_host_cpu_ms_per_token": (1e3 * before["host_cpu_seconds"] / tokens
+                                                 if before and "host_cpu_seconds" in before else None)}
+    if streamed["before_host_cpu_ms_per_token"]:
+        streamed["host_cpu_ratio_before_vs_after"] = (streamed["before_host_cpu_ms_per_token"]
+                                                      / streamed["host_cpu_ms_per_token"])
     detail = {"model": args.model, "budget": STREAMED_BUDGET, "policies": list(STREAMED),
               "load_after": after["load"][1], "before_load": before["load"] if before else None,
               "before_code": args.before or args.before_json, "machine": machine(),
+              "host_steps": {"after": after["host_steps"], "before": before.get("host_steps") if before else None,
+                             "after_wall_seconds": after["host_wall_seconds"],
+                             "before_wall_seconds": before.get("host_wall_seconds") if before else None,
+                             "what": "CPU time (thread_time, one thread) of the policy steps per token fed to the "
+                                     "model (prompt and decode): the steps, their checks and the compaction, the "
+                                     "host's work around the model's forward"},
               "note": "load: 1-minute load average of this 2-core machine (shared with other jobs) when the timed "
                       "batch started (load_after: when it ended); before: the previous code on the same batch, "
                       "same session, never side by side"}

@@ -312,39 +312,64 @@ def gpu_page() -> str:
     out.append("\n## The prepared check (`benchmarks/gpu_check.py`)\n\n")
     if d is None:
         out.append(missing("gpu_check"))
-    else:
-        out.append(f"torch {d['torch']}, Triton {d['triton']}, transformers {d['transformers']}.\n\n")
-        out.append(table(["step", "ok", "seconds"],
-                         [[k, v["ok"], v.get("step_seconds")] for k, v in d["steps"].items()]))
-        out.append("\n" + measured_on(d, "gpu_check"))
-    # the generate step's latest run (a rerun of that step alone when there is one), then its float32 diagnostic
-    for name in ("gpu_check_generate" if (RESULTS / "gpu_check_generate.json").exists() else "gpu_check",
-                 "gpu_check_generate_fp32"):
-        d = load(name)
-        if d is None or "generate" not in d["steps"]:
-            continue
-        runs = d["steps"]["generate"]["runs"]
-        out.append(f"\n### generate(): Triton against torch backend, and against transformers ({name}.json)\n\n")
-        out.append(table(["model", "dtype", "prompt", "same tokens", "logit max diff / max",
-                          "kept sets equal (layer 0)", "kept sets equal", "kept Jaccard", "K+V held (MB)", "full (MB)",
-                          "tok/s Triton", "tok/s torch", "tok/s transformers", "ok"],
-                         [[r["model"], r.get("dtype", "bfloat16"), r["prompt_tokens"],
-                           f"{r['tokens_equal_prefix']} of {r['new_tokens']}",
+        return "".join(out)
+    out.append(f"torch {d['torch']}, Triton {d['triton']}, transformers {d['transformers']}.")
+    if d.get("provenance"):
+        out.append(f" {d['provenance']}")
+    out.append("\n\n" + table(["step", "ok", "seconds"],
+                               [[k, v["ok"], v.get("step_seconds")] for k, v in d["steps"].items()]))
+    goals = d.get("goals") or {}
+    if goals:
+        out.append("\n### Speed goals (issue 53)\n\n")
+        out.append(table(["goal", "at least", "measured", "met"],
+                         [[k.replace("_", " "), g["goal"], g["measured"], g["met"]] for k, g in goals.items()]))
+    runs = d["steps"].get("generate", {}).get("runs", [])
+    if runs:
+        out.append("\n### generate(): decode tokens/s, kvsim beside transformers' own cache\n\n"
+                   f"`full` and `{runs[0].get('policy')}` at {runs[0].get('budget')} slots on the Triton cache (one "
+                   "host round trip per decode step, the forward a CUDA graph's replay), the same policy on the "
+                   "torch backend and on the Triton cache the way it ran before (each layer's policy step inside its "
+                   "attention, no graph); transformers' own cache with SDPA (`model.generate`, its prompt prefilled in "
+                   "chunks).\n\n")
+        ok = [r for r in runs if "error" not in r]
+        out.append(table(["model", "dtype", "prompt", "kvsim full", "kvsim policy", "torch backend",
+                          "per-layer path", "transformers", "full ÷ transformers", "policy ÷ transformers",
+                          "K+V held (MB)", "full (MB)"],
+                         [[r["model"], r["dtype"], r["prompt_tokens"], r.get("tokens_per_s_full"),
+                           r["tokens_per_s_triton"], r["tokens_per_s_torch"], r.get("tokens_per_s_policy_per_layer"),
+                           r["tokens_per_s_transformers_sdpa"], r.get("ratio_full_vs_transformers"),
+                           r.get("ratio_policy_vs_transformers_full"), r["kv_bytes_held"] / 1e6,
+                           r["kv_bytes_full_cache"] / 1e6] for r in ok]))
+        out.append("\n#### The same runs: do the backends agree?\n\n")
+        out.append(table(["model", "dtype", "prompt", "same tokens (Triton, torch)", "logit max diff / max",
+                          "kept sets equal (layer 0)", "kept sets equal", "kept Jaccard",
+                          "full: same tokens as transformers", "ok"],
+                         [[r["model"], r["dtype"], r["prompt_tokens"], f"{r['tokens_equal_prefix']} of {r['new_tokens']}",
                            r["logit_max_abs_diff"] / max(r["logit_max_abs"], 1e-12),
-                           (r.get("kept_agreement_per_layer") or [None])[0], r["kept_agreement"],
-                           r["kept_jaccard"], r["kv_bytes_held"] / 1e6, r["kv_bytes_full_cache"] / 1e6,
-                           r["tokens_per_s_triton"], r["tokens_per_s_torch"], r["tokens_per_s_transformers_sdpa"],
-                           r["ok"]] for r in runs if "error" not in r]))
+                           (r.get("kept_agreement_per_layer") or [None])[0], r["kept_agreement"], r["kept_jaccard"],
+                           (f"{r['full_tokens_equal_prefix_transformers']} of {r['new_tokens']}"
+                            if r.get("full_tokens_equal_prefix_transformers") is not None else None), r["ok"]]
+                          for r in ok]))
         for r in runs:
             if "error" in r:
                 why = ". ".join(r["error"].split(". ")[:2])
                 out.append(f"\n{r['model']} at {r['prompt_tokens']} tokens failed: {why}.\n")
-        out.append("\n" + measured_on(d, name))
-    d = load("gpu_check_recommend")
-    if d is not None and "recommend" in d["steps"]:
-        r = d["steps"]["recommend"]
-        out.append("\n### `kvsim recommend` with its closed loop on the GPU and on the CPU (gpu_check_recommend.json)"
-                   "\n\n")
+    loop = d["steps"].get("closed_loop")
+    if loop and "rows_1" in loop:
+        many = next(v for k, v in loop.items() if k.startswith("rows_") and k != "rows_1")
+        out.append(f"\n### The closed loop batched ({loop['model']}, {loop['prompt_tokens']} + {loop['decode_tokens']} "
+                   "tokens)\n\n")
+        rows = [[f"{name} alone", 1, a["tokens_per_s_per_configuration"], a["info"]["host_step_seconds"]]
+                for name, a in loop["rows_1"].get("each", {}).items()]
+        rows.append([f"all {many['rows']} in one batch", many["rows"], many["tokens_per_s_per_configuration"],
+                     many["info"]["host_step_seconds"]])
+        out.append(table(["configurations", "rows", "decode tok/s per configuration", "host seconds of the steps"],
+                         rows))
+        out.append(f"\nBatched, each configuration decodes {loop['ratio_rows_vs_one']:.3g}x as fast as alone "
+                   "(the mean of the policies' runs alone).\n")
+    r = d["steps"].get("recommend")
+    if r and "runs" in r:
+        out.append("\n### `kvsim recommend` with its closed loop on the GPU and on the CPU\n\n")
         out.append(table(["closed loop", "backend", "answer (budget, choice)", "closed-loop runs", "seconds"],
                          [[dev, run["backend"], _answer_cell(run["answer"]), run["model_runs"], run["seconds"]]
                           for dev, run in r["runs"].items()]))
@@ -352,15 +377,25 @@ def gpu_page() -> str:
                    f"{r['decode_tokens']} tokens: {r['confirmed_both']} configurations confirmed on both, measured "
                    f"ΔNLL within {r['measured_max_abs_diff']:.2g} nats/token of each other (tolerance "
                    f"{r['tolerance']:g}); ok: {'yes' if r['ok'] else 'no'}.\n")
-        out.append("\n" + measured_on(d, "gpu_check_recommend"))
+    out.append("\n" + measured_on(d, "gpu_check"))
     d = load("kernels")
     out.append("\n## Decode attention kernel (`benchmarks/kernels.py`)\n\n")
     if d is None:
         out.append(missing("kernels"))
+    elif "variant_note" in d:
+        out.append(d["variant_note"] + "\n\n")
+        out.append(table(["slots", "batch", "kvsim, probabilities (µs)", "SDPA (µs)", "× SDPA",
+                          "one launch, removed (µs)"],
+                         [[r["budget"], r["batch"], 1e6 * r["t_ours_probs_two_launch_graph_s"],
+                           1e6 * r["t_sdpa_graph_s"], r["ratio_probs_two_launch_vs_sdpa_graph"],
+                           1e6 * r["t_ours_probs_graph_s"]] for r in d["attention"]]))
+        out.append("\n*All times are CUDA-graph replays (GPU time).*\n\n" + measured_on(d, "kernels"))
     else:
-        out.append(table(["slots", "batch", "ours with scores (µs)", "SDPA (µs)", "× SDPA", "× SDPA (CUDA graphs)"],
-                         [[r["budget"], r["batch"], 1e6 * r["t_ours_scores_s"], 1e6 * r["t_sdpa_s"],
-                           r["ratio_scores_vs_sdpa"], r.get("ratio_scores_vs_sdpa_graph")] for r in d["attention"]]))
+        out.append(table(["slots", "batch", "kvsim, probabilities (µs, graph)", "SDPA (µs, graph)", "× SDPA",
+                          "ours with scores and statistics, eager (µs)", "SDPA eager (µs)"],
+                         [[r["budget"], r["batch"], 1e6 * r["t_ours_probs_graph_s"], 1e6 * r["t_sdpa_graph_s"],
+                           r["ratio_probs_vs_sdpa_graph"], 1e6 * r["t_ours_scores_s"], 1e6 * r["t_sdpa_s"]]
+                          for r in d["attention"]]))
         out.append("\n" + measured_on(d, "kernels"))
     return "".join(out)
 
