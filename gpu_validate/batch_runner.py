@@ -3,11 +3,12 @@
 The model's attention modules are routed to the runner (`traces.hf.routing`). The prompt runs once with the
 model's own causal attention (`gpu_validate.prompt_store`), then enters each row's compressed cache, prefilled or
 streamed (`gpu_validate.prompt_loading`). Then every token is fed alone: its k/v are appended to each layer's
-cache, the query attends over the retained slots, the per-slot probabilities go to the policy's jitted ``step``
--- the very function the simulator replays -- and its keep mask / merges are applied
-(`gpu_validate.host_steps`). On a GPU the cache is the Triton `VarlenKVCache` (compaction kernel); on the CPU it
-is `HostKVCache`, padded numpy arrays that the steps read as views and compact in place (numba), with torch's
-attention arithmetic. The module docstring of `gpu_validate.runner` tells the semantics (RoPE, logit scaling,
+cache and the query attends over the retained slots; after the forward the per-slot probabilities of every layer
+go to the policies' jitted ``step`` -- the very function the simulator replays -- and their keep masks / merges
+are applied, all layers in one host round trip (`gpu_validate.decode_steps`). On a GPU the cache is the Triton
+`VarlenKVCache` (every layer a view of one set of buffers, one compaction per step) and the decode forward a CUDA
+graph's replay (`gpu_validate.decode_graph`); on the CPU it is `HostKVCache`, padded numpy arrays that the steps
+read as views and compact in place (numba), with torch's attention arithmetic. The module docstring of `gpu_validate.runner` tells the semantics (RoPE, logit scaling,
 open loop, hybrid models). What is read of the model and done to it (geometry, each layer's attention, W_O, routing,
 forwards) is the model adapter's, `traces.hf`.
 """
@@ -69,9 +70,9 @@ class BatchRunner(PromptLoading):
     Every batch row is a (policy, budget, prompt) configuration with its own per-head varlen cache: one cache
     per layer holds all rows (``batch = rows``, capacities per row and KV head; `HostKVCache` on the CPU,
     `VarlenKVCache` on a device), so attention is one call per layer and the model's weight matmuls are shared by
-    the rows. The policy step runs per row on that row's slice of the layer (one jitted call, with a jitted
-    check-and-compact after it), exactly as a one-row run does, so a batch gives the results of running each
-    configuration alone (tested). Work every row does identically is shared: each
+    the rows. The policy step runs per row on that row's slice of the layer (all rows of a layer in one jitted
+    call, `gpu_validate.host_steps.step_layer`), exactly as a one-row run does, so a batch gives the results of
+    running each configuration alone (tested). Work every row does identically is shared: each
     distinct prompt goes through the model once, and streamed prompts skip the model until the first eviction
     in any row (`_fast_forward`). Rows must agree on whether the prompt is streamed, on the prompt length, on
     the number of predictions and on the prompt chunk (`BatchJob.batch_key`; `run_batch` groups jobs that way).
