@@ -189,7 +189,13 @@ def speed_page() -> str:
                          ([[ "streamed", s["n_configs"], f"{s['n_prompt']} + {s['n_decode']}", s["threads"],
                              s["batch_seconds"], s["before_seconds"], s["load"]]] if (s := d.get("streamed")) else [])))
         out.append("\n*before*: the prefilled batch's configurations run one at a time; the streamed batch on the "
-                   "previous runner.\n\n" + measured_on(d, "batch_runner"))
+                   "previous runner.\n")
+        if s and s.get("host_cpu_ms_per_token"):
+            out.append(f"\nThe streamed batch's policy steps (the host's work around the model: every row's step, "
+                       f"its checks and the compaction) take {s['host_cpu_ms_per_token']:.3g} ms of CPU per token fed, "
+                       f"against {s['before_host_cpu_ms_per_token']:.3g} ms on the previous runner "
+                       f"({s['host_cpu_ratio_before_vs_after']:.3g}x less), results bit-identical.\n")
+        out.append("\n" + measured_on(d, "batch_runner"))
     d = load("threads")
     out.append("\n## Thread pools: the CLI as a user runs it (`benchmarks/threads.py`)\n\n")
     if d is None:
