@@ -37,6 +37,7 @@ from policies.base import Param, PolicyError, kernel, param_indices, prompt_memo
 from policies.kernels import group_score
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.kvpress_press import KvpressPress, protected_extra
 
 DECODE_RULES = ("keep_new", "max_attention")
 SCHEMA = protection(n_sink=4, n_recent=0) + (
@@ -155,6 +156,16 @@ class KVzip(ScorerPolicy):
 
     def reconstruction_chunk(self) -> int | None:
         return int(self.params["chunk_size"])
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``KVzipPress``: the same reconstruction pass and scores, the budget of all layers and heads
+        (or of each layer, ``layerwise``) shared by rank. kvpress words the repeat request with the tokenizer's
+        chat template when it has one; kvsim's pass is the plain-text one (the template-less suffix)."""
+        p = self.params
+        return KvpressPress({"cls": "KVzipPress", "n_sink": p["n_sink"], "layerwise": p["layerwise"],
+                             "chunk_size": p["chunk_size"]}, differs_by=protected_extra(self, n_sink=p["n_sink"]),
+                            note="kvsim's pass rereads the prompt without a chat template: give KVzipPress a "
+                                 "tokenizer without one (tokenizer.chat_template = None) for the same scores")
 
     def prompt_scores(self, prompt_layers: Any) -> np.ndarray:
         """[L, Hkv, P] float64, one [Hkv, P] per compressed layer: the scores of every prompt token, from the
