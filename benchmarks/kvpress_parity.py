@@ -755,7 +755,7 @@ def main(argv: list[str] | None = None) -> None:
                                   "prompt": f"the policy's own allocation at a budget of {P}"}[mode]
         entry["kept_per_head"] = {"kvpress": _count_summary(counts), "kvsim": _count_summary(b.sum(-1))}
         scores = data["scores"]
-        plain = not any(isinstance(v, dict) for v in case.press.values())   # kvpress keeps the top of score()
+        plain = not any(isinstance(v, dict) for v in presses[n].values())   # kvpress keeps the top of score()
         if plain and not np.isnan(scores).any():
             entry["diagnosis"] = diagnosis(scores, a, b)
         for label, spec in case.diagnostics:
@@ -772,7 +772,7 @@ def main(argv: list[str] | None = None) -> None:
                 entry["own_budget"] = {"jaccard_min": s["jaccard_min"], "jaccard_mean": s["jaccard_mean"],
                                        "kept_per_head": _count_summary(own)}
         ex = entry.get("export", {})
-        if "jaccard_floor" in ex and ex.get("same_press_as_compared", True) and case.press is None:
+        if "jaccard_floor" in ex and case.press is None:
             own_j = entry.get("own_budget", {}).get("jaccard_min", entry["jaccard_min"])
             ex["jaccard_at_own_budget"] = own_j
             ex["holds"] = bool(own_j >= ex["jaccard_floor"] - 1e-12 and own_j >= MIN_JACCARD)
