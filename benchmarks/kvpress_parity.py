@@ -120,6 +120,7 @@ class Case:
     note: str = ""
     diagnostics: tuple[tuple[str, str], ...] = ()
     fill: str | None = None
+    why_not: str = ""
 
 
 SNAP = {"window_size": 64, "kernel_size": 5}
@@ -251,6 +252,29 @@ CASES: dict[str, Case] = {
              "(3 significant digits), fixed from the trace before either side runs; Knorm's score of a token "
              "does not depend on the others, so kvpress's 'score when appended' and kvsim's 'score when judged' "
              "agree."),
+    "KVzip+": Case("kvzip_plus:n_sink=4,n_recent=0,layerwise=false,chunk_size=2048",
+                   {"n_sink": 4, "layerwise": False, "chunk_size": 2048, "kvzip_plus_normalization": True,
+                    "instruction": "kvpress's, no chat template"}, requires=("kvzip_plus",),
+                   note="KVzip's pass and ranking, each repeat query's attention divided by its hidden-state norm "
+                        "at the attention's input and each token's column multiplied by ||W_O^(g) v|| "
+                        "(policies/kvzip_plus.py); the trace records the norms with the pass (recon_h). Compared "
+                        "at kvpress's per-head counts; own_budget: kvsim's own global allocation at 512 per head."),
+    "FastKVzip": Case(None, {}, press={"cls": "FastKVzipPress"},
+                      why_not="FastKVzip scores each token with a small gate network trained per model (kvpress "
+                              "downloads its weights from the Hugging Face hub, for Qwen3, Llama-3.1 and Gemma-3 "
+                              "12 B-class models); a trace records no such weights and none exist for SmolLM2 or "
+                              "Gemma-3-270M, so the rule cannot be expressed from what a trace records"),
+    "RestoreKV": Case(None, {}, press={"cls": "RestoreKVPress"},
+                      why_not="RestoreKV adds n restore tokens produced by a LoRA-adapted pass with trained "
+                              "embeddings (published for Llama-3.1-8B-Instruct and Qwen3-8B only) and keeps their "
+                              "new K/V beside KVzip's selection: its cache holds pairs no prompt token produced, "
+                              "which a kept-set policy over a trace cannot express; its selection is KVzip's "
+                              "(kvzip / kvzip_plus here)"),
+    "KVgrad": Case(None, {}, press={"cls": "KVgradPress"},
+                   why_not="KVgrad scores each KV pair by input x gradient of the final hidden states through a "
+                           "backward pass over KVzip's reconstruction; a trace records forward activations only "
+                           "(no gradients), so the score cannot be computed from it (recording the gradient score "
+                           "itself would make it a per-token table, not a rule kvsim replays)"),
 }
 
 
@@ -489,7 +513,7 @@ def record(ids: list[int], text_id: str, path: Path) -> Any:
     stamp = path.with_name(path.name + ".ids.json")
     if path.is_dir() and stamp.is_file() and json.loads(stamp.read_text()) == ids:
         trace = load_trace(path)
-        if trace.meta.reconstruction is not None:
+        if trace.meta.reconstruction is not None and trace.has_recon_h:      # KVzip+ reads the pass's norms
             return trace
     model, tok = load_model(MODEL, progress=True)
     record_trace(model, ids, path, n_prompt=len(ids) - 1, n_decode=1, tokenizer=tok, teacher_forced=True,
@@ -617,7 +641,7 @@ def available(case: Case) -> str | None:
     if missing:
         return f"not available: kvsim has no {', '.join(missing)} policy in its registry"
     if case.kvsim is None:
-        return "not available: no kvsim spec for this press"
+        return f"not available: {case.why_not or 'no kvsim spec for this press'}"
     return None
 
 

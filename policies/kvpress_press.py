@@ -195,3 +195,21 @@ def export(policy: Any, budget: int, prompt_tokens: int, spec: str | None = None
                    if c.differs_by and c.differs_why == KvpressPress.differs_why else "")
                 + " keeps it above")
     return Export(spec, c, int(budget), int(prompt_tokens), ratio, kept, floor)
+
+
+def export_summary(policy: Any, budget: int, prompt_tokens: int, spec: str | None = None) -> dict[str, Any]:
+    """`export`'s JSON, or ``{"refused": why}``: what a recommendation shows beside its ``kvsim generate`` line."""
+    try:
+        return export(policy, budget, prompt_tokens, spec).to_json()
+    except NoKvpressPress as e:
+        return {"spec": spec or policy.label(), "refused": str(e)}
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """One line for a terminal or a page: the press and its ratio, or why there is none."""
+    if "refused" in summary:
+        return f"No kvpress press keeps the same tokens: {summary['refused']}"
+    ratio = "" if summary["compression_ratio"] is None else f", compression_ratio={summary['compression_ratio']!r}"
+    same = ("the same kept prompt tokens" if summary["jaccard_floor"] == 1.0 else
+            f"kept prompt tokens with Jaccard >= {summary['jaccard_floor']:.3f}")
+    return f"In kvpress: {summary['press_repr']}{ratio} ({same}; kvsim export --kvpress for the code)"

@@ -21,8 +21,7 @@ once and keeps every decoded token): ``decode_rule`` ``keep_new`` (default) rank
 token (prompt tokens go first, lowest score first; then the oldest decoded), ``max_attention`` scores a decoded
 token by the largest attention (group max) a decode query has given it.
 
-Not implemented: KVzip+'s normalisation (``kvzip_plus_normalization``: divides by each repeat query's hidden-state
-norm, which the attention interface the recorder reads does not hand over).
+KVzip+ (kvpress's ``kvzip_plus_normalization``) is its own policy, ``kvzip_plus`` (policies/kvzip_plus.py).
 
 slot_state: [0] the slot's score, [1] 1 when a prompt token (scored by the pass). head_state: [0] the column
 where the layer's prompt-score table [Hkv, P] starts (``prompt_head_state`` appends it).
@@ -57,10 +56,13 @@ ROWS = 512
 
 
 def reconstruction_scores(recon_q: np.ndarray, recon_k: np.ndarray, k: np.ndarray, layout: np.ndarray,
-                          n_sink: int, scale: float) -> np.ndarray:
+                          n_sink: int, scale: float, row_weight: np.ndarray | None = None,
+                          col_weight: np.ndarray | None = None) -> np.ndarray:
     """One layer's KVzip scores [Hkv, P] of the P prompt keys ``k`` [P, Hkv, d] from the pass's queries
     ``recon_q`` [R, Hq, d] and keys ``recon_k`` [R, Hkv, d], chunk ``layout`` [C, 4] (start, end, first repeat row,
-    rows; ``ReconstructionPlan.layout``): module docstring. float32 GEMMs, float64 result."""
+    rows; ``ReconstructionPlan.layout``): module docstring. float32 GEMMs, float64 result. KVzip+ (policies/
+    kvzip_plus.py) weighs each repeat row's probabilities by ``row_weight`` [R] and each query head's column by
+    ``col_weight`` [Hq, P] before the maximum."""
     n_prompt, hkv, _ = k.shape
     g_n = recon_q.shape[1] // hkv
     out = np.zeros((hkv, n_prompt))
@@ -79,7 +81,12 @@ def reconstruction_scores(recon_q: np.ndarray, recon_k: np.ndarray, k: np.ndarra
                     logits -= logits.max(axis=1, keepdims=True)
                     np.exp(logits, out=logits)
                     probs = logits[:, sink:ctx] / logits.sum(axis=1, keepdims=True)
-                    np.maximum(best, probs.max(axis=0), out=best)
+                    if row_weight is not None:
+                        probs *= row_weight[r0 + a:r0 + b, None]
+                    top = probs.max(axis=0)
+                    if col_weight is not None:
+                        top = top * col_weight[h * g_n + g, start:end]
+                    np.maximum(best, top, out=best)
     return out
 
 
@@ -185,10 +192,16 @@ class KVzip(ScorerPolicy):
                                       f"{plan.chunk_size}; record again with `kvsim record --kvzip --kvzip-chunk "
                                       f"{size}` or pass chunk_size={plan.chunk_size}")
                 out.append(reconstruction_scores(np.asarray(recon_q), np.asarray(recon_k), np.asarray(k),
-                                                 plan.layout(), n_sink, scale))
+                                                 plan.layout(), n_sink, scale,
+                                                 *self.reconstruction_weights(prompt_layers, j, size)))
             return np.stack(out)
 
-        return prompt_memo(prompt_layers, ("kvzip.scores", n_sink, size), compute)
+        return prompt_memo(prompt_layers, (f"{self.name}.scores", n_sink, size), compute)
+
+    def reconstruction_weights(self, prompt_layers: Any, j: int, chunk_size: int) -> tuple:
+        """(row_weight, col_weight) of `reconstruction_scores` for compressed layer j: none for KVzip (KVzip+
+        divides by the repeat tokens' hidden-state norms and multiplies by the values' W_O-projected norms)."""
+        return None, None
 
     def allocate(self, budget: int, n_kv_heads: int, prompt_layers: Sequence[tuple[np.ndarray, np.ndarray]],
                  scale: float) -> np.ndarray:
