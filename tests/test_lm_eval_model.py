@@ -45,30 +45,31 @@ def write_tasks(folder: Path, n_docs: int, n_words: int) -> Path:
     return folder
 
 
-def evaluate(model: str, model_args: str, folder: Path) -> dict:
+def evaluate(model: str, model_args: str, folder: Path, tasks: tuple[str, ...] = TASKS) -> dict:
     from lm_eval.tasks import TaskManager
 
     import gpu_validate.lm_eval_model  # noqa: F401  (registers "kvsim")
 
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS),
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
                                    task_manager=TaskManager(include_path=str(folder)), batch_size=1,
                                    log_samples=True, device="cpu")
 
 
 def responses(out: dict) -> dict[str, list]:
-    return {t: [s["filtered_resps"] for s in out["samples"][t]] for t in TASKS}
+    return {t: [s["filtered_resps"] for s in samples] for t, samples in out["samples"].items()}
 
 
 def assert_same_numbers(a: dict, b: dict) -> None:
     """Per request: log-likelihoods within 1e-3 nats, the same greedy flags and generated text; the same metrics."""
     ra, rb = responses(a), responses(b)
-    for task in (TASKS[0], TASKS[2]):
+    assert set(ra) == set(rb)
+    for task in (t for t in (TASKS[0], TASKS[2]) if t in ra):
         for xa, xb in zip(ra[task], rb[task], strict=True):
             flat_a = [v for r in xa for v in (r if isinstance(r, (list, tuple)) else [r])]
             flat_b = [v for r in xb for v in (r if isinstance(r, (list, tuple)) else [r])]
             assert flat_a == pytest.approx(flat_b, abs=1e-3)
     assert ra[TASKS[1]] == rb[TASKS[1]]
-    for task in TASKS:
+    for task in ra:
         ma = {k: v for k, v in a["results"][task].items() if "," in k and "stderr" not in k}
         mb = {k: v for k, v in b["results"][task].items() if "," in k and "stderr" not in k}
         assert ma == pytest.approx(mb, rel=1e-4), task
@@ -125,8 +126,11 @@ def test_smollm2_full_policy_reproduces_hf(tmp_path):
     if not is_cached(entry("smollm2-135m")):
         pytest.skip("smollm2-135m is not in the model cache (kvsim models --fetch smollm2-135m)")
     folder = write_tasks(tmp_path, n_docs=2, n_words=60)
-    hf = evaluate("hf", f"pretrained={resolve_model('smollm2-135m', progress=False)},dtype=float32", folder)
-    assert_same_numbers(hf, evaluate("kvsim", "model=smollm2-135m,policy=full", folder))
+    # multiple choice and generation: a rolling log-likelihood teacher-forces its whole text token by token through
+    # the closed loop (minutes on this CPU for SmolLM2), so it is checked on the tiny model only
+    tasks = TASKS[:2]
+    hf = evaluate("hf", f"pretrained={resolve_model('smollm2-135m', progress=False)},dtype=float32", folder, tasks)
+    assert_same_numbers(hf, evaluate("kvsim", "model=smollm2-135m,policy=full", folder, tasks))
 
 
 def test_module_runs_lm_evals_own_command_line(tiny_tasks, tmp_path):
