@@ -91,8 +91,13 @@ class KVSimLM(HFLM):
                 cont = list(continuation_enc)
             jobs.append(BatchJob(self.kvsim_policy, budget(len(prompt) + len(cont)), prompt, cont,
                                  chunk=self.kvsim_options["prefill_chunk"] or len(prompt)))
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(jobs), desc=f"kvsim {self.kvsim_spec} log-likelihoods", disable=disable_tqdm)
         results = run_batch(self.model, jobs, backend=self._backend, sliding=self.kvsim_options["sliding"],
-                            max_rows=max(1, int(self.batch_size) if str(self.batch_size).isdigit() else 1))
+                            max_rows=max(1, int(self.batch_size) if str(self.batch_size).isdigit() else 1),
+                            on_result=lambda i, r: bar.update(1))
+        bar.close()
         out = []
         for (key, _, continuation_enc), job, r in zip(requests, jobs, results):
             n = len(continuation_enc)

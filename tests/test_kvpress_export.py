@@ -110,3 +110,14 @@ def test_export_prints_python_that_builds_the_press(capsys):
 def test_export_refuses_with_status_2(capsys):
     assert main(["export", "--kvpress", "h2o", "--budget", "256", "--prompt-tokens", "1024"]) == 2
     assert "kvsim export: error: h2o: kvpress has no press" in capsys.readouterr().err
+
+
+def test_the_recommendation_line():
+    """What `kvsim recommend` prints and stores beside its `kvsim generate` line."""
+    from policies.kvpress_press import export_summary, summary_line
+
+    ok = export_summary(parse_policy("keydiff:n_recent=0"), 128, 512, "keydiff:n_recent=0")
+    assert ok["compression_ratio"] == 0.75 and json.loads(json.dumps(ok)) == ok
+    assert summary_line(ok).startswith("In kvpress: KeyDiffPress(), compression_ratio=0.75 (the same kept prompt")
+    refused = export_summary(parse_policy("h2o"), 128, 512)
+    assert summary_line(refused).startswith("No kvpress press keeps the same tokens: h2o: kvpress has no press")
