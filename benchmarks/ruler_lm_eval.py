@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     ap.add_argument("--max-gen", type=int, default=24, help="tokens generated per doc at most")
     ap.add_argument("--no-predict", action="store_true", help="skip the simulator's prediction")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: write the JSON (and the prediction, from the docs whose simulator features are "
+                         "all stored) from what the stores hold, e.g. while or after a run was stopped")
     ap.add_argument("--no-harness-check", action="store_true",
                     help="skip the full cache's run through lm-eval's own evaluation (the batched loop's check)")
     args = ap.parse_args(argv)
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     done = [json.loads(line) for line in closed.read_text().splitlines()] if closed.is_file() else []
     names = tuple(t for t in args.tasks.split(",") if t)
     t0 = time.perf_counter()
-    tasks = build_tasks(folder, args.length, names, args.max_gen)
+    tasks = {} if args.report_only else build_tasks(folder, args.length, names, args.max_gen)
     t_build = time.perf_counter() - t0
     lm = KVSimLM(model=args.model, policy="full", prefill_chunk=0, batch_size=1)
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -235,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     have = {(r["task"], r["doc"]) for r in done}
     sim_seconds: list[float] = []
     reqs = sorted(task_docs(tasks, args.docs), key=lambda r: (r["doc"], names.index(r["task"])))  # docs 0 first
+    if args.report_only:
+        report(done, predict(lm, done, configs, work, args.length, args.model, stored_only=True), None)
+        return 0
     for i, req in enumerate(reqs):
         if (req["task"], req["doc"]) in have:
             continue
@@ -265,23 +271,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def simulate(lm: Any, full_rows: list[dict], configs: list, work: Path, length: int, model: str) -> tuple[Any, float]:
+def simulate(lm: Any, full_rows: list[dict], configs: list, work: Path, length: int, model: str,
+             stored_only: bool = False) -> tuple[Any, float]:
     """The simulator's features (`gpu_validate.needle_prediction.stored_features`, resumable) of every lossy config
-    on the docs of ``full_rows`` (the full cache's rows), and the seconds it took."""
-    from gpu_validate.needle_prediction import stored_features
+    on the docs of ``full_rows`` (the full cache's rows), and the seconds it took; ``stored_only``: only the docs
+    whose features are all in the store already (nothing is recorded)."""
+    from gpu_validate.needle import fits
+    from gpu_validate.needle_prediction import feature_key, stored_features
     from sim.specs import parse_policy
     from sim.store import ResultStore
     from traces.models import model_id
 
     prompts = [p for p in (needle_prompt(lm, r, length) for r in full_rows) if p.key_positions]
     lossy = [(parse_policy(p), int(b)) for p, b in configs if b is not None]
+    if stored_only:
+        have = ResultStore(work / "sim").keys()
+        prompts = [p for p in prompts if all(feature_key(p, pol, b, model_id(model), 0) in have
+                                             for pol, b in lossy if fits(p, pol, b))]
     t0 = time.perf_counter()
     feats = stored_features(lm.model, prompts, lossy, ResultStore(work / "sim"), model_id=model_id(model), chunk=0,
                             progress=False) if prompts else None
     return feats, time.perf_counter() - t0
 
 
-def predict(lm: Any, rows: list[dict], configs: list, work: Path, length: int, model: str) -> dict[str, Any]:
+def predict(lm: Any, rows: list[dict], configs: list, work: Path, length: int, model: str,
+            stored_only: bool = False) -> dict[str, Any]:
     """The held-out judgement of the simulator's prediction of each (doc, policy, budget) outcome, on the docs the
     full cache retrieves: predictor and threshold fitted on docs `TRAIN_DOCS`, judged on the others."""
     import pandas as pd
@@ -293,7 +307,7 @@ def predict(lm: Any, rows: list[dict], configs: list, work: Path, length: int, m
     solved = [r for r in rows if r["policy"] == "full" and r["success"]]
     if not solved:
         return {"n_docs_full_retrieves": 0, "error": "the full cache retrieves no doc: nothing to predict"}
-    feats, t_sim = simulate(lm, solved, configs, work, length, model)
+    feats, t_sim = simulate(lm, solved, configs, work, length, model, stored_only)
     if feats is None:
         return {"n_docs_full_retrieves": len(solved), "error": "no expected value found in any prompt"}
     feats["task"] = [pid.split("-L")[0] for pid in feats.prompt_id]
@@ -303,7 +317,8 @@ def predict(lm: Any, rows: list[dict], configs: list, work: Path, length: int, m
     table = feats.merge(closed[["task", "doc", "label", "budget", "success"]].rename(columns={"doc": "seed"}),
                         on=["task", "seed", "label", "budget"], how="inner")
     table["length"] = length
-    out: dict[str, Any] = {"n_docs_full_retrieves": len(solved), "n_cells": int(len(table)),
+    out: dict[str, Any] = {"n_docs_full_retrieves": len(solved), "n_docs_simulated": int(feats.prompt_id.nunique()),
+                           "n_cells": int(len(table)),
                            "simulate_seconds_reading_back": round(t_sim, 1), "train_docs": list(TRAIN_DOCS),
                            "cells": table[["task", "seed", "label", "budget", "success", "retained_share"]]
                            .to_dict("records")}
