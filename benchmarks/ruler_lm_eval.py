@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
     have = {(r["task"], r["doc"]) for r in done}
     sim_seconds: list[float] = []
-    reqs = sorted(task_docs(tasks, args.docs), key=lambda r: (r["doc"], names.index(r["task"])))  # docs 0 first
+    # task by task, its training doc (0) then its held-out ones: a run stopped early still has whole tasks to judge
+    reqs = sorted(task_docs(tasks, args.docs), key=lambda r: (names.index(r["task"]), r["doc"]))
     if args.report_only:
         report(done, predict(lm, done, configs, work, args.length, args.model, stored_only=True), None)
         return 0
