@@ -646,7 +646,8 @@ def available(case: Case) -> str | None:
 
 
 def file_tag(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name).strip("_")
+    """A file-name part for a case name, one-to-one for the table's names ("KVzip+" is not "KVzip")."""
+    return "".join(c if c.isalnum() else "_" for c in name.replace("+", "_plus")).strip("_")
 
 
 def main(argv: list[str] | None = None) -> None:

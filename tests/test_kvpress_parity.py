@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.kvpress_parity import (CASES, available, diagnosis, fill, jaccard, kept_mask, kvsim_kept, n_kept,
-                                       press_repr, summarize)
+from benchmarks.kvpress_parity import (CASES, available, diagnosis, file_tag, fill, jaccard, kept_mask, kvsim_kept,
+                                       n_kept, press_repr, summarize)
 from policies.kvpress_press import MIN_JACCARD, NoKvpressPress, export
 from sim.replay import layer_inputs
 from sim.specs import parse_policy
@@ -68,6 +68,8 @@ def test_the_table_is_data():
         press = case.press if case.press is not None else policy.kvpress_press().press
         json.dumps(press)                                      # crosses to the kvpress process as JSON
         assert press["cls"].endswith("Press") and press_repr(press).startswith(press["cls"] + "(")
+    tags = [file_tag(n) for n in CASES]                      # each row's kvpress output goes to its own file
+    assert len(set(tags)) == len(tags) and file_tag("KVzip+") != file_tag("KVzip")
     assert press_repr(CASES["AdaKV(SnapKV)"].press) == \
         "AdaKVPress(press=SnapKVPress(window_size=64, kernel_size=5), alpha_safeguard=0.2)"
 
