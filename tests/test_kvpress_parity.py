@@ -127,3 +127,10 @@ def test_kvsim_side_compresses_the_prompt_once(small):
     expect = np.zeros(32, bool)
     expect[:4] = expect[-8:] = True
     assert (streamed == expect).all()
+
+
+def test_an_export_holds_with_ties_at_the_cut():
+    from benchmarks.kvpress_parity import export_holds
+
+    assert export_holds(1.0, 0.996) and export_holds(255 / 257, 255 / 257) and not export_holds(1.0, 0.98)
+    assert export_holds(0.995, 0.99) and not export_holds(0.98, 1.0)
