@@ -439,7 +439,82 @@ def kvpress_page() -> str:
     out.append(table(["method", "kvpress press", "kvsim spec", "Jaccard min", "Jaccard mean", "note"],
                      [[n, p.get("press"), p.get("kvsim_spec"), p.get("jaccard_min"), p.get("jaccard_mean"),
                        p.get("note")] for n, p in pol.items()]))
-    return "".join(out) + "\n" + measured_on(d, "kvpress_parity") + leaderboard_section()
+    return "".join(out) + "\n" + measured_on(d, "kvpress_parity") + export_section(d) + leaderboard_section()
+
+
+def export_section(d: dict[str, Any]) -> str:
+    """What ``kvsim export --kvpress`` gives for each row's kvsim spec (the policy's own declaration) at the
+    benchmark's budget, the least Jaccard index it promises, and what the run measured at kvsim's own budget."""
+    rows = []
+    for n, p in d.get("policies", {}).items():
+        ex = p.get("export")
+        if not ex:
+            continue
+        if "refused" in ex:
+            rows.append([n, p.get("kvsim_spec"), "refused: " + ex["refused"], "", "", ""])
+        else:
+            from benchmarks.kvpress_parity import export_holds
+
+            got = ex.get("jaccard_at_own_budget")
+            holds = None if got is None else export_holds(ex["jaccard_floor"], got)
+            rows.append([n, p.get("kvsim_spec"), ex["press"], ex.get("jaccard_floor"), got,
+                         "" if holds is None else ("yes" if holds else "**no**")])
+    if not rows:
+        return ""
+    return ("\n## `kvsim export --kvpress`\n\nEach row's kvsim spec exported at the benchmark's "
+            f"{d.get('kept_per_head_at_ratio', '?')} slots per KV head: the press its policy declares "
+            "(`Policy.kvpress_press`) or why there is none; the least Jaccard index the export promises (1: the "
+            "same rule, equal scores at the cut aside, which neither side orders the same way, so the bar is 0.99; "
+            "below 1: tokens kvsim protects and the press may not keep), the Jaccard measured at kvsim's own budget "
+            "on rows that compare the declared press, and whether the promise held.\n\n" + table(["row", "kvsim spec", "export", "promised Jaccard >=", "measured min", "holds"], rows))
+
+
+def ruler_lm_eval_page() -> str:
+    """lm-evaluation-harness's RULER tasks through the ``kvsim`` model type (``benchmarks/ruler_lm_eval.py``)."""
+    out = ["# RULER from lm-evaluation-harness\n\n",
+           "lm-eval's own RULER tasks (its prompt generator with the model's tokenizer, its scoring: the share of "
+           "expected values in the generation), each policy compressing the prompt once after it goes in and "
+           "evicting while it decodes, through kvsim's lm-eval model type (`python -m gpu_validate.lm_eval_model "
+           "--model kvsim ...`). Below: per model, the score per task and the share of docs retrieved (every value "
+           "found), per policy and budget; then the simulator's prediction of each (doc, policy, budget) outcome, "
+           "fitted on the first doc of every task and judged on the others.\n\n"]
+    for name, title in (("ruler_lm_eval_smollm2-135m", "SmolLM2-135M"), ("ruler_lm_eval_gemma3-270m", "Gemma-3-270M")):
+        d = load(name)
+        out.append(f"## {title}\n\n")
+        if d is None:
+            out.append(missing(name))
+            continue
+        tasks = d["tasks"]
+        out.append(f"{fmt(d['length'])} tokens, {d['docs_per_task']} docs per task, generation capped at "
+                   f"{d['max_gen_toks']} tokens, lm-eval {d.get('lm_eval_version')}. Tasks lm-eval builds offline: "
+                   f"{', '.join(d['tasks_offline'])}; scored here: {', '.join(tasks)}. Needing downloads (not run): "
+                   f"{', '.join(f'{k} ({v})' for k, v in d['tasks_needing_downloads'].items())}.\n\n")
+        rows = [[k, *[c["score_by_task"].get(t) for t in tasks], c["retrieved_share"],
+                 c.get("retrieved_share_where_full_retrieves"), c["n_docs"]] for k, c in d["cells"].items()]
+        out.append(table(["policy@budget", *tasks, "retrieved", "retrieved where full does", "docs"], rows))
+        hc = d.get("harness_check")
+        if hc:
+            out.append(f"\nThe batched closed loop against lm-eval's own evaluation of the `kvsim` model (full cache): "
+                       f"{hc['same_generation']} of {hc['docs']} generations identical.\n")
+        pr = d.get("prediction")
+        if pr and "balanced_accuracy" in pr:
+            out.append(f"\nPrediction (held out: fitted on docs {pr['train_seeds']}, judged on {pr['test_seeds']}, "
+                       f"the {pr['n_docs_full_retrieves']} docs the full cache retrieves): feature `{pr['feature']}` "
+                       f"(threshold {fmt(pr['threshold'])}); on {pr['n_test_cells']} held-out cells agreement "
+                       f"{fmt(pr['sim_agreement'])} against a base rate of {fmt(pr['base_rate'])}, balanced accuracy "
+                       f"{fmt(pr['balanced_accuracy'])}, MCC {fmt(pr['mcc'])}.\n\n")
+            out.append(table(["task", "cells", "agreement", "base rate", "balanced accuracy", "MCC"],
+                             [[t, v["n"], v["agreement"], v["base_rate"], v["balanced_accuracy"], v["mcc"]]
+                              for t, v in pr.get("per_task", {}).items()]))
+        elif pr:
+            out.append(f"\nPrediction: {pr.get('error', 'not available')}\n")
+        secs = d.get("seconds", {})
+        out.append(f"\n*Cost: {fmt(secs.get('closed_loop_per_doc_all_configs'))} s per doc for all "
+                   f"{len(d['cells'])} configurations in one batched closed loop, "
+                   f"{fmt(secs.get('simulate_per_doc_all_configs_this_run'))} s per doc to record its trace and "
+                   f"simulate them; {fmt(secs.get('total'))} s in all.*\n")
+        out.append(measured_on(d, name))
+    return "".join(out)
 
 
 RULER_LEADERBOARD = (("ruler_leaderboard_smollm2-135m", "SmolLM2-135M"),
@@ -789,7 +864,8 @@ def papers_page() -> str:
 
 PAGES: dict[str, Callable[[], str]] = {"policies.md": policies_page, "speed.md": speed_page,
                                        "fidelity.md": fidelity_page, "gpu.md": gpu_page, "generate.md": generate_page,
-                                       "kvpress.md": kvpress_page, "papers.md": papers_page}
+                                       "kvpress.md": kvpress_page, "papers.md": papers_page,
+                                       "ruler_lm_eval.md": ruler_lm_eval_page}
 
 
 def render() -> dict[Path, str]:

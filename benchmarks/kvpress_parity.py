@@ -69,6 +69,8 @@ from typing import Any
 
 import numpy as np
 
+from policies.kvpress_press import MIN_JACCARD, n_kept, press_repr   # pure Python: the worker imports it too
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = ROOT / "benchmarks" / ".kvpress-env"
 WORK = ROOT / "benchmarks" / ".kvpress-work"
@@ -88,9 +90,12 @@ RATIO = 0.5
 class Case:
     """One press and kvsim's policy for it.
 
-    press: kvpress constructor spec, JSON: ``{"cls": NAME, **kwargs}``, a nested dict with "cls" is a press
-    argument; the compression ratio is set on the built press (``press.compression_ratio = ratio``) unless
-    ``sets_ratio`` is False (DuoAttention, DMS decide their own). kvsim: policy spec (None: none exists).
+    kvsim: policy spec (None: none exists). press: kvpress constructor spec, JSON: ``{"cls": NAME, **kwargs}``, a
+    nested dict with "cls" is a press argument; None (most rows): the press the kvsim policy declares
+    (``Policy.kvpress_press``, what ``kvsim export --kvpress`` prints), with its ``attn`` and ``sets_ratio``; an
+    explicit press is for rows that show a *difference* (kvsim's defaults against kvpress's, a rule kvsim's
+    declaration refuses). The compression ratio is set on the built press (``press.compression_ratio = ratio``)
+    unless ``sets_ratio`` is False (DuoAttention, DMS decide their own).
     params: the hyperparameters both sides use, as stated in the result. budgets: "kvpress" (kvsim keeps, per
     layer and head, kvpress's count), "base" (kvsim gets the uniform ``int(P * (1 - ratio))`` and allocates
     itself: Ada-KV) or "prompt" (kvsim's own allocation at a budget of the whole prompt: the presses that decide
@@ -104,17 +109,18 @@ class Case:
     placeholders in the press spec, the kvsim spec and the params (DMS's threshold, from the trace).
     """
 
-    press: dict
     kvsim: str | None
     params: dict
+    press: dict | None = None
     budgets: str = "kvpress"
-    attn: str = "sdpa"
-    sets_ratio: bool = True
+    attn: str | None = None
+    sets_ratio: bool | None = None
     inject: str | None = None
     requires: tuple[str, ...] = ()
     note: str = ""
     diagnostics: tuple[tuple[str, str], ...] = ()
     fill: str | None = None
+    why_not: str = ""
 
 
 SNAP = {"window_size": 64, "kernel_size": 5}
@@ -123,26 +129,17 @@ EA_NOVNORM = "expected_attention:n_sink=4,n_recent=0,use_vnorm=false"
 CRIT = "critical_epsilon=0.0001, first_stage_ratio"
 
 CASES: dict[str, Case] = {
-    "SnapKV": Case({"cls": "SnapKVPress", **SNAP}, f"snapkv:{SNAP_KVSIM}", {**SNAP, "pooling": "avg (kvpress)"}),
-    "StreamingLLM": Case({"cls": "StreamingLLMPress", "n_sink": 4}, "streaming_llm:n_sinks=4", {"n_sink": 4}),
-    "Knorm": Case(
-        {"cls": "KnormPress"}, "knorm:n_sink=0,n_recent=0", {"protected": "none (kvpress)"},
-        note="Same rule; a difference can only come from ties in kvpress's float32 norms, which kvsim resolves in "
+    "SnapKV": Case(f"snapkv:{SNAP_KVSIM}", {**SNAP, "pooling": "avg (kvpress)"}),
+    "StreamingLLM": Case("streaming_llm:n_sinks=4", {"n_sink": 4}),
+    "Knorm": Case("knorm:n_sink=0,n_recent=0", {"protected": "none (kvpress)"}, note="Same rule; a difference can only come from ties in kvpress's float32 norms, which kvsim resolves in "
              "float64. In the recorded run one (layer 0, KV head 1) differs by one token: tokens 406, 799 and 733 "
              "have norms 14.38504599, 14.38504610, 14.38504618 in float64 (kvsim keeps the lowest two) and the "
              "same float32 norm 14.385046 in kvpress, a three-way tie at the cut from which torch.topk kept 799 "
              "and 733."),
-    "KeyDiff": Case({"cls": "KeyDiffPress"}, "keydiff:n_sink=0,n_recent=0", {"protected": "none (kvpress)"}),
-    "ExpectedAttention": Case(
-        {"cls": "ExpectedAttentionPress", "n_future_positions": 512, "n_sink": 4, "use_covariance": True,
-         "use_vnorm": True, "epsilon": 0.0},
-        "expected_attention:n_sink=4,n_recent=0,n_future_positions=512,use_covariance=true,use_vnorm=true",
-        {"n_future_positions": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.0,
+    "KeyDiff": Case("keydiff:n_sink=0,n_recent=0", {"protected": "none (kvpress)"}),
+    "ExpectedAttention": Case("expected_attention:n_sink=4,n_recent=0,n_future_positions=512,use_covariance=true,use_vnorm=true", {"n_future_positions": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.0,
          "rope_theta": "the model's, 1e5 (both read it from the model / trace)"}),
-    "LagKV": Case(
-        {"cls": "LagKVPress", "n_sink": 4, "lag_size": 128}, "lagkv:n_sink=4,n_recent=0,lag_size=128",
-        {"n_sink": 4, "lag_size": 128, "cross_scoring": "False (kvpress's default)"},
-        note="kvsim's lagkv at its own defaults, which are not kvpress's (nor the paper's, nor the authors' code's): "
+    "LagKV": Case("lagkv:n_sink=4,n_recent=0,lag_size=128", {"n_sink": 4, "lag_size": 128, "cross_scoring": "False (kvpress's default)"}, press={"cls": "LagKVPress", "n_sink": 4, "lag_size": 128}, note="kvsim's lagkv at its own defaults, which are not kvpress's (nor the paper's, nor the authors' code's): "
              "three differences of rule, each a lagkv parameter (the row 'LagKV (kvpress defaults)' sets all "
              "three). (1) kvpress's default cross_scoring=False replaces each scored token's score by its rank "
              "within its partition / lag_size, so every scored partition keeps the same number of tokens; kvsim's "
@@ -152,11 +149,7 @@ CASES: dict[str, Case] = {
              "partial_reference=true scores partition 772-899 against the 124-token remainder and leaves only "
              "900-1023 unscored. (3) kvpress's standard deviation over the channels is torch.std's, with Bessel's "
              "correction (std_ddof=1); kvsim's default is the population std (std_ddof=0)."),
-    "LagKV (kvpress defaults)": Case(
-        {"cls": "LagKVPress", "n_sink": 4, "lag_size": 128},
-        "lagkv:n_sink=4,n_recent=0,lag_size=128,cross_scoring=false,partial_reference=false,std_ddof=1",
-        {"n_sink": 4, "lag_size": 128, "cross_scoring": False, "partial_reference": False, "std_ddof": 1},
-        note="kvpress's rule (policies/lagkv.py, parameters cross_scoring, partial_reference, std_ddof). What "
+    "LagKV (kvpress defaults)": Case("lagkv:n_sink=4,n_recent=0,lag_size=128,cross_scoring=false,partial_reference=false,std_ddof=1", {"n_sink": 4, "lag_size": 128, "cross_scoring": False, "partial_reference": False, "std_ddof": 1}, note="kvpress's rule (policies/lagkv.py, parameters cross_scoring, partial_reference, std_ddof). What "
              "differs is an exact tie at the cut that torch.topk breaks in an unspecified order: the 4 sinks and "
              "the 252 unscored positions 772-1023 are kept, which leaves 256 slots for the 6 scored partitions of "
              "128 (positions 4-771); 256 = 6 x 42 + 4, so every partition keeps its tokens of rank 86-127 and 4 of "
@@ -165,12 +158,7 @@ CASES: dict[str, Case] = {
              "agrees in the rows_identical heads). The diagnosis confirms it: every differing token scores "
              "exactly as a token on the other side of kvpress's cut (tied_with_cut_score = differing_tokens). At "
              "most 2 of a head's 512 tokens swap, Jaccard >= 510 / 514 = 0.9922."),
-    "LagKV (cross-scored lag 102)": Case(
-        {"cls": "LagKVPress", "n_sink": 4, "lag_size": 102, "cross_scoring": True},
-        "lagkv:n_sink=4,n_recent=0,lag_size=102,std_ddof=1",
-        {"n_sink": 4, "lag_size": 102, "cross_scoring": True, "std_ddof": 1},
-        diagnostics=(("std_ddof=0 (kvsim's default)", "lagkv:n_sink=4,n_recent=0,lag_size=102"),),
-        note="kvpress's cross-partition mode with no partial partition (1020 = 10 x 102), where kvsim's defaults "
+    "LagKV (cross-scored lag 102)": Case("lagkv:n_sink=4,n_recent=0,lag_size=102,std_ddof=1", {"n_sink": 4, "lag_size": 102, "cross_scoring": True, "std_ddof": 1}, press={"cls": "LagKVPress", "n_sink": 4, "lag_size": 102, "cross_scoring": True}, diagnostics=(("std_ddof=0 (kvsim's default)", "lagkv:n_sink=4,n_recent=0,lag_size=102"),), note="kvpress's cross-partition mode with no partial partition (1020 = 10 x 102), where kvsim's defaults "
              "for cross_scoring and partial_reference are kvpress's rule, and std_ddof=1 (torch.std's Bessel "
              "correction, as kvpress). kvsim adds 1e-6 to the reference's min-max range, kvpress does not; it "
              "changes no decision here. With kvsim's default std_ddof=0 (diagnostics) two (layer, KV head) rows "
@@ -178,10 +166,7 @@ CASES: dict[str, Case] = {
              "std scales every token's key and value statistics by sqrt(63 / 64) before the softmax, which moves "
              "these near ties across the cut. (An earlier version of this note put them down to float32 "
              "rounding in kvpress; recomputed in float64 with std_ddof=1 the kept sets are identical.)"),
-    "ChunkKV(SnapKV)": Case(
-        {"cls": "ChunkKVPress", "press": {"cls": "SnapKVPress", **SNAP}, "chunk_length": 20},
-        "chunkkv:n_sink=0,n_recent=0,chunk_length=20,window_size=64", {"chunk_length": 20, **SNAP},
-        note="kvsim's chunkkv at its own defaults, which differ from kvpress's ChunkKVPress (submitted to kvpress as "
+    "ChunkKV(SnapKV)": Case("chunkkv:n_sink=0,n_recent=0,chunk_length=20,window_size=64", {"chunk_length": 20, **SNAP}, press={"cls": "ChunkKVPress", "press": {"cls": "SnapKVPress", **SNAP}, "chunk_length": 20}, note="kvsim's chunkkv at its own defaults, which differ from kvpress's ChunkKVPress (submitted to kvpress as "
              "the paper's implementation, kvpress PR #51) in four rules, each a chunkkv parameter (the row 'ChunkKV(SnapKV) (kvpress "
              "reading)' sets them). The main one: kvpress sums the inner press's scores over the KV heads and "
              "keeps the same chunks in every head of a layer (scope=layer); kvsim's default scope=head ranks the "
@@ -191,15 +176,10 @@ CASES: dict[str, Case] = {
              "chunks rank by sum (kvpress: by mean, chunk_reduce=mean, which differs for the 4-token remainder "
              "chunk only). kvpress keeps int(52 chunks x 0.5) = 26 chunks = 504 tokens here (25 chunks + the "
              "remainder); kvsim is given 504 (own_budget: at 512)."),
-    "ChunkKV(SnapKV) (kvpress reading)": Case(
-        {"cls": "ChunkKVPress", "press": {"cls": "SnapKVPress", **SNAP}, "chunk_length": 20},
-        "chunkkv:n_sink=0,n_recent=0,chunk_length=20,window_size=64,scope=layer,chunk_reduce=mean,kernel_size=5,"
-        "pooling=avg,window_pad=true",
-        {"chunk_length": 20, **SNAP, "scope": "layer", "chunk_reduce": "mean", "pooling": "avg",
-         "window_pad": True},
-        diagnostics=(("scope=layer alone (no pooling, no window padding, chunk sums)",
-                      "chunkkv:n_sink=0,n_recent=0,chunk_length=20,window_size=64,scope=layer"),),
-        note="kvpress's rule (policies/chunkkv.py, parameters scope, chunk_reduce, kernel_size, pooling, "
+    "ChunkKV(SnapKV) (kvpress reading)": Case("chunkkv:n_sink=0,n_recent=0,chunk_length=20,window_size=64,scope=layer,chunk_reduce=mean,kernel_size=5,"
+        "pooling=avg,window_pad=true", {"chunk_length": 20, **SNAP, "scope": "layer", "chunk_reduce": "mean", "pooling": "avg",
+         "window_pad": True}, diagnostics=(("scope=layer alone (no pooling, no window padding, chunk sums)",
+                      "chunkkv:n_sink=0,n_recent=0,chunk_length=20,window_size=64,scope=layer"),), note="kvpress's rule (policies/chunkkv.py, parameters scope, chunk_reduce, kernel_size, pooling, "
              "window_pad): SnapKV's window scores avg-pooled over 5 positions, the 64-token window padded to the "
              "layer's best + 1 (kvsim: + window_size, on its scale of window sums), summed over the layer's KV "
              "heads, chunks ranked by their mean. kvpress keeps 26 of 52 chunks (504 tokens); kvsim is given "
@@ -208,22 +188,14 @@ CASES: dict[str, Case] = {
              "(checked while adding them): without scope=layer Jaccard min 0.474, without the pooling 0.787, "
              "without window_pad 0.984, without chunk_reduce=mean 1.0 (the 4-token remainder chunk, the only "
              "partial one, lies in the padded window and is kept either way)."),
-    "TOVA": Case(
-        {"cls": "TOVAPress"}, "tova", {"scope": "layer"},
-        note="Not the same setting in kvsim: the plain tova streams its prompt, so compressed once after the "
+    "TOVA": Case("tova", {"scope": "layer"}, press={"cls": "TOVAPress"}, note="Not the same setting in kvsim: the plain tova streams its prompt, so compressed once after the "
              "prompt (the engine's chunked prefill with one 1024-token chunk) its step sees the attention summed "
              "over all the chunk's queries, H2O's column sums (README, 'Chunked prefill'); TOVAPress scores by the "
              "last query's attention only. kvsim's TOVA has that rule as its prompt score, which ada(tova) uses: "
              "next row."),
-    "TOVA (prompt score)": Case(
-        {"cls": "TOVAPress"}, "ada(tova, floor_alpha=1)", {"scope": "layer", "floor_alpha": 1},
-        note="ada(x, floor_alpha=1) is x with its prompt selected at once by x's prompt score and uniform head "
+    "TOVA (prompt score)": Case("ada(tova, floor_alpha=1)", {"scope": "layer", "floor_alpha": 1}, note="ada(x, floor_alpha=1) is x with its prompt selected at once by x's prompt score and uniform head "
              "budgets (README identity): TOVA's last-query attention, summed over the layer's heads."),
-    "PyramidKV": Case(
-        {"cls": "PyramidKVPress", **SNAP, "beta": 20}, f"pyramidkv:{SNAP_KVSIM},beta=20,window_only=true",
-        {**SNAP, "pooling": "avg (kvpress)", "beta": 20, "window_only": True},
-        diagnostics=(("window_only=false (kvsim's default)", f"pyramidkv:{SNAP_KVSIM},beta=20"),),
-        note="Compared at kvpress's per-layer counts (960 at layer 0 down to 64 at layer 29), with window_only=true: "
+    "PyramidKV": Case(f"pyramidkv:{SNAP_KVSIM},beta=20,window_only=true", {**SNAP, "pooling": "avg (kvpress)", "beta": 20, "window_only": True}, press={"cls": "PyramidKVPress", **SNAP, "beta": 20}, diagnostics=(("window_only=false (kvsim's default)", f"pyramidkv:{SNAP_KVSIM},beta=20"),), note="Compared at kvpress's per-layer counts (960 at layer 0 down to 64 at layer 29), with window_only=true: "
              "at a budget equal to the window kvsim then keeps the window alone, as kvpress does (its window "
              "scores are max+1); with kvsim's default window_only=false layer 29 keeps 63 window tokens and the "
              "best candidate (diagnostics). The counts themselves differ by design: kvpress's get_layer_budget "
@@ -231,36 +203,20 @@ CASES: dict[str, Case] = {
              "layer's total, window included; kvsim's pyramid_layer_budgets (KVCache-Factory's and Ada-KV's rule) "
              "adds the window on top of the pyramid of the budget's non-window part: 938 down to 86 "
              "(own_budget)."),
-    "AdaKV(SnapKV)": Case(
-        {"cls": "AdaKVPress", "press": {"cls": "SnapKVPress", **SNAP}, "alpha_safeguard": 0.2},
-        f"ada(snapkv:{SNAP_KVSIM}, floor_alpha=0.2)", {**SNAP, "pooling": "avg (kvpress)", "alpha_safeguard": 0.2},
-        budgets="base", diagnostics=(("snapkv at kvpress's per-head counts", f"snapkv:{SNAP_KVSIM}"),),
-        note="The heads' budgets differ, the selection within a head does not (diagnostics: plain snapkv at "
+    "AdaKV(SnapKV)": Case(f"ada(snapkv:{SNAP_KVSIM}, floor_alpha=0.2)", {**SNAP, "pooling": "avg (kvpress)", "alpha_safeguard": 0.2}, press={"cls": "AdaKVPress", "press": {"cls": "SnapKVPress", **SNAP}, "alpha_safeguard": 0.2}, budgets="base", diagnostics=(("snapkv at kvpress's per-head counts", f"snapkv:{SNAP_KVSIM}"),), note="The heads' budgets differ, the selection within a head does not (diagnostics: plain snapkv at "
              "kvpress's per-head counts is identical). kvpress's AdaKVPress guarantees each head its top "
              "int(0.2 x 512) = 102 tokens (SnapKV's 64 window tokens, padded to max+1, among them) and hands out "
              "the rest of the layer's 3 x 512 by a top-k over the flattened scores; kvsim's ada is the Ada-KV "
              "authors' safeguard: every head keeps the 64-token window and its candidate budget is the mixture "
              "0.8 n_h + 0.2 x 448, n_h its count in the flattened top 3 x 448 of the non-window candidates "
              "(policies/stages.py ada_allocate, ada_prompt). Head sizes: kvpress 148-929, kvsim 221-846."),
-    "CriticalKV(ExpectedAttention)": Case(
-        {"cls": "CriticalKVPress", "press": {"cls": "ExpectedAttentionPress", "n_sink": 4, "use_vnorm": False},
-         "epsilon": 1e-4, "first_stage_ratio": 0.5},
-        f"critical({EA_NOVNORM}, {CRIT}=0.5)",
-        {"epsilon": 1e-4, "first_stage_ratio": 0.5, "n_sink": 4, "use_vnorm": False},
-        diagnostics=(("first stage of 252 candidates (first_stage_ratio=252.5/508)",
-                      f"critical({EA_NOVNORM}, {CRIT}={252.5 / 508!r})"),),
-        note="Stage 1's size differs by two tokens: kvpress keeps int(0.5 x 512) = 256 tokens by score, the 4 sinks "
+    "CriticalKV(ExpectedAttention)": Case(f"critical({EA_NOVNORM}, {CRIT}=0.5)", {"epsilon": 1e-4, "first_stage_ratio": 0.5, "n_sink": 4, "use_vnorm": False}, diagnostics=(("first stage of 252 candidates (first_stage_ratio=252.5/508)",
+                      f"critical({EA_NOVNORM}, {CRIT}={252.5 / 508!r})"),), note="Stage 1's size differs by two tokens: kvpress keeps int(0.5 x 512) = 256 tokens by score, the 4 sinks "
              "(padded to max+1 by ExpectedAttentionPress) among them, so 252 candidates; kvsim's first_stage_ratio "
              "is a share of the slots left for candidates, int((512 - 4) x 0.5) = 254 (policies/stages.py "
              "critical_stages). With 252 candidates in stage 1 kvsim's sets are identical (diagnostics)."),
-    "CriticalAdaKV(ExpectedAttention)": Case(
-        {"cls": "CriticalAdaKVPress", "press": {"cls": "ExpectedAttentionPress", "n_sink": 4, "use_vnorm": False},
-         "alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5},
-        f"critical(ada({EA_NOVNORM}, floor_alpha=0.2), {CRIT}=0.5)",
-        {"alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5, "n_sink": 4, "use_vnorm": False},
-        budgets="base",
-        diagnostics=(("critical without ada at kvpress's per-head counts", f"critical({EA_NOVNORM}, {CRIT}=0.5)"),),
-        note="Three differences. (1) The head budgets, as for AdaKV(SnapKV) (kvpress 102-1011 tokens per head, "
+    "CriticalAdaKV(ExpectedAttention)": Case(f"critical(ada({EA_NOVNORM}, floor_alpha=0.2), {CRIT}=0.5)", {"alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5, "n_sink": 4, "use_vnorm": False}, press={"cls": "CriticalAdaKVPress", "press": {"cls": "ExpectedAttentionPress", "n_sink": 4, "use_vnorm": False},
+         "alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5}, budgets="base", diagnostics=(("critical without ada at kvpress's per-head counts", f"critical({EA_NOVNORM}, {CRIT}=0.5)"),), note="Three differences. (1) The head budgets, as for AdaKV(SnapKV) (kvpress 102-1011 tokens per head, "
              "kvsim 126-911). (2) kvpress's CriticalAdaKVPress sets the safeguard tokens' scores to float max in "
              "place (criticalkv_press.py, `scores.scatter_(-1, top_indices, finfo.max)`, before the budget step, "
              "whose next line scatters the same again into a copy), so every head's top 102 tokens by score also "
@@ -268,56 +224,57 @@ CASES: dict[str, Case] = {
              "score (layer 3, KV head 0: 102 tokens, all by score); kvsim's critical(ada(...)) runs both stages "
              "within each head's allocation. (3) Stage 1 counts the sinks, as for CriticalKV. With kvpress's "
              "per-head counts, kvsim's critical (diagnostics) still differs where (2) applies."),
-    "ObservedAttention": Case({"cls": "ObservedAttentionPress"}, "observed_attention:n_sink=0,n_recent=0",
-                              {"protected": "none (kvpress)"}, attn="eager", requires=("observed_attention",)),
-    "CUR": Case({"cls": "CURPress", "num_sinks": 4, "leverage_type": "kv_product", "use_local_approximation": True,
-                 "local_window_size": 16},
-                "cur:num_sinks=4,n_recent=0,leverage_type=kv_product,use_local_approximation=true,"
-                "local_window_size=16",
-                {"num_sinks": 4, "leverage_type": "kv_product", "use_local_approximation": True,
+    "ObservedAttention": Case("observed_attention:n_sink=0,n_recent=0", {"protected": "none (kvpress)"}, requires=("observed_attention",)),
+    "CUR": Case("cur:num_sinks=4,n_recent=0,leverage_type=kv_product,use_local_approximation=true,"
+                "local_window_size=16", {"num_sinks": 4, "leverage_type": "kv_product", "use_local_approximation": True,
                  "local_window_size": 16}, requires=("cur",)),
-    "QFilter": Case(
-        {"cls": "QFilterPress"}, "qfilter:n_sink=0,n_recent=0", {"protected": "none (kvpress)"}, inject="q_filters",
-        requires=("qfilter",),
-        note="kvpress loads each model's filters from the Hugging Face hub, which this machine cannot reach (and has "
+    "QFilter": Case("qfilter:n_sink=0,n_recent=0", {"protected": "none (kvpress)"}, inject="q_filters", requires=("qfilter",), note="kvpress loads each model's filters from the Hugging Face hub, which this machine cannot reach (and has "
              "none for SmolLM2); kvsim calibrates them on the prompt's own queries. kvpress's press is handed "
              "kvsim's filters (QFilterPress.load_q_filters monkeypatched), so what is compared is the scoring "
              "-<k, f> and the selection."),
-    "DuoAttention (on the fly)": Case(
-        {"cls": "DuoAttentionPress", "head_compression_ratio": 0.5, "on_the_fly_scoring": True},
-        "duo_attention:head_compression_ratio=0.5,sink_size=128,recent_size=256,pattern_len=500",
-        {"head_compression_ratio": 0.5, "sink_size": 128, "recent_size": 256, "pattern_len": 500},
-        budgets="prompt", sets_ratio=False, inject="duo_head_scores", requires=("duo_attention",),
-        note="kvpress's on-the-fly head scores average 50 BookSum samples from the Hugging Face hub, unreachable "
+    "DuoAttention (on the fly)": Case("duo_attention:head_compression_ratio=0.5,sink_size=128,recent_size=256,pattern_len=500", {"head_compression_ratio": 0.5, "sink_size": 128, "recent_size": 256, "pattern_len": 500}, budgets="prompt", inject="duo_head_scores", requires=("duo_attention",), note="kvpress's on-the-fly head scores average 50 BookSum samples from the Hugging Face hub, unreachable "
              "here; its duo_attention_on_the_fly is monkeypatched to return kvsim's head scores (computed on the "
              "prompt, policies/duo_attention.py), so what is compared is the split (the round(0.5 x 90) = 45 "
              "lowest-scored KV heads stream) and the masks (a streaming head keeps its first 128 and last 256 "
              "tokens, a retrieval head all). kvsim runs at a budget of the whole prompt, its own allocation "
              "making the split. kvpress's resulting compression ratio is 0.5 x (1 - 384 / 1024) = 0.3125, not "
              "the benchmark's ratio."),
-    "KVzip": Case(
-        {"cls": "KVzipPress", "n_sink": 4, "layerwise": False, "chunk_size": 2048},
-        "kvzip:n_sink=4,n_recent=0,layerwise=false,chunk_size=2048",
-        {"n_sink": 4, "layerwise": False, "chunk_size": 2048, "instruction": "kvpress's, no chat template"},
-        requires=("kvzip",),
-        note="kvpress's KVzipPress rereads the prompt after the prefill ('Repeat the previous context exactly.', "
+    "KVzip": Case("kvzip:n_sink=4,n_recent=0,layerwise=false,chunk_size=2048", {"n_sink": 4, "layerwise": False, "chunk_size": 2048, "instruction": "kvpress's, no chat template"}, requires=("kvzip",), note="kvpress's KVzipPress rereads the prompt after the prefill ('Repeat the previous context exactly.', "
              "a suffix, the prompt) and prunes the lowest scores of all layers and heads ranked together; kvsim's "
              "trace is recorded with the same pass (`kvsim record --kvzip`, traces/hf/reconstruction.py). kvpress "
              "writes the suffix from the tokenizer's chat template; the prompts here are plain text, so the "
              "worker hands KVzipPress the tokenizer without its template (suffix '\\n', kvpress's choice for a "
              "tokenizer without one, and kvsim's). Compared at kvpress's per-head counts (the selection); "
              "own_budget: kvsim's own global allocation at 512 per head."),
-    "DMS(Knorm)": Case(
-        {"cls": "DMSPress", "press": {"cls": "KnormPress"}, "threshold": "{tau}", "sliding_window_size": 128},
-        "threshold(knorm:n_sink=0,n_recent=0, tau={tau}, sliding_window_size=128)",
-        {"threshold": "{tau}", "sliding_window_size": 128, "scorer": "Knorm"},
-        budgets="prompt", sets_ratio=False, fill="knorm_median_tau", requires=("threshold", "knorm"),
-        note="DMSPress masks the prompt tokens older than the 128 newest whose inner score is below the "
+    "DMS(Knorm)": Case("threshold(knorm:n_sink=0,n_recent=0, tau={tau}, sliding_window_size=128)", {"threshold": "{tau}", "sliding_window_size": 128, "scorer": "Knorm"}, budgets="prompt", fill="knorm_median_tau", requires=("threshold", "knorm"), note="DMSPress masks the prompt tokens older than the 128 newest whose inner score is below the "
              "threshold; kvsim's threshold(...) evicts the same at prefill, at a budget of the whole prompt so "
              "that the threshold alone decides. The threshold is minus the median key norm of the judged tokens "
              "(3 significant digits), fixed from the trace before either side runs; Knorm's score of a token "
              "does not depend on the others, so kvpress's 'score when appended' and kvsim's 'score when judged' "
              "agree."),
+    "KVzip+": Case("kvzip_plus:n_sink=4,n_recent=0,layerwise=false,chunk_size=2048",
+                   {"n_sink": 4, "layerwise": False, "chunk_size": 2048, "kvzip_plus_normalization": True,
+                    "instruction": "kvpress's, no chat template"}, requires=("kvzip_plus",),
+                   note="KVzip's pass and ranking, each repeat query's attention divided by its hidden-state norm "
+                        "at the attention's input and each token's column multiplied by ||W_O^(g) v|| "
+                        "(policies/kvzip_plus.py); the trace records the norms with the pass (recon_h). Compared "
+                        "at kvpress's per-head counts; own_budget: kvsim's own global allocation at 512 per head."),
+    "FastKVzip": Case(None, {}, press={"cls": "FastKVzipPress"},
+                      why_not="FastKVzip scores each token with a small gate network trained per model (kvpress "
+                              "downloads its weights from the Hugging Face hub, for Qwen3, Llama-3.1 and Gemma-3 "
+                              "12 B-class models); a trace records no such weights and none exist for SmolLM2 or "
+                              "Gemma-3-270M, so the rule cannot be expressed from what a trace records"),
+    "RestoreKV": Case(None, {}, press={"cls": "RestoreKVPress"},
+                      why_not="RestoreKV adds n restore tokens produced by a LoRA-adapted pass with trained "
+                              "embeddings (published for Llama-3.1-8B-Instruct and Qwen3-8B only) and keeps their "
+                              "new K/V beside KVzip's selection: its cache holds pairs no prompt token produced, "
+                              "which a kept-set policy over a trace cannot express; its selection is KVzip's "
+                              "(kvzip / kvzip_plus here)"),
+    "KVgrad": Case(None, {}, press={"cls": "KVgradPress"},
+                   why_not="KVgrad scores each KV pair by input x gradient of the final hidden states through a "
+                           "backward pass over KVzip's reconstruction; a trace records forward activations only "
+                           "(no gradients), so the score cannot be computed from it (recording the gradient score "
+                           "itself would make it a per-token table, not a rule kvsim replays)"),
 }
 
 
@@ -375,18 +332,6 @@ def diagnosis(scores: np.ndarray, a: np.ndarray, b: np.ndarray) -> dict[str, Any
     if n_diff == 0:
         return None
     return {"differing_tokens": n_diff, "max_rank_from_cut": far, "tied_with_cut_score": tied}
-
-
-def press_repr(spec: dict) -> str:
-    """``AdaKVPress(press=SnapKVPress(window_size=64, ...), alpha_safeguard=0.2)`` of a press spec."""
-    args = ", ".join(f"{k}={press_repr(v) if isinstance(v, dict) and 'cls' in v else repr(v)}"
-                     for k, v in spec.items() if k != "cls")
-    return f"{spec['cls']}({args})"
-
-
-def n_kept(k_len: int, ratio: float) -> int:
-    """kvpress's count of kept tokens at a compression ratio (``kvpress.utils.compute_n_kept``'s rule)."""
-    return 0 if ratio >= 1.0 else max(1, int(k_len * (1 - ratio)))
 
 
 # ---------------------------------------------------------------- the kvpress worker (runs in the kvpress env)
@@ -568,7 +513,7 @@ def record(ids: list[int], text_id: str, path: Path) -> Any:
     stamp = path.with_name(path.name + ".ids.json")
     if path.is_dir() and stamp.is_file() and json.loads(stamp.read_text()) == ids:
         trace = load_trace(path)
-        if trace.meta.reconstruction is not None:
+        if trace.meta.reconstruction is not None and trace.has_recon_h:      # KVzip+ reads the pass's norms
             return trace
     model, tok = load_model(MODEL, progress=True)
     record_trace(model, ids, path, n_prompt=len(ids) - 1, n_decode=1, tokenizer=tok, teacher_forced=True,
@@ -670,6 +615,30 @@ def fill(spec: Any, values: dict[str, Any]) -> Any:
     return spec
 
 
+def declared_press(policy: Any, prompt_tokens: int, budget: int) -> dict[str, Any]:
+    """What ``kvsim export --kvpress`` gives for ``policy`` at ``budget`` on this prompt: the counterpart (None when
+    refused) and, for the JSON, the press and the least Jaccard index it promises, or the refusal's reason."""
+    from policies.kvpress_press import NoKvpressPress, export
+
+    try:
+        cp = policy.kvpress_press()
+    except NoKvpressPress as e:
+        return {"counterpart": None, "export": {"refused": str(e)}}
+    try:
+        ex = export(policy, budget, prompt_tokens)
+    except NoKvpressPress as e:
+        return {"counterpart": cp, "export": {"press": press_repr(cp.press), "refused": str(e)}}
+    return {"counterpart": cp, "export": {"press": press_repr(cp.press), "jaccard_floor": ex.jaccard_floor}}
+
+
+def export_holds(floor: float, measured: float) -> bool:
+    """Whether a measured Jaccard keeps an export's promise, the issue's bar `MIN_JACCARD` (an export never promises
+    less): not the floor itself, since equal scores at the cut are kept in an order neither side specifies
+    (torch.topk; kvpress's float32 scores against kvsim's float64), which can cost a token on top of the floor's
+    protected ones."""
+    return bool(min(floor, measured) >= MIN_JACCARD - 1e-12)
+
+
 def available(case: Case) -> str | None:
     """None if kvsim has what the case needs, else why not (the policies and combinators it names)."""
     from policies.combinators import STAGES
@@ -680,12 +649,13 @@ def available(case: Case) -> str | None:
     if missing:
         return f"not available: kvsim has no {', '.join(missing)} policy in its registry"
     if case.kvsim is None:
-        return "not available: no kvsim spec for this press"
+        return f"not available: {case.why_not or 'no kvsim spec for this press'}"
     return None
 
 
 def file_tag(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name).strip("_")
+    """A file-name part for a case name, one-to-one for the table's names ("KVzip+" is not "KVzip")."""
+    return "".join(c if c.isalnum() else "_" for c in name.replace("+", "_plus")).strip("_")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -733,19 +703,32 @@ def main(argv: list[str] | None = None) -> None:
     runnable: list[str] = []
     policies: dict[str, Any] = {}
     presses: dict[str, dict] = {}
+    settings: dict[str, dict] = {}
     for name in wanted:
         case = CASES[name]
         values = FILLS[case.fill](trace, inputs) if case.fill else {}
-        presses[name] = fill(case.press, values)
         spec = fill(case.kvsim, values)
-        entry = {"press": press_repr(presses[name]), "params": fill(case.params, values), "kvsim_spec": spec,
-                 "note": case.note}
+        entry = {"params": fill(case.params, values), "kvsim_spec": spec, "note": case.note}
         why = available(case)
         if why is None:
             try:
                 policies[name] = parse_policy(spec)
             except Exception as e:  # noqa: BLE001 -- a spec the registry refuses is reported, not fatal
                 why = f"not available: kvsim refuses {spec!r}: {e}"
+        declared = declared_press(policies[name], P, base) if why is None else None
+        if why is None:
+            entry["export"] = declared["export"]
+        if case.press is None and why is None and declared["counterpart"] is None:
+            why = f"not available: kvsim's declaration refuses it: {declared['export']['refused']}"
+        cp = declared["counterpart"] if declared else None
+        presses[name] = fill(case.press, values) if case.press is not None else (cp.press if cp else None)
+        settings[name] = {"attn": case.attn or (cp.attn if cp else "sdpa"),
+                          "sets_ratio": case.sets_ratio if case.sets_ratio is not None else
+                          (cp.sets_ratio if cp else True),
+                          "budgets": "prompt" if case.press is None and cp and cp.budgets == "prompt" else case.budgets}
+        if presses[name] is not None:
+            entry["press"] = press_repr(presses[name])
+            entry["press_from"] = "the kvsim policy's declaration" if case.press is None else "this row (a difference)"
         if why is None and case.inject:
             arrays = INJECTIONS[case.inject](trace, inputs, policies[name])
             np.savez(WORK / f"inject_{file_tag(name)}.npz", **arrays)
@@ -757,16 +740,16 @@ def main(argv: list[str] | None = None) -> None:
 
     # kvpress side, one subprocess for all presses
     request = {"model": str(folder), "token_ids": ids[:P], "out_dir": str(WORK), "threads": 2,
-               "cases": [{"name": n, "file": file_tag(n), "press": presses[n], "attn": CASES[n].attn,
-                          "sets_ratio": CASES[n].sets_ratio, "ratio": args.ratio, "inject": CASES[n].inject,
+               "cases": [{"name": n, "file": file_tag(n), "press": presses[n], "attn": settings[n]["attn"],
+                          "sets_ratio": settings[n]["sets_ratio"], "ratio": args.ratio, "inject": CASES[n].inject,
                           "save_keys": i == 0} for i, n in enumerate(runnable)]}
     req_path = WORK / "request.json"
     req_path.write_text(json.dumps(request))
     (WORK / "kvpress_info.json").unlink(missing_ok=True)
     t0 = time.perf_counter()
-    proc = subprocess.run([str(env_py), str(Path(__file__).resolve()), "--worker", str(req_path)],
-                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1",
-                                                               "TRANSFORMERS_OFFLINE": "1"})
+    proc = subprocess.run([str(env_py), "-m", "benchmarks.kvpress_parity", "--worker", str(req_path)],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                                         "TRANSFORMERS_OFFLINE": "1"})
     t_kvpress = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"kvpress worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -788,9 +771,10 @@ def main(argv: list[str] | None = None) -> None:
             key_diff = float(np.abs(data["keys"] - ref).max() / np.abs(ref).max())
         counts = a.sum(-1)
         pol = policies[n]
-        if case.budgets == "base":
+        mode = settings[n]["budgets"]
+        if mode == "base":
             budgets = np.full((L, H), base, np.int64)
-        elif case.budgets == "prompt":
+        elif mode == "prompt":
             budgets = allocation(trace, pol, P, inputs, list(range(L)))
         else:
             budgets = counts.astype(np.int64)
@@ -801,10 +785,10 @@ def main(argv: list[str] | None = None) -> None:
                                   f"the prompt streamed as one {P}-token chunk, the set after its last step")
         entry["kvsim_budgets"] = {"kvpress": "kvpress's count per (layer, KV head)",
                                   "base": f"{base} per KV head, allocated by the policy",
-                                  "prompt": f"the policy's own allocation at a budget of {P}"}[case.budgets]
+                                  "prompt": f"the policy's own allocation at a budget of {P}"}[mode]
         entry["kept_per_head"] = {"kvpress": _count_summary(counts), "kvsim": _count_summary(b.sum(-1))}
         scores = data["scores"]
-        plain = not any(isinstance(v, dict) for v in case.press.values())   # kvpress keeps the top of score()
+        plain = not any(isinstance(v, dict) for v in presses[n].values())   # kvpress keeps the top of score()
         if plain and not np.isnan(scores).any():
             entry["diagnosis"] = diagnosis(scores, a, b)
         for label, spec in case.diagnostics:
@@ -812,7 +796,7 @@ def main(argv: list[str] | None = None) -> None:
             entry.setdefault("diagnostics", []).append({"label": label, "kvsim_spec": spec,
                                                         "jaccard_min": s["jaccard_min"],
                                                         "jaccard_mean": s["jaccard_mean"]})
-        if case.budgets == "kvpress":
+        if mode == "kvpress":
             own = allocation(trace, pol, base, inputs, list(range(L)))
             entry["own_budget_same_counts"] = bool(np.array_equal(own, budgets))
             if not np.array_equal(own, budgets):
@@ -820,6 +804,11 @@ def main(argv: list[str] | None = None) -> None:
                 s = summarize(a, b_own)
                 entry["own_budget"] = {"jaccard_min": s["jaccard_min"], "jaccard_mean": s["jaccard_mean"],
                                        "kept_per_head": _count_summary(own)}
+        ex = entry.get("export", {})
+        if "jaccard_floor" in ex and case.press is None:
+            own_j = entry.get("own_budget", {}).get("jaccard_min", entry["jaccard_min"])
+            ex["jaccard_at_own_budget"] = own_j
+            ex["holds"] = export_holds(ex["jaccard_floor"], own_j)
         entry["kvpress_compression"] = round(1 - float(counts.mean()) / P, 4)
         entry["kvpress_seconds"] = round(got["seconds"], 2)
     t_kvsim = time.perf_counter() - t0

@@ -176,6 +176,12 @@ class PromptLayers(Sequence):
         per chunk size for every compressed layer (kept in the view's ``cache``, shared by the batches of the
         prompt): layer j's (plan, recon_q, recon_k, prompt keys, softmax scale), as
         ``sim.layer_inputs.PromptLayers`` reads them from a trace."""
+        c, layer = self.capture, self.layers[j]
+        plan, arrays = self._reconstruction(chunk_size)
+        return plan, *arrays[layer][:2], c.prompt(c.k, layer, self.u), float(c.scale[layer])
+
+    def _reconstruction(self, chunk_size: int) -> tuple:
+        """(plan, {layer: (recon_q, recon_k, recon_h)}) of the pass, run once per chunk size."""
         from policies.base import prompt_memo
         from traces.hf.reconstruction import plan_for, run_reconstruction
 
@@ -186,6 +192,18 @@ class PromptLayers(Sequence):
             plan = plan_for(c.model, ids, chunk_size)
             return plan, run_reconstruction(c.model, ids, plan, self.layers)
 
-        plan, arrays = prompt_memo(self, ("reconstruction", int(chunk_size)), run)
-        layer = self.layers[j]
-        return plan, *arrays[layer], c.prompt(c.k, layer, self.u), float(c.scale[layer])
+        return prompt_memo(self, ("reconstruction", int(chunk_size)), run)
+
+    def reconstruction_extras(self, j: int, chunk_size: int) -> tuple:
+        """What KVzip+ reads beside the pass (``policies.kvzip_plus``): layer j's repeat tokens' hidden-state norms
+        [R], the prompt's values [P, Hkv, d] and the layer's W_O [hidden, Hq * d]."""
+        from policies.base import PolicyError
+        from traces.hf.geometry import output_projection
+
+        c, layer = self.capture, self.layers[j]
+        _, arrays = self._reconstruction(chunk_size)
+        wo = output_projection(c.model, layer)
+        if arrays[layer][2] is None or wo is None:
+            raise PolicyError("KVzip+ needs the attention modules' input norms and W_O (self_attn.o_proj), which "
+                              "this architecture does not expose")
+        return arrays[layer][2], c.prompt(c.v, layer, self.u), wo

@@ -294,8 +294,11 @@ class Recommender:
         runner = next((self._cell(lab, b) for _, lab in done[1:]
                        if self.cands[lab].family != pick["family"]), None) or (
             self._cell(done[1][1], b) if len(done) > 1 else None)
+        from policies.kvpress_press import export_summary
+
         return {"met": found is not None, "budget": b, "choice": pick, "runner_up": runner,
-                "budget_share_of_prompt": b / self.n_prompt}
+                "budget_share_of_prompt": b / self.n_prompt,
+                "kvpress": export_summary(self.cands[pick["label"]].policy, b, self.n_prompt, pick["spec"])}
 
     def _confidence(self, cal: Calibration) -> dict[str, Any]:
         """How far to trust the answer: the simulator's order of confirmed pairs within a rung against the

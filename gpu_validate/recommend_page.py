@@ -11,6 +11,7 @@ import pandas as pd
 
 from gpu_validate.pages import run_facts
 from gpu_validate.recommend import LOSS_FLOOR
+from policies.kvpress_press import summary_line
 from sim.table import fmt3
 from sim.webpage import Page, esc, figure_html, legend_html, numbers_html, simple_table
 
@@ -118,6 +119,8 @@ def recommend_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: 
                  f"predicted {_loss(r['predicted'])}.</p>")
     body += f"<p>Use it: <code>kvsim generate --model {esc(report['model'])} --policy '{esc(ch['spec'])}' " \
             f"--budget {ch['budget']} --prompt '…'</code></p>"
+    if a.get("kvpress"):
+        body += f"<p>{esc(summary_line(a['kvpress']))}</p>"
     page.section("Answer", body)
     page.section("Per budget", simple_table(BUDGET_HEADERS, budget_rows(report),
                                             caption="Each budget's choice: the best confirmed configuration where "
@@ -191,4 +194,6 @@ def answer_lines(report: dict[str, Any], command_model: str) -> list[str]:
     lines.append(f"{report['model_runs']} closed-loop runs were used.")
     lines.append(f"Use it: kvsim generate --model {command_model} --policy '{ch['spec']}' --budget {ch['budget']} "
                  "--prompt 'Your prompt'")
+    if a.get("kvpress"):            # answers written before the kvpress export have none
+        lines.append(summary_line(a["kvpress"]))
     return lines

@@ -348,6 +348,16 @@ class Policy:
         trace for it is recorded with ``kvsim record --kvzip``), or None: it needs none."""
         return None
 
+    def kvpress_press(self, prompt_at_once: bool = False) -> Any:
+        """This policy's counterpart in kvpress (``policies.kvpress_press.KvpressPress``): the press whose kept
+        sets of a prompt compressed once after its prefill equal this policy's at the same per-head count, or
+        ``NoKvpressPress`` saying why there is none. ``prompt_at_once``: the prompt is selected at once by the
+        policy's prompt score (``ada(x, floor_alpha=1)``) rather than streamed through its step. Declared by each
+        policy next to its rule; read by ``kvsim export --kvpress``, ``kvsim recommend`` and the parity benchmark."""
+        from policies.kvpress_press import NoKvpressPress
+
+        raise NoKvpressPress(f"{self.name}: kvpress has no press with its rule")
+
     def kernels(self) -> tuple[Callable, Callable, Callable]:
         """The (step, prefill, logit_scale) numba dispatchers handed to the replay engine, compiled (or loaded from
         numba's disk cache) here, on first use, not when the policy's module was imported."""

@@ -46,6 +46,7 @@ from policies.base import Param, PolicyError, kernel, param_indices
 from policies.kernels import group_rows_scores, group_score
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.kvpress_press import KvpressPress, protected_extra, require
 
 SCOPES = ("head", "layer")
 CHUNK_REDUCE = ("sum", "mean")
@@ -215,3 +216,10 @@ class ChunkKV(ScorerPolicy):
         if self.params["kernel_size"] % 2 == 0:
             raise PolicyError(f"{self.name}.kernel_size: {self.params['kernel_size']} must be odd "
                               f"(centred pooling with padding kernel_size // 2)")
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``ChunkKVPress`` over ``SnapKVPress``: kvpress's reading of ChunkKV (chunks chosen per layer by their mean avg-pooled SnapKV score, the window padded); kvpress keeps whole chunks, so a budget that is not a whole number of chunks differs by its part-chunk; kvsim's protected tokens (n_sink, n_recent) may differ from it."""
+        require(self, "ChunkKVPress", scope="layer", chunk_reduce="mean", pooling="avg", window_pad=True)
+        p = self.params
+        return KvpressPress({"cls": "ChunkKVPress", "chunk_length": p["chunk_length"],
+                             "press": {"cls": "SnapKVPress", "window_size": p["window_size"], "kernel_size": p["kernel_size"]}}, differs_by=protected_extra(self), unit=p["chunk_length"])

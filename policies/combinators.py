@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -81,6 +81,7 @@ from numba import njit
 from policies import stages
 from policies.base import Param, Policy, PolicyError, param_indices
 from policies.kernels import evict_lowest
+from policies.kvpress_press import KvpressPress, NoKvpressPress
 from policies.registry import policy_class, register, register_wrapper, split_name
 from policies.h2o import H2O
 from policies.scorer import ScorerPolicy, StageCode
@@ -338,6 +339,45 @@ class Combined(ScorerPolicy):
         if DecodingStage in self.chain and self.params["target"] and self.params["target"] < super().min_budget():
             raise PolicyError(f"{self.name}.target: {self.params['target']} is below the scorer's minimum "
                               f"{super().min_budget()} (its protected tokens plus one)")
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """The scorer's press with each stage's kvpress counterpart around it, inner first: ``ada`` only at
+        ``floor_alpha=1`` (uniform head budgets, the prompt selected at once by the scorer's prompt score: kvpress's
+        ``AdaKVPress`` guarantees each head its top alpha share by score, another safeguard than the Ada-KV authors'
+        mixture kvsim runs); ``critical`` -> ``CriticalKVPress`` (kvpress counts the sinks inside stage 1, kvsim
+        outside: stage 1 differs by about sinks x (1 - first_stage_ratio) tokens); ``threshold`` -> ``DMSPress``
+        (it decides its own sizes); ``decoding`` has none checked (kvpress's DecodingPress acts while generating,
+        which the parity benchmark does not compare)."""
+        at_once = prompt_at_once or (AdaStage in self.chain and self.params["floor_alpha"] == 1.0)
+        c = type(self).scorer.kvpress_press(self, at_once)
+        p = self.params
+        for stage in self.chain:
+            if stage is AdaStage and p["floor_alpha"] != 1.0:
+                raise NoKvpressPress(
+                    f"{self.label()}: kvpress's AdaKVPress guarantees every head its top alpha_safeguard x budget "
+                    "tokens by score and shares the rest by a flat top-k; kvsim's ada is the Ada-KV authors' "
+                    "safeguard (head budget = (1 - floor_alpha) x its share + floor_alpha x uniform), and the head "
+                    "budgets differ (SmolLM2 at 512: kvpress 148-929 tokens per head, kvsim 221-846); only "
+                    "floor_alpha=1 (uniform budgets) has a counterpart, the inner press")
+            if stage is CriticalStage:
+                sinks = int(c.press.get("n_sink", c.press.get("num_sinks", 0)))
+                off = math.ceil(sinks * (1.0 - p["first_stage_ratio"]))
+                c = replace(c, press={"cls": "CriticalKVPress", "press": c.press, "epsilon": p["critical_epsilon"],
+                                      "first_stage_ratio": p["first_stage_ratio"]}, differs_by=c.differs_by + off,
+                            differs_why=("kvpress counts the sinks inside stage 1" if off else c.differs_why))
+            if stage is ThresholdStage:
+                if p["tau"] == -math.inf:
+                    continue                            # no threshold: the inner rule alone
+                c = replace(c, press={"cls": "DMSPress", "press": c.press, "threshold": p["tau"],
+                                      "sliding_window_size": p["sliding_window_size"], "decoding": p["on_decode"]},
+                            sets_ratio=False, budgets="prompt",
+                            note="DMSPress decides its own sizes: kvsim's budget must hold the prompt for the "
+                                 "threshold alone to decide")
+            if stage is DecodingStage:
+                raise NoKvpressPress(f"{self.label()}: kvpress's DecodingPress compresses while generating, which "
+                                     "kvsim has not compared with kvpress (the parity benchmark compresses a prompt "
+                                     "once); export the inner policy for the prompt")
+        return c
 
     def head_state_init(self, n_kv_heads: int, head_dim: int, wo: np.ndarray | None = None) -> np.ndarray:
         """The scorer's and the stages' zeros; with a ``critical`` stage, its slice: the index of its slot field,

@@ -39,6 +39,7 @@ from policies.base import Param, kernel, param_indices
 from policies.kernels import hash_uniform
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
+from policies.kvpress_press import KvpressPress, protected_extra, require
 
 LEVERAGE_TYPES = ("key", "value", "kv_avg", "kv_product")
 SCHEMA = (
@@ -223,4 +224,11 @@ class CUR(ScorerPolicy):
     protect = Protection(sinks="num_sinks", recent="n_recent")
     score_prompt = score_prompt
     score_step = score_step
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``CURPress`` (leverage of keys and values; the random-leverage sketch is not reproducible across the two, so ``use_random_leverage`` must be off); kvsim's protected tokens (n_recent) may differ from it."""
+        require(self, "CURPress", use_random_leverage=False)
+        p = self.params
+        return KvpressPress({"cls": "CURPress", "num_sinks": p["num_sinks"], "leverage_type": p["leverage_type"],
+                             "use_local_approximation": p["use_local_approximation"], "local_window_size": p["local_window_size"]}, differs_by=protected_extra(self, sink_param=None))
 

@@ -46,6 +46,7 @@ from policies.base import (FROM_MODEL, PREFILL_SIG, STEP_SIG, Guarantees, Param,
                            param_indices, prompt_memo)
 from policies.expected_attention import rope_tables
 from policies.registry import register
+from policies.kvpress_press import KvpressPress, require
 
 SCHEMA = (
     Param("head_compression_ratio", 0.5, "float", 0.0, 1.0,
@@ -180,6 +181,18 @@ class DuoAttention(Policy):
         b = self.streaming_size(budget) if self.params["head_compression_ratio"] > 0 else budget
         s = min(self.params["sink_size"], b - 1)
         return Guarantees(sinks=s, recent=b - s)
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``DuoAttentionPress`` with on-the-fly head scores: the same split of heads (the lowest-scored
+        share streams, keeping its first 128 and last 256 tokens). kvpress averages its scores over 50 BookSum
+        samples from the Hugging Face hub; kvsim computes them on the prompt, so the same sets need kvsim's scores
+        handed to it. The press decides its own sizes: compare at a budget of the whole prompt."""
+        require(self, "DuoAttentionPress", sink_size=128, recent_size=256, rope_theta=-1.0)
+        return KvpressPress({"cls": "DuoAttentionPress", "head_compression_ratio": self.params["head_compression_ratio"],
+                             "on_the_fly_scoring": True}, sets_ratio=False, budgets="prompt", needs=("head_scores",),
+                            note="kvpress's on-the-fly head scores average BookSum samples from the Hugging Face hub; "
+                                 "kvsim scores the heads on the prompt (policies/duo_attention.py): hand kvsim's to "
+                                 "duo_attention_on_the_fly for the same split")
 
     def head_scores(self, prompt_layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
         """[L, Hkv] kvpress's on-the-fly scores of the compressed layers' KV heads (higher: retrieval)."""

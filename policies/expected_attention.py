@@ -31,6 +31,7 @@ from policies.base import FROM_MODEL, Param, PolicyError, kernel, param_indices
 from policies.kernels import l2_norm
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.kvpress_press import KvpressPress, protected_extra, require
 
 MAX_G, MAX_D = 8, 256
 _VECTOR_MATH = {"reassoc", "contract"}   # SIMD sums in the per-slot kernels (rounding-level differences)
@@ -238,3 +239,10 @@ class ExpectedAttention(ScorerPolicy):
         theta = self.params["rope_theta"]
         if theta != FROM_MODEL and theta < 0:
             raise PolicyError(f"{self.name}.rope_theta: {theta} is neither -1 (the layer's own) nor a base >= 0")
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``ExpectedAttentionPress`` (it reads the model's RoPE base, as ``rope_theta=-1`` does); kvsim's protected tokens (n_recent) may differ from it."""
+        require(self, "ExpectedAttentionPress", rope_theta=-1.0)
+        p = self.params
+        return KvpressPress({"cls": "ExpectedAttentionPress", "n_future_positions": p["n_future_positions"], "n_sink": p["n_sink"],
+                             "use_covariance": p["use_covariance"], "use_vnorm": p["use_vnorm"], "epsilon": p["epsilon"]}, differs_by=protected_extra(self, n_sink=p["n_sink"]))

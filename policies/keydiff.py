@@ -12,6 +12,7 @@ from policies.base import kernel, param_indices
 from policies.kernels import l2_norm
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.kvpress_press import KvpressPress, protected_extra
 
 SCHEMA = protection(n_sink=0, n_recent=1)
 P = param_indices(SCHEMA)
@@ -62,3 +63,7 @@ class KeyDiff(ScorerPolicy):
     P = P
     score_prompt = score_prompt
     score_step = score_step
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``KeyDiffPress`` (score ``-cos(k, mean key)``, nothing protected); kvsim's protected tokens (n_sink, n_recent) may differ from it."""
+        return KvpressPress({"cls": "KeyDiffPress"}, differs_by=protected_extra(self))

@@ -21,8 +21,7 @@ once and keeps every decoded token): ``decode_rule`` ``keep_new`` (default) rank
 token (prompt tokens go first, lowest score first; then the oldest decoded), ``max_attention`` scores a decoded
 token by the largest attention (group max) a decode query has given it.
 
-Not implemented: KVzip+'s normalisation (``kvzip_plus_normalization``: divides by each repeat query's hidden-state
-norm, which the attention interface the recorder reads does not hand over).
+KVzip+ (kvpress's ``kvzip_plus_normalization``) is its own policy, ``kvzip_plus`` (policies/kvzip_plus.py).
 
 slot_state: [0] the slot's score, [1] 1 when a prompt token (scored by the pass). head_state: [0] the column
 where the layer's prompt-score table [Hkv, P] starts (``prompt_head_state`` appends it).
@@ -37,6 +36,7 @@ from policies.base import Param, PolicyError, kernel, param_indices, prompt_memo
 from policies.kernels import group_score
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.kvpress_press import KvpressPress, protected_extra
 
 DECODE_RULES = ("keep_new", "max_attention")
 SCHEMA = protection(n_sink=4, n_recent=0) + (
@@ -56,10 +56,13 @@ ROWS = 512
 
 
 def reconstruction_scores(recon_q: np.ndarray, recon_k: np.ndarray, k: np.ndarray, layout: np.ndarray,
-                          n_sink: int, scale: float) -> np.ndarray:
+                          n_sink: int, scale: float, row_weight: np.ndarray | None = None,
+                          col_weight: np.ndarray | None = None) -> np.ndarray:
     """One layer's KVzip scores [Hkv, P] of the P prompt keys ``k`` [P, Hkv, d] from the pass's queries
     ``recon_q`` [R, Hq, d] and keys ``recon_k`` [R, Hkv, d], chunk ``layout`` [C, 4] (start, end, first repeat row,
-    rows; ``ReconstructionPlan.layout``): module docstring. float32 GEMMs, float64 result."""
+    rows; ``ReconstructionPlan.layout``): module docstring. float32 GEMMs, float64 result. KVzip+ (policies/
+    kvzip_plus.py) weighs each repeat row's probabilities by ``row_weight`` [R] and each query head's column by
+    ``col_weight`` [Hq, P] before the maximum."""
     n_prompt, hkv, _ = k.shape
     g_n = recon_q.shape[1] // hkv
     out = np.zeros((hkv, n_prompt))
@@ -78,7 +81,12 @@ def reconstruction_scores(recon_q: np.ndarray, recon_k: np.ndarray, k: np.ndarra
                     logits -= logits.max(axis=1, keepdims=True)
                     np.exp(logits, out=logits)
                     probs = logits[:, sink:ctx] / logits.sum(axis=1, keepdims=True)
-                    np.maximum(best, probs.max(axis=0), out=best)
+                    if row_weight is not None:
+                        probs *= row_weight[r0 + a:r0 + b, None]
+                    top = probs.max(axis=0)
+                    if col_weight is not None:
+                        top = top * col_weight[h * g_n + g, start:end]
+                    np.maximum(best, top, out=best)
     return out
 
 
@@ -158,6 +166,16 @@ class KVzip(ScorerPolicy):
     def reconstruction_chunk(self) -> int | None:
         return int(self.params["chunk_size"])
 
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``KVzipPress``: the same reconstruction pass and scores, the budget of all layers and heads
+        (or of each layer, ``layerwise``) shared by rank. kvpress words the repeat request with the tokenizer's
+        chat template when it has one; kvsim's pass is the plain-text one (the template-less suffix)."""
+        p = self.params
+        return KvpressPress({"cls": "KVzipPress", "n_sink": p["n_sink"], "layerwise": p["layerwise"],
+                             "chunk_size": p["chunk_size"]}, differs_by=protected_extra(self, n_sink=p["n_sink"]),
+                            note="kvsim's pass rereads the prompt without a chat template: give KVzipPress a "
+                                 "tokenizer without one (tokenizer.chat_template = None) for the same scores")
+
     def prompt_scores(self, prompt_layers: Any) -> np.ndarray:
         """[L, Hkv, P] float64, one [Hkv, P] per compressed layer: the scores of every prompt token, from the
         reconstruction pass the prompt view gives (``reconstruction(j)``: the trace's, or the closed loop's run in
@@ -176,10 +194,16 @@ class KVzip(ScorerPolicy):
                                       f"{plan.chunk_size}; record again with `kvsim record --kvzip --kvzip-chunk "
                                       f"{size}` or pass chunk_size={plan.chunk_size}")
                 out.append(reconstruction_scores(np.asarray(recon_q), np.asarray(recon_k), np.asarray(k),
-                                                 plan.layout(), n_sink, scale))
+                                                 plan.layout(), n_sink, scale,
+                                                 *self.reconstruction_weights(prompt_layers, j, size)))
             return np.stack(out)
 
-        return prompt_memo(prompt_layers, ("kvzip.scores", n_sink, size), compute)
+        return prompt_memo(prompt_layers, (f"{self.name}.scores", n_sink, size), compute)
+
+    def reconstruction_weights(self, prompt_layers: Any, j: int, chunk_size: int) -> tuple:
+        """(row_weight, col_weight) of `reconstruction_scores` for compressed layer j: none for KVzip (KVzip+
+        divides by the repeat tokens' hidden-state norms and multiplies by the values' W_O-projected norms)."""
+        return None, None
 
     def allocate(self, budget: int, n_kv_heads: int, prompt_layers: Sequence[tuple[np.ndarray, np.ndarray]],
                  scale: float) -> np.ndarray:

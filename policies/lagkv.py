@@ -45,6 +45,7 @@ from numba import njit
 from policies.base import Param, kernel, param_indices
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.kvpress_press import KvpressPress, protected_extra, require
 
 SCHEMA = protection(n_sink=4, n_recent=1) + (
     Param("lag_size", 128, "int", 2, 4096, doc="partition length; the next partition is the reference"),
@@ -170,3 +171,10 @@ class LagKV(ScorerPolicy):
     P = P
     score_prompt = score_prompt
     score_step = score_step
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``LagKVPress`` (its rule: the last full partition and the remainder unscored, torch.std's Bessel correction); kvsim's protected tokens (n_recent) may differ from it."""
+        require(self, "LagKVPress", partial_reference=False, std_ddof=1)
+        p = self.params
+        return KvpressPress({"cls": "LagKVPress", "n_sink": p["n_sink"], "lag_size": p["lag_size"],
+                             "cross_scoring": p["cross_scoring"]}, differs_by=protected_extra(self, n_sink=p["n_sink"]))

@@ -27,6 +27,7 @@ from policies.base import Param, kernel, param_indices
 from policies.kernels import causal_attention_scores, group_score
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.kvpress_press import KvpressPress, protected_extra
 
 DECODE_RULES = ("average", "accumulated", "frozen")
 SCHEMA = protection(n_sink=0, n_recent=1) + (
@@ -92,3 +93,7 @@ class ObservedAttention(ScorerPolicy):
     slot_fields = 2
     score_prompt = score_prompt
     score_step = score_step
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``ObservedAttentionPress`` (attention received, averaged over the queries that saw the token; eager attention); kvsim's protected tokens (n_sink, n_recent) may differ from it."""
+        return KvpressPress({"cls": "ObservedAttentionPress"}, differs_by=protected_extra(self), attn="eager")

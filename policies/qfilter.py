@@ -25,6 +25,7 @@ from numba import njit
 from policies.base import kernel, param_indices
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.kvpress_press import KvpressPress, protected_extra
 
 MAX_D = 256
 SCHEMA = protection(n_sink=0, n_recent=1)
@@ -99,3 +100,8 @@ class QFilter(ScorerPolicy):
     head_fields = 1 + MAX_D
     score_prompt = score_prompt
     score_step = score_step
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``QFilterPress`` with kvsim's filters: kvpress downloads each model's filters from the hub (none for SmolLM2 or Gemma-3), kvsim calibrates them on the prompt's queries, so the same sets need kvsim's filters handed to ``QFilterPress.load_q_filters``; kvsim's protected tokens (n_sink, n_recent) may differ from it."""
+        return KvpressPress({"cls": "QFilterPress"}, differs_by=protected_extra(self), needs=("q_filters",),
+                            note="QFilterPress loads its filters from the Hugging Face hub; hand it kvsim's (policies/qfilter.py) for the same sets")

@@ -31,6 +31,7 @@ from policies.base import Param, PolicyError, kernel, param_indices
 from policies.kernels import group_rows_scores, group_score, pool_scores
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy, protected_window
+from policies.kvpress_press import KvpressPress, NoKvpressPress, require
 
 POOLING = ("max", "avg")
 #: GQA reduction of the observation window; kernel modes (``group_rows_scores``): mean 0, sum 1, max 3, rowmax 2
@@ -158,6 +159,12 @@ class SnapKV(ScorerPolicy):
             raise PolicyError(f"{self.name}.kernel_size: {self.params['kernel_size']} must be odd "
                               f"(centred pooling with padding kernel_size // 2)")
 
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``SnapKVPress``: the same window scores, avg-pooled, GQA-averaged, the window kept."""
+        require(self, "SnapKVPress", pooling="avg", group_reduce="mean")
+        return KvpressPress({"cls": "SnapKVPress", "window_size": self.params["window_size"],
+                             "kernel_size": self.params["kernel_size"]})
+
 
 @register
 class PyramidKV(SnapKV):
@@ -175,6 +182,15 @@ class PyramidKV(SnapKV):
         per_layer = pyramid_layer_budgets(budget, len(prompt_layers), n_prompt, self.params["window_size"],
                                           self.params["beta"])
         return np.repeat(per_layer[:, None], n_kv_heads, axis=1)
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """None: ``PyramidKVPress`` selects as this policy does (parity at its per-layer counts), but its layer
+        budgets are another schedule, which no setting of either side makes equal."""
+        raise NoKvpressPress(
+            "pyramidkv: kvpress's PyramidKVPress selects within a layer as kvsim does, but its layer budgets differ: "
+            "it builds the pyramid on window + budget and counts the window inside each layer's total, kvsim "
+            "(KVCache-Factory's and Ada-KV's rule) adds the window on top of the pyramid of budget - window, so "
+            "the kept sets of most layers differ in size (SmolLM2 at 512: kvpress 960..64, kvsim 938..86)")
 
 
 def pyramid_layer_budgets(budget: int, n_layers: int, n_prompt: int, window: int, beta: float) -> np.ndarray:

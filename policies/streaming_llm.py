@@ -8,6 +8,7 @@ so the lowest-scored candidate is always the oldest non-sink token. The score is
 from policies.base import Guarantees, Param, kernel, param_indices
 from policies.registry import register
 from policies.scorer import SCORE_STEP_SIG, Protection, ScorerPolicy
+from policies.kvpress_press import KvpressPress
 
 SCHEMA = (Param("n_sinks", 4, "int", 0, 1024, doc="initial tokens always kept (attention sinks)"),)
 P = param_indices(SCHEMA)
@@ -38,3 +39,7 @@ class StreamingLLM(ScorerPolicy):
 
     def guarantees(self, budget: int) -> Guarantees:
         return Guarantees(sinks=self.params["n_sinks"], recent=self.base_size(budget) - self.params["n_sinks"])
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``StreamingLLMPress``: the first ``n_sink`` tokens and the newest."""
+        return KvpressPress({"cls": "StreamingLLMPress", "n_sink": self.params["n_sinks"]})

@@ -13,6 +13,7 @@ from policies.base import Param, kernel, param_indices
 from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
 from policies.registry import register
 from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
+from policies.kvpress_press import KvpressPress, NoKvpressPress, require
 
 SCOPES = ("layer", "head")
 SCHEMA = (
@@ -101,3 +102,15 @@ class TOVA(ScorerPolicy):
     stream_prompt = True
     score_prompt = score_prompt
     score_step = score_step
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``TOVAPress`` scores the prompt by its last query's attention averaged over the layer's heads:
+        this policy's prompt score, which it uses only when the prompt is selected at once
+        (``ada(tova, floor_alpha=1)``); streamed, the prompt's chunk step sees H2O's column sums instead."""
+        if not prompt_at_once:
+            raise NoKvpressPress("tova streams its prompt, so a prompt compressed once is scored by the attention "
+                                 "summed over all its queries (H2O's column sums), not by the last query's as "
+                                 "kvpress's TOVAPress does; ada(tova, floor_alpha=1) selects the prompt at once by "
+                                 "that score and keeps TOVAPress's sets")
+        require(self, "TOVAPress", scope="layer", group_reduce="mean")
+        return KvpressPress({"cls": "TOVAPress"})

@@ -2,6 +2,7 @@
 
 from policies.base import STEP_SIG, Guarantees, Policy, kernel
 from policies.registry import register
+from policies.kvpress_press import KvpressPress
 
 
 @kernel(STEP_SIG)
@@ -32,3 +33,7 @@ class SlidingWindow(Policy):
 
     def guarantees(self, budget: int) -> Guarantees:
         return Guarantees(sinks=0, recent=budget)
+
+    def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
+        """kvpress's ``StreamingLLMPress`` without sinks: the newest tokens."""
+        return KvpressPress({"cls": "StreamingLLMPress", "n_sink": 0})

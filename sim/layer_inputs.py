@@ -133,6 +133,19 @@ class PromptLayers(Sequence):
         plan, recon_q, recon_k = self.trace.reconstruction(i, chunk_size)
         return plan, recon_q, recon_k, self[j][1], float(self.trace.meta.attention(i).scale)
 
+    def reconstruction_extras(self, j: int, chunk_size: int) -> tuple:
+        """What KVzip+ reads beside the pass (``policies.kvzip_plus``): layer j's repeat tokens' hidden-state norms
+        [R] as the trace recorded them, the prompt's values [P, Hkv, d] and the layer's W_O [hidden, Hq * d]."""
+        from policies.errors import PolicyError
+
+        i, P = self.layers[j], self.P
+        if not self.trace.has_wo:
+            raise PolicyError("KVzip+ needs the layers' output projection W_O, which this trace does not hold: "
+                              "record it again with `kvsim record --kvzip`")
+        norms = self.trace.reconstruction_hidden_norms(i)
+        la = self.trace.layer(i)
+        return np.asarray(norms, np.float32), np.asarray(la.v[:P], np.float32), np.asarray(la.wo, np.float32)
+
 
 def layer_memo(inputs: Sequence[LayerInputs], layer: int) -> dict | None:
     """The dict where policies keep trace-only tables of one layer (``Policy.replay_head_state``: CriticalKV's

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _BLOCKED_RUN = r'''
 import importlib, importlib.abc, pkgutil, sys
 
-BLOCKED = {"hypothesis", "pytest", "_pytest", "ray"}
+BLOCKED = {"hypothesis", "pytest", "_pytest", "ray", "lm_eval", "wonderwords"}
 
 
 class Block(importlib.abc.MetaPathFinder):

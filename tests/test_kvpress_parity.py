@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.kvpress_parity import (CASES, available, diagnosis, fill, jaccard, kept_mask, kvsim_kept, n_kept,
-                                       press_repr, summarize)
+from benchmarks.kvpress_parity import (CASES, available, diagnosis, file_tag, fill, jaccard, kept_mask, kvsim_kept,
+                                       n_kept, press_repr, summarize)
+from policies.kvpress_press import MIN_JACCARD, NoKvpressPress, export
 from sim.replay import layer_inputs
 from sim.specs import parse_policy
 from traces.synthetic import make_synthetic_trace
@@ -56,17 +57,49 @@ def test_the_table_is_data():
             "PyramidKV", "AdaKV(SnapKV)", "CriticalKV(ExpectedAttention)"} <= set(CASES)
     for name, case in CASES.items():
         assert "," not in name                                 # --only splits on commas
-        json.dumps(case.press)                                 # crosses to the kvpress process as JSON
-        assert case.press["cls"].endswith("Press") and press_repr(case.press).startswith(case.press["cls"] + "(")
-        assert case.budgets in ("kvpress", "base", "prompt") and case.attn in ("sdpa", "eager")
+        assert case.budgets in ("kvpress", "base", "prompt") and case.attn in (None, "sdpa", "eager")
         if available(case) is None:                            # the registry accepts every runnable spec
-            parse_policy(fill(case.kvsim, {"tau": -1.5}))
+            policy = parse_policy(fill(case.kvsim, {"tau": -1.5}))
             for _, spec in case.diagnostics:
                 parse_policy(spec)
         else:
             assert available(case).startswith("not available")
+            continue
+        press = case.press if case.press is not None else policy.kvpress_press().press
+        json.dumps(press)                                      # crosses to the kvpress process as JSON
+        assert press["cls"].endswith("Press") and press_repr(press).startswith(press["cls"] + "(")
+    tags = [file_tag(n) for n in CASES]                      # each row's kvpress output goes to its own file
+    assert len(set(tags)) == len(tags) and file_tag("KVzip+") != file_tag("KVzip")
     assert press_repr(CASES["AdaKV(SnapKV)"].press) == \
         "AdaKVPress(press=SnapKVPress(window_size=64, kernel_size=5), alpha_safeguard=0.2)"
+
+
+def test_rows_without_a_press_are_the_policies_declarations():
+    """Most rows compare the press the kvsim policy declares (what `kvsim export --kvpress` prints); the presses
+    these rows named before the declarations existed are what the declarations give."""
+    before = {"SnapKV": {"cls": "SnapKVPress", "window_size": 64, "kernel_size": 5},
+              "StreamingLLM": {"cls": "StreamingLLMPress", "n_sink": 4},
+              "TOVA (prompt score)": {"cls": "TOVAPress"},
+              "ChunkKV(SnapKV) (kvpress reading)": {"cls": "ChunkKVPress", "chunk_length": 20, "press": {
+                  "cls": "SnapKVPress", "window_size": 64, "kernel_size": 5}},
+              "CUR": {"cls": "CURPress", "num_sinks": 4, "leverage_type": "kv_product",
+                      "use_local_approximation": True, "local_window_size": 16},
+              "KVzip": {"cls": "KVzipPress", "n_sink": 4, "layerwise": False, "chunk_size": 2048},
+              "DuoAttention (on the fly)": {"cls": "DuoAttentionPress", "head_compression_ratio": 0.5,
+                                            "on_the_fly_scoring": True}}
+    for name, press in before.items():
+        assert CASES[name].press is None
+        assert parse_policy(CASES[name].kvsim).kvpress_press().press == press
+    derived = [n for n, c in CASES.items() if c.press is None]
+    assert len(derived) >= 12
+    for name in derived:                                   # each exports at kvpress's 512 of 1024 with sets >= 0.99
+        policy = parse_policy(fill(CASES[name].kvsim, {"tau": -1.5}))
+        if policy.kvpress_press().unit > 1:                # ChunkKV keeps whole chunks: 512 is not 20 x k, 1024 neither
+            with pytest.raises(NoKvpressPress, match="part-chunk"):
+                export(policy, 512, 1024)
+            assert export(policy, 500, 1000).jaccard_floor == 1.0
+            continue
+        assert export(policy, 512, 1024).jaccard_floor >= MIN_JACCARD, name
 
 
 def test_fill_replaces_placeholders():
@@ -94,3 +127,10 @@ def test_kvsim_side_compresses_the_prompt_once(small):
     expect = np.zeros(32, bool)
     expect[:4] = expect[-8:] = True
     assert (streamed == expect).all()
+
+
+def test_an_export_holds_with_ties_at_the_cut():
+    from benchmarks.kvpress_parity import export_holds
+
+    assert export_holds(1.0, 0.996) and export_holds(255 / 257, 255 / 257) and not export_holds(1.0, 0.98)
+    assert export_holds(0.995, 0.99) and not export_holds(0.98, 1.0)

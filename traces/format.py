@@ -14,6 +14,8 @@ Layout (format version 2)::
                                              Linear stores o_proj.weight (optional; for W_O-aware metrics/policies)
     layers/<i:03d>/recon_q.npy  [R, Hq, d]   post-RoPE queries of KVzip's context-reconstruction pass (optional;
     layers/<i:03d>/recon_k.npy  [R, Hkv, d]  its keys; both with the plan in the manifest, `traces.reconstruction`)
+    layers/<i:03d>/recon_h.npy  [R]          the repeat tokens' hidden-state norms at the attention's input
+                                             (optional, float32; "has_recon_h": KVzip+, policies/kvzip_plus.py)
     tokens.parquet              position, token_id, text, is_prompt, top1_id, nll (optional)
 
 Writes are atomic: everything goes into a sibling temp directory that is renamed into place only
@@ -44,7 +46,8 @@ STORAGE_DTYPES = ("float16", "float32")
 ARRAY_NAMES = ("q", "k", "v", "lse", "o")
 WO = "wo"   # the optional output-projection array, present for all layers or none ("has_wo" in the manifest)
 RECON = ("recon_q", "recon_k")   # the reconstruction pass's arrays, with ``TraceMeta.reconstruction`` (its plan)
-_ARRAY_PATH = re.compile(r"^layers/\d{3}/(q|k|v|lse|o|wo|recon_q|recon_k)\.npy$")
+RECON_H = "recon_h"   # its repeat tokens' hidden-state norms, optional ("has_recon_h" in the manifest)
+_ARRAY_PATH = re.compile(r"^layers/\d{3}/(q|k|v|lse|o|wo|recon_q|recon_k|recon_h)\.npy$")
 _CHUNK_BYTES = 1 << 24
 
 
@@ -186,6 +189,7 @@ class TraceMeta:
         return {
             "recon_q": (r, m.n_q_heads, m.head_dim),
             "recon_k": (r, m.n_kv_heads, m.head_dim),
+            RECON_H: (r,),
             "q": (t, m.n_q_heads, m.head_dim),
             "k": (t, m.n_kv_heads, m.head_dim),
             "v": (t, m.n_kv_heads, m.head_dim),
@@ -195,7 +199,7 @@ class TraceMeta:
         }[name]
 
     def expected_dtype(self, name: str) -> np.dtype:
-        return np.dtype("float32") if name in ("lse", "o", WO) else np.dtype(self.dtype)
+        return np.dtype("float32") if name in ("lse", "o", WO, RECON_H) else np.dtype(self.dtype)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(replace(self, reconstruction=None))
@@ -254,6 +258,7 @@ class LayerArrays(NamedTuple):
     wo: np.ndarray | None = None
     recon_q: np.ndarray | None = None
     recon_k: np.ndarray | None = None
+    recon_h: np.ndarray | None = None
 
 
 def array_path(layer_index: int, name: str) -> str:
@@ -362,6 +367,10 @@ class TraceWriter:
         if (arrays.recon_q is not None) != has_recon or (arrays.recon_k is not None) != has_recon:
             raise TraceError(f"layer {i}: recon_q and recon_k go together, in every layer of a trace whose "
                              "manifest has a reconstruction plan, and in no other")
+        has_recon_h = self._same_in_every_layer("the reconstruction's hidden norms", arrays.recon_h is not None, i)
+        if has_recon_h and not has_recon:
+            raise TraceError(f"layer {i}: recon_h (the reconstruction pass's hidden norms) without a reconstruction "
+                             "plan in the manifest")
         (self._tmp / f"layers/{i:03d}").mkdir(parents=True, exist_ok=True)
         named = {"q": arrays.q, "k": arrays.k, "v": arrays.v}
         if has_ref:
@@ -370,6 +379,8 @@ class TraceWriter:
             named[WO] = arrays.wo
         if has_recon:
             named.update(recon_q=arrays.recon_q, recon_k=arrays.recon_k)
+        if has_recon_h:
+            named[RECON_H] = np.asarray(arrays.recon_h, np.float32)
         for name, arr in named.items():
             arr = np.asarray(arr)
             where = f"layer {i} array {name!r}"
@@ -424,6 +435,7 @@ class TraceWriter:
                 **self.meta.to_json(),
                 "has_reference": self._present.get("reference lse/o", False),
                 "has_wo": self._present.get("the W_O array", False),
+                "has_recon_h": self._present.get("the reconstruction's hidden norms", False),
                 "arrays": self._entries,
             }
             atomic_write_text(self._tmp / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
@@ -455,11 +467,12 @@ class Trace:
     """A loaded trace: metadata plus lazily memory-mapped layer arrays."""
 
     def __init__(self, path: Path, meta: TraceMeta, has_reference: bool, entries: dict[str, dict[str, Any]],
-                 has_wo: bool = False):
+                 has_wo: bool = False, has_recon_h: bool = False):
         self.path = path
         self.meta = meta
         self.has_reference = has_reference
         self.has_wo = has_wo
+        self.has_recon_h = has_recon_h
         self._entries = entries
 
     @property
@@ -487,7 +500,8 @@ class Trace:
         load = lambda name: np.load(self.path / array_path(i, name), mmap_mode="r", allow_pickle=False)
         ref = (load("lse"), load("o")) if self.has_reference else (None, None)
         recon = (load("recon_q"), load("recon_k")) if self.meta.reconstruction is not None else (None, None)
-        return LayerArrays(load("q"), load("k"), load("v"), *ref, load(WO) if self.has_wo else None, *recon)
+        return LayerArrays(load("q"), load("k"), load("v"), *ref, load(WO) if self.has_wo else None, *recon,
+                           load(RECON_H) if self.has_recon_h else None)
 
     def reconstruction(self, i: int, chunk_size: int | None = None) -> tuple[Any, np.ndarray, np.ndarray]:
         """KVzip's context-reconstruction pass of the i-th stored layer: (plan, recon_q [R, Hq, d],
@@ -506,6 +520,15 @@ class Trace:
         raise TraceError(f"trace {self.path} has no context-reconstruction pass (KVzip's scores come from it); "
                          "record it again with `kvsim record --kvzip`")
 
+
+    def reconstruction_hidden_norms(self, i: int) -> np.ndarray:
+        """The i-th stored layer's hidden-state norms of the reconstruction pass's repeat tokens [R] (KVzip+), or
+        TraceError naming how to record them."""
+        if self.meta.reconstruction is None or not self.has_recon_h:
+            raise TraceError(f"{self.path}: no hidden-state norms of KVzip's reconstruction pass (KVzip+ needs them): "
+                             "record the trace again with `kvsim record --kvzip` (kvsim records them since its "
+                             "KVzip+ support)")
+        return self.layer(i).recon_h
     def wo(self) -> list[np.ndarray]:
         """Every layer's output projection W_O [hidden, Hq*d]; a clear error when the trace was recorded without."""
         if not self.has_wo:
@@ -584,8 +607,9 @@ def load_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
     has_wo = bool(manifest.get("has_wo", False))
     if has_wo and meta.model.hidden_size < 1:
         raise TraceError(f"{mpath}: has_wo is set but model.hidden_size is missing")
+    has_recon_h = bool(manifest.get("has_recon_h", False)) and meta.reconstruction is not None
     names = ((ARRAY_NAMES if has_ref else ARRAY_NAMES[:3]) + ((WO,) if has_wo else ())
-             + (RECON if meta.reconstruction is not None else ()))
+             + (RECON if meta.reconstruction is not None else ()) + ((RECON_H,) if has_recon_h else ()))
     for i in range(len(meta.model.layer_ids)):
         for name in names:
             rel = array_path(i, name)
@@ -609,7 +633,7 @@ def load_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
             raise TraceError("tokens.parquet: file missing")
         if verify and _sha256_and_finite(tpath, np.zeros(0))[0] != entries["tokens.parquet"].get("sha256"):
             raise TraceError("tokens.parquet: checksum mismatch: the file was modified or corrupted")
-    return Trace(root, meta, has_ref, entries, has_wo)
+    return Trace(root, meta, has_ref, entries, has_wo, has_recon_h)
 
 
 class InMemoryTrace(Trace):
@@ -617,7 +641,8 @@ class InMemoryTrace(Trace):
 
     def __init__(self, meta: TraceMeta, layers: list[LayerArrays], tokens: Any = None):
         has_ref = all(la.lse is not None for la in layers)
-        super().__init__(Path("<memory>"), meta, has_ref, {}, bool(layers) and all(la.wo is not None for la in layers))
+        super().__init__(Path("<memory>"), meta, has_ref, {}, bool(layers) and all(la.wo is not None for la in layers),
+                         bool(layers) and all(la.recon_h is not None for la in layers))
         if len(layers) != len(meta.model.layer_ids):
             raise TraceError(f"{len(layers)} layers given, model.layer_ids declares {len(meta.model.layer_ids)}")
         for i, la in enumerate(layers):

@@ -49,14 +49,24 @@ def plan_for(model, prompt_ids: Sequence[int], chunk_size: int, tokenizer: Any =
 
 def run_reconstruction(model, prompt_ids: Sequence[int], plan: ReconstructionPlan, layers: Sequence[int],
                        q_heads: Sequence[int] | None = None, kv_heads: Sequence[int] | None = None,
-                       dtype: Any = np.float32) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+                       dtype: Any = np.float32) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Run the pass (module docstring) and return, for each of ``layers``, (recon_q [R, Hq', d], recon_k
-    [R, Hkv', d]) of the chosen query and KV heads (all by default), post-RoPE, in ``dtype``."""
+    [R, Hkv', d], recon_h [R] or None) of the chosen query and KV heads (all by default), post-RoPE, in ``dtype``; recon_h is
+    the L2 norm of each repeat token's hidden state as the attention module receives it (after the layer's input
+    norm), float32: KVzip+ divides each repeat query's attention by it (kvpress ``kvzip_plus_normalization``)."""
     import torch
 
     wanted = set(int(x) for x in layers)
     got: dict[int, tuple[list, list]] = {l: ([], []) for l in wanted}
+    norms: dict[int, list] = {l: [] for l in wanted}
     rereading = False
+
+    def hidden_norm(layer: int):
+        def hook(module, args, kwargs):
+            if rereading:
+                h = kwargs.get("hidden_states", args[0] if args else None)
+                norms[layer].append(torch.linalg.vector_norm(h[0].float(), dim=-1).cpu().numpy().astype(np.float32))
+        return hook
 
     def keep(module, query, key, value, attention_mask, **kwargs):
         """The model's own attention (also when a caller routes the model elsewhere), keeping the repeat tokens'
@@ -72,16 +82,33 @@ def run_reconstruction(model, prompt_ids: Sequence[int], plan: ReconstructionPla
         return out
 
     fwd = CachedForward(model)
-    with torch.no_grad(), routed(model, keep):
-        ids = torch.tensor([[int(x) for x in prompt_ids]], device=fwd.device)
-        for _ in fwd.chunks(ids, DEFAULT_CHUNK):
-            pass
-        prompt_cache, rereading = fwd.past, True
-        for c in plan.chunks:
-            fwd.past = copy.deepcopy(prompt_cache)
-            fwd(list(c.ids))
+    handles = [m.register_forward_pre_hook(hidden_norm(l), with_kwargs=True)
+               for l in wanted if (m := _attention_module(model, l)) is not None]
+    try:
+        with torch.no_grad(), routed(model, keep):
+            ids = torch.tensor([[int(x) for x in prompt_ids]], device=fwd.device)
+            for _ in fwd.chunks(ids, DEFAULT_CHUNK):
+                pass
+            prompt_cache, rereading = fwd.past, True
+            for c in plan.chunks:
+                fwd.past = copy.deepcopy(prompt_cache)
+                fwd(list(c.ids))
+    finally:
+        for h in handles:
+            h.remove()
     for layer, (qs, ks) in got.items():
-        if sum(x.shape[0] for x in qs) != plan.n_tokens:
+        n_h = sum(x.shape[0] for x in norms[layer])
+        if sum(x.shape[0] for x in qs) != plan.n_tokens or n_h not in (0, plan.n_tokens):
             raise ValueError(f"layer {layer}: the reconstruction pass saw {sum(x.shape[0] for x in qs)} repeat "
                              f"tokens, the plan has {plan.n_tokens}; is it an attention layer of this model?")
-    return {layer: (np.concatenate(qs), np.concatenate(ks)) for layer, (qs, ks) in got.items()}
+    # an architecture without ``self_attn`` modules gives no norms (None: KVzip+ says so)
+    return {layer: (np.concatenate(qs), np.concatenate(ks), np.concatenate(norms[layer]) if norms[layer] else None)
+            for layer, (qs, ks) in got.items()}
+
+
+def _attention_module(model, layer: int) -> Any:
+    """The attention module of decoder layer ``layer`` (``self_attn`` of a Llama-family decoder), or None."""
+    try:
+        return model.get_decoder().layers[layer].self_attn
+    except (AttributeError, IndexError, TypeError):
+        return None
