@@ -1,13 +1,16 @@
 """Results store: one Parquet dataset (a directory of part files), one row per configuration with a stable key.
 
 Every finished configuration is written at once as its own atomically renamed part file, so an interrupted
-sweep (Ctrl-C, kill -9) loses nothing finished and resumes by skipping keys already present.
+sweep (Ctrl-C, kill -9) loses nothing finished and resumes by skipping keys already present. A writer killed
+between its temporary file and the rename leaves that hidden file behind (never read as a part); opening the store
+removes such leftovers of writers on this host that are no longer running (the file name says whose it is).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -34,6 +37,18 @@ class ResultStore:
         if self.root.exists() and not self.root.is_dir():
             raise ValueError(f"{self.root}: results store must be a directory")
         self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_dead_writers_files()
+
+    def _temp_prefix(self, pid: int | None = None) -> str:
+        return f".part-{socket.gethostname()}-{os.getpid() if pid is None else pid}-"
+
+    def _remove_dead_writers_files(self) -> None:
+        """Delete the temporary files of this host's writers that were killed before their rename."""
+        host = f".part-{socket.gethostname()}-"
+        for tmp in self.root.glob(f"{host}*.tmp"):
+            pid = tmp.name[len(host):].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                tmp.unlink(missing_ok=True)
 
     def parts(self) -> list[Path]:
         return sorted(self.root.glob("part-*.parquet"))
@@ -58,7 +73,7 @@ class ResultStore:
         if "params" in df:
             df["params"] = df["params"].map(lambda p: p if isinstance(p, str) else json.dumps(p, sort_keys=True))
         final = self.root / f"part-{uuid.uuid4().hex}.parquet"
-        fd, tmp = tempfile.mkstemp(prefix=".part-", suffix=".tmp", dir=self.root)
+        fd, tmp = tempfile.mkstemp(prefix=self._temp_prefix(), suffix=".tmp", dir=self.root)
         os.close(fd)
         try:
             df.to_parquet(tmp, index=False)
@@ -68,3 +83,14 @@ class ResultStore:
         finally:
             Path(tmp).unlink(missing_ok=True)
         return final
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (a process of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

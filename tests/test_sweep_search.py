@@ -176,3 +176,20 @@ def test_report_occupancy_all_on_a_trace_without_the_pass(tmp_path, capsys):
     assert main(["report", str(store), "--occupancy", path, "--policies", "h2o;kvzip", "--budget", "8",
                  "--out", str(tmp_path / "rep2")]) != 0
     assert "kvsim record --kvzip" in capsys.readouterr().err and not (tmp_path / "rep2" / "occupancy.png").exists()
+
+
+def test_opening_a_store_removes_the_temp_files_of_killed_writers_only(tmp_path):
+    """A writer killed between its temporary file and the rename leaves a hidden file; opening the store removes
+    those of this host's dead processes and keeps a live writer's."""
+    import socket
+
+    store = ResultStore(tmp_path / "s")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    stale = store.root / f".part-{host}-{int(dead.stdout)}-abc.tmp"
+    live = store.root / f".part-{host}-{os.getpid()}-def.tmp"
+    other_host = store.root / f".part-elsewhere-{int(dead.stdout)}-ghi.tmp"
+    for f in (stale, live, other_host):
+        f.write_bytes(b"partial")
+    ResultStore(store.root)
+    assert not stale.exists() and live.exists() and other_host.exists()
