@@ -57,6 +57,8 @@ CONFIGS = {"full": ("full", None, "triton", {}),
            "policy": (POLICY, "budget", "triton", {}),
            "policy_torch": (POLICY, "budget", "torch", {}),
            "policy_per_layer": (POLICY, "budget", "triton", {"steps_after_forward": False, "cuda_graphs": False})}
+#: the (model, dtype) runs that also time the per-layer path before (the comparison needs one; each costs a minute)
+PER_LAYER_RUNS = {("llama3-8b-shaped-4l", "bfloat16")}
 #: the closed-loop step's configurations: prefilled policies (one batch key) at budgets within one tier
 BATCH_POLICIES = ("snapkv", "pyramidkv", "ada_snapkv", POLICY)
 #: new tokens of a warm-up generate: past the CUDA graph's capture and past POLICY's first compression (every=8), so
@@ -209,9 +211,11 @@ def generate_check(name: str, model, P: int, sizes: Sizes) -> dict[str, Any]:
     dev = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (1, P), generator=torch.Generator().manual_seed(P)).to(dev)
     n, t0 = sizes.new_tokens, time.perf_counter()
-    for config in CONFIGS:     # every kernel of this length (graph capture, compaction) compiled outside the timings
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    configs = [c for c in CONFIGS if c != "policy_per_layer" or (name, dtype) in PER_LAYER_RUNS]
+    for config in configs:     # every kernel of this length (graph capture, compaction) compiled outside the timings
         _run_generate(model, ids, WARMUP_TOKENS, config, sizes.budget, P)
-    runs = {config: _run_generate(model, ids, n, config, sizes.budget, P) for config in CONFIGS}
+    runs = {config: _run_generate(model, ids, n, config, sizes.budget, P) for config in configs}
     tri, ref = runs["policy"], runs["policy_torch"]
     same = next((i for i, (a, b) in enumerate(zip(tri["tokens"], ref["tokens"])) if a != b), n)
     diff = float((tri["logits"][:same + 1] - ref["logits"][:same + 1]).abs().max())
@@ -233,16 +237,17 @@ def generate_check(name: str, model, P: int, sizes: Sizes) -> dict[str, Any]:
            "full_tokens_equal_prefix_transformers": next(
                (i for i, (a, b) in enumerate(zip(runs["full"]["tokens"], hf["tokens"])) if a != b), n),
            "seconds": None}
-    for config, r in runs.items():
-        row[f"tokens_per_s_{config}"] = r["tokens_per_s"]
-        row[f"peak_gpu_bytes_{config}"] = r["peak_gpu_bytes"]
-        row[f"info_{config}"] = r["info"]
+    for config in CONFIGS:
+        r = runs.get(config, {})
+        row[f"tokens_per_s_{config}"] = r.get("tokens_per_s")
+        row[f"peak_gpu_bytes_{config}"] = r.get("peak_gpu_bytes")
+        row[f"info_{config}"] = r.get("info")
     row["tokens_per_s_triton"], row["tokens_per_s_torch"] = tri["tokens_per_s"], ref["tokens_per_s"]
     ratio = (lambda a: a / hf_tps if a and hf_tps else None)
     row["ratio_full_vs_transformers"] = ratio(runs["full"]["tokens_per_s"])
     row["ratio_policy_vs_transformers_full"] = ratio(tri["tokens_per_s"])
-    row["ratio_policy_vs_per_layer_path"] = (tri["tokens_per_s"] / runs["policy_per_layer"]["tokens_per_s"]
-                                             if runs["policy_per_layer"]["tokens_per_s"] else None)
+    per_layer = runs.get("policy_per_layer", {}).get("tokens_per_s")
+    row["ratio_policy_vs_per_layer_path"] = tri["tokens_per_s"] / per_layer if per_layer else None
     row["decode_ms_per_token_full"] = 1e3 / runs["full"]["tokens_per_s"] if runs["full"]["tokens_per_s"] else None
     row["decode_ms_per_token_transformers"] = 1e3 / hf_tps if hf_tps else None
     row["seconds"] = time.perf_counter() - t0
@@ -360,6 +365,19 @@ def recommend_step(device: str) -> dict[str, Any]:
     return out
 
 
+def kernel_benchmark_step(sizes: Sizes, compiled: bool) -> dict[str, Any]:
+    """``benchmarks/kernels.py`` in a child process; on a GPU its attention rows (kernels.json) come along, for the
+    side-by-side table."""
+    out = run_subprocess([sys.executable, "-m", "benchmarks.kernels", *sizes.kernel_benchmark], sizes.timeout_s,
+                         compiled)
+    path = ROOT / "benchmarks" / "results" / "kernels.json"
+    if compiled and out["ok"] and path.exists():
+        out["attention"] = [{k: r[k] for k in ("budget", "batch", "t_ours_probs_graph_s", "t_sdpa_graph_s",
+                                               "ratio_probs_vs_sdpa_graph")}
+                            for r in json.loads(path.read_text())["attention"]]
+    return out
+
+
 def goals(report: dict[str, Any]) -> dict[str, Any]:
     """The issue's speed goals against what this run measured (None where the run has no figure)."""
     rows = [r for r in report["steps"].get("generate", {}).get("runs", []) if r.get("model", "").startswith("llama")
@@ -395,6 +413,11 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"closed loop: 1 row {loop['rows_1']['tokens_per_s_per_configuration']:.1f} tok/s per "
                      f"configuration, {many['rows']} rows {many['tokens_per_s_per_configuration']:.1f} "
                      f"({loop['ratio_rows_vs_one']:.1f}x)")
+    kernels = report["steps"].get("kernel_benchmark", {}).get("attention")
+    for r in kernels or []:
+        lines.append(f"decode attention, {r['budget']} slots x batch {r['batch']}: kvsim "
+                     f"{r['t_ours_probs_graph_s'] * 1e6:.1f} us, SDPA {r['t_sdpa_graph_s'] * 1e6:.1f} us "
+                     f"({r['ratio_probs_vs_sdpa_graph']:.2f}x, graph replays)")
     for k, g in report.get("goals", {}).items():
         lines.append(f"goal {k}: {fmt(g['measured'])} (>= {g['goal']}) {'met' if g['met'] else 'NOT met'}")
     return "\n".join(lines)
@@ -460,8 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": lambda: generate_step(sizes, device, runs, done, generate_progress),
         "closed_loop": lambda: closed_loop_step(sizes, device),
         "kernel_tests": lambda: run_subprocess([*pytest, *sizes.kernel_tests], sizes.timeout_s, compiled),
-        "kernel_benchmark": lambda: run_subprocess([sys.executable, "-m", "benchmarks.kernels", *sizes.kernel_benchmark],
-                                                   sizes.timeout_s, compiled),
+        "kernel_benchmark": lambda: kernel_benchmark_step(sizes, compiled),
         "recommend": lambda: recommend_step(device),
     }
     t_all = time.perf_counter()
