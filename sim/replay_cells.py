@@ -23,7 +23,7 @@ from sim.contract import slot_capacity
 from sim.layer_inputs import LayerInputs, layer_inputs
 from sim.metrics import N_METRICS
 from sim.replay import StepPlan, replay_budgets, strategy_of
-from sim.replay_plan import check_budget, check_chunk, replay_threads
+from sim.replay_plan import check_budget, effective_chunk, replay_threads
 from sim.replay_result import ReplayResult
 from sim.threads import blas_per_layer_thread
 from traces.format import Trace
@@ -40,10 +40,11 @@ def replay_cells(trace: Trace, cells: Sequence[tuple[Policy, int]], *,
     """``(i, replay(trace, *cells[i], ...))`` for every cell, equal to the one-by-one replays, as the cells finish
     (one-pass strategies first, then the step cells batch by batch; within a batch, layer by layer).
 
-    Every cell is checked (budget, prompt chunk) before anything runs. ``threads`` > 1 replays the cells of a
-    layer side by side (the engine releases the GIL). ``on_progress(x)`` is called as work finishes with ``x``
-    the cells' share done since the last call (a cell's layer counts 1 / its layers), so that a progress bar
-    counts configurations, not layers."""
+    ``chunk`` is taken as a sweep takes it: a policy that steps one token at a time streams its prompt token by
+    token (`sim.replay_plan.effective_chunk`). Every cell's budget is checked before anything runs. ``threads`` > 1
+    replays the cells of a layer side by side (the engine releases the GIL). ``on_progress(x)`` is called as work
+    finishes with ``x`` the cells' share done since the last call (a cell's layer counts 1 / its layers), so that a
+    progress bar counts configurations, not layers."""
     inputs = inputs if inputs is not None else layer_inputs(trace)
     tick = on_progress or (lambda x: None)
     one_pass: dict[str, list[int]] = {}
@@ -51,11 +52,10 @@ def replay_cells(trace: Trace, cells: Sequence[tuple[Policy, int]], *,
     for i, (policy, budget) in enumerate(cells):
         if strategy_of(policy).one_pass:
             check_budget(trace, policy, budget)
-            check_chunk(policy, chunk)
             one_pass.setdefault(policy.label(), []).append(i)
         else:
             plans.append((i, StepPlan.make(trace, policy, budget, inputs=inputs, record_kept=record_kept,
-                                           sliding=sliding, chunk=chunk)))
+                                           sliding=sliding, chunk=effective_chunk(policy, chunk))))
     for idx in one_pass.values():
         policy = cells[idx[0]][0]
         results = replay_budgets(trace, policy, [int(cells[i][1]) for i in idx], inputs=inputs,
