@@ -105,7 +105,7 @@ def model_costs(name: str, recommend: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     simulated(model, seg, configs, n_prompt=P, model_id=name, progress=False)
     out["simulate_seconds_all_losses"] = time.perf_counter() - t0
-    out["record_seconds"] = _record_seconds(model, seg[0], P, name, [p for p, _ in configs])
+    out["record_seconds"], out["families"] = _record_and_families(model, seg[0], P, name, cands, configs)
     rung = ladder[len(ladder) // 2]
     closed_cfg = [(c.policy, rung) for c in cands if c.policy.min_budget() <= rung]
     with tempfile.TemporaryDirectory(prefix="kvsim-simcost-") as tmp:
@@ -123,17 +123,33 @@ def model_costs(name: str, recommend: bool) -> dict[str, Any]:
     return out
 
 
-def _record_seconds(model, seg, P: int, name: str, policies) -> float:
-    """Seconds to record the window's teacher-forced trace (the part of ``simulate_seconds`` that is the model's)."""
+def _record_and_families(model, seg, P: int, name: str, cands, configs) -> tuple[float, dict[str, Any]]:
+    """Seconds to record the window's teacher-forced trace (the part of ``simulate_seconds`` that is the model's),
+    and on that trace each family's cells replayed in one pass (`sim.replay_cells`): seconds and cells, where the
+    simulate stage's time goes."""
     from policies.base import reconstruction_chunk
+    from sim.layer_inputs import load_layers
+    from sim.replay_cells import replay_cells
+    from traces.format import load_trace
     from traces.recorder import record_trace
 
+    family = {c.label: c.family for c in cands}
     with tempfile.TemporaryDirectory(prefix="kvsim-simcost-") as tmp:
         t0 = time.perf_counter()
         record_trace(model, list(seg.ids), Path(tmp) / "t", n_prompt=P, n_decode=len(seg.ids) - P,
                      teacher_forced=True, single_pass=True, progress=False, model_id=name,
-                     reconstruction_chunk=reconstruction_chunk(policies))
-        return time.perf_counter() - t0
+                     reconstruction_chunk=reconstruction_chunk([p for p, _ in configs]))
+        record = time.perf_counter() - t0
+        trace = load_trace(Path(tmp) / "t")
+        inputs = load_layers(trace)
+        fams: dict[str, Any] = {}
+        for fam in dict.fromkeys(family.values()):
+            cells = [(p, b) for p, b in configs if family[p.label()] == fam]
+            t0 = time.perf_counter()
+            for _ in replay_cells(trace, cells, inputs=inputs):
+                pass
+            fams[fam] = {"cells": len(cells), "seconds": time.perf_counter() - t0}
+    return record, fams
 
 
 def recommend_run(name: str) -> dict[str, Any]:
