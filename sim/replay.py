@@ -90,10 +90,18 @@ def _replay_steps(trace: Trace, policy: Policy, budgets: Sequence[int], *,
                   inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
                   threads: int | None = None, sliding: str = "keep", chunk: int = 1,
                   group: LayerGroup | None = None) -> list[ReplayResult]:
-    """The step strategy: one engine replay per budget over the same prepared inputs."""
+    """The step strategy: one engine replay per budget over the same prepared inputs; several budgets in one pass
+    over the layers (`sim.replay_cells.replay_plans`: every budget's layer j while the layer is hot, the budgets of a
+    layer side by side on ``threads``), with the results of replaying each alone."""
     inputs = inputs if inputs is not None else layer_inputs(trace)
-    return [replay_step(trace, policy, b, inputs=inputs, record_kept=record_kept, threads=threads, sliding=sliding,
-                        chunk=chunk, group=group) for b in budgets]
+    if len(budgets) == 1:
+        return [replay_step(trace, policy, budgets[0], inputs=inputs, record_kept=record_kept, threads=threads,
+                            sliding=sliding, chunk=chunk, group=group)]
+    from sim.replay_cells import replay_plans
+
+    plans = [StepPlan.make(trace, policy, b, inputs=inputs, record_kept=record_kept, sliding=sliding, chunk=chunk,
+                           group=group) for b in budgets]
+    return [res for _, res in sorted(replay_plans(list(enumerate(plans)), threads), key=lambda x: x[0])]
 
 
 def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInputs] | None = None,

@@ -63,6 +63,16 @@ def replay_cells(trace: Trace, cells: Sequence[tuple[Policy, int]], *,
         for i, res in zip(idx, results):
             tick(1.0)
             yield i, res
+    yield from replay_plans(plans, threads, tick, batch_bytes)
+
+
+def replay_plans(plans: list[tuple[int, StepPlan]], threads: int | None = 1,
+                 on_progress: Callable[[float], None] | None = None,
+                 batch_bytes: int = BATCH_BYTES) -> Iterator[tuple[int, ReplayResult]]:
+    """``(i, plan.result(...))`` for the indexed step plans, batch by batch, each batch layer by layer (the plans
+    must compress the same layers): the engine's part of `replay_cells`, also `sim.replay.replay_budgets`'s for
+    several budgets of a step policy."""
+    tick = on_progress or (lambda x: None)
     for batch in _batches(plans, batch_bytes):
         yield from _replay_batch(batch, threads, tick)
 

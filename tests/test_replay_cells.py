@@ -76,3 +76,29 @@ def test_bad_cell_fails_before_any_replay(trace):
     cells = [(get_policy("h2o"), 8), (get_policy("h2o"), trace.meta.n_tokens + 1)]
     with pytest.raises(BudgetError):
         next(replay_cells(trace, cells))
+
+
+def test_replay_budgets_of_every_step_policy_in_one_pass(trace):
+    from sim.replay import replay_budgets, strategy_of
+
+    P, T = trace.meta.n_prompt, trace.meta.n_tokens
+    for name in ALL:
+        policy = get_policy(name)
+        if strategy_of(policy).one_pass:
+            continue
+        budgets = budgets_of(policy, trace)[::-1]             # any order: results come back in the order asked
+        got = replay_budgets(trace, policy, budgets, record_kept=(P, T - P), threads=1)
+        for b, res in zip(budgets, got):
+            assert_same(res, replay(trace, policy, b, record_kept=(P, T - P), threads=1))
+
+
+def test_an_in_process_sweep_hands_a_policys_budgets_over_together():
+    from sim.executors import TraceRef, coalesce
+    from sim.sweep import parse_policy_grid, plan
+
+    ref = TraceRef("synthetic:mixed", n_tokens=64, n_prompt=16, n_layers=1, seed=1)
+    jobs = plan([ref], parse_policy_grid("h2o;oracle;window"), [8, 16, 32])
+    merged = coalesce(jobs)
+    assert sorted((j.policy, j.budgets) for j in merged) == [("h2o", (8, 16, 32)), ("oracle", (8, 16, 32)),
+                                                              ("window", (8, 16, 32))]
+    assert sorted(k for j in merged for k in j.keys) == sorted(k for j in jobs for k in j.keys)
