@@ -102,3 +102,20 @@ def test_an_in_process_sweep_hands_a_policys_budgets_over_together():
     assert sorted((j.policy, j.budgets) for j in merged) == [("h2o", (8, 16, 32)), ("oracle", (8, 16, 32)),
                                                               ("window", (8, 16, 32))]
     assert sorted(k for j in merged for k in j.keys) == sorted(k for j in jobs for k in j.keys)
+
+
+def test_engine_entry_points_are_keyed_by_everything_typeof_reads():
+    """`sim.engine.call_replay_layer` skips numba's per-call typing by keying compiled entry points on the arguments'
+    fingerprint: arrays that numba types differently must never share one."""
+    from collections import namedtuple
+
+    from sim.engine import _fingerprint
+
+    a = np.zeros((4, 3), np.float32)
+    ro = a.copy()
+    ro.setflags(write=False)
+    variants = [a, a.astype(np.float64), a[:, :2], np.asfortranarray(a), ro, a[None], a.ravel()]
+    assert len({_fingerprint(x) for x in variants}) == len(variants)
+    A, B = namedtuple("A", "x"), namedtuple("B", "x")
+    assert _fingerprint(A(1)) != _fingerprint(B(1)) != _fingerprint((1,))
+    assert _fingerprint(A(1)) != _fingerprint(A(1.0)) and _fingerprint(A(a)) == _fingerprint(A(a.copy()))
