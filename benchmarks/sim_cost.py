@@ -18,7 +18,7 @@ run, one thread: on the real models, and projected to 8 B geometries.
 
 Writes benchmarks/results/sim_cost.json (stages merge into it, so ``--only`` reruns one part).
 
-    python -m benchmarks.sim_cost [--only models|scale] [--models smollm2-135m,gemma3-270m]
+    python -m benchmarks.sim_cost [--only models|scale|recommend] [--models smollm2-135m,gemma3-270m]
                                   [--geometry llama3-8b,qwen3-8b] [--recommend]
 """
 from __future__ import annotations
@@ -284,7 +284,8 @@ def compare(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("models", "scale"), default=None)
+    ap.add_argument("--only", choices=("models", "scale", "recommend"), default=None,
+                    help="one part (recommend: only the end-to-end recommend runs, merged into the models' entries)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--geometry", default=",".join(GEOMETRIES))
     ap.add_argument("--recommend", action="store_true", help="also time kvsim recommend end to end (minutes)")
@@ -308,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {entry['cells']} cells: simulate {entry['simulate_seconds']:.1f} s "
                   f"({entry['sim_per_cell'] * 1e3:.0f} ms a cell), closed loop {entry['closed_per_cell']:.2f} s a "
                   f"cell, ratio {entry['ratio']:.1f}", flush=True)
+            _save(out, path, argv)
+    if args.only == "recommend":
+        for name in filter(None, args.models.split(",")):
+            print(f"{name}: kvsim recommend...", flush=True)
+            out["models"].setdefault(name, {}).update(recommend_run(name))
+            print(f"  {out['models'][name]['recommend_seconds']:.0f} s", flush=True)
             _save(out, path, argv)
     if args.only in (None, "scale"):
         for geometry in filter(None, args.geometry.split(",")):
