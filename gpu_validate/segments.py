@@ -200,14 +200,15 @@ SIMULATED_LOSSES = (*ENGINE_LOSSES, "err_wo_mean")
 
 def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy, int]], *, n_prompt: int,
               model_id: str, store=None, progress: bool = True,
-              losses: Sequence[str] = SIMULATED_LOSSES) -> list[dict[str, Any]]:
+              losses: Sequence[str] = SIMULATED_LOSSES, threads: int | None = None) -> list[dict[str, Any]]:
     """The simulator's losses of every segment × (policy, budget): one teacher-forced trace per segment, every
     configuration replayed on it in one pass (`sim.replay_cells.replay_cells`: layer by layer, results those of
     replaying each alone). One row per cell, with the engine's losses (`ENGINE_LOSSES`), the per-layer mean error
     (``err_by_layer``) and the K/V bytes held; with ``err_wo_mean`` in ``losses``, also the error after the output
     projection W_O (`sim.projected_error`; ``err_wo_mean``, ``err_wo_by_layer``), the only loss that costs more
     than the replay. With a ``store`` (a `sim.store.ResultStore`), segments already simulated (with the losses
-    asked for) are read back, new ones added. The progress bar counts configurations."""
+    asked for) are read back, new ones added. The progress bar counts configurations. ``threads``: the cells of a
+    layer replayed side by side (default: this process's share of the cores, `sim.replay_plan.replay_threads`)."""
     from tqdm.auto import tqdm
 
     from policies.base import reconstruction_chunk
@@ -237,7 +238,7 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
                          reconstruction_chunk=reconstruction_chunk([pol for pol, _ in configs]))
             trace = load_trace(path)
             bar.set_postfix_str(f"segment {si + 1}/{len(segments)}")
-            seg_rows = _segment_rows(trace, load_layers(trace), seg, configs, keys, want_wo, _Ticker(bar))
+            seg_rows = _segment_rows(trace, load_layers(trace), seg, configs, keys, want_wo, _Ticker(bar), threads)
             if store is not None:
                 store.add([{**r, "model": model_id} for r in seg_rows])
             rows += seg_rows
@@ -259,7 +260,7 @@ class _Ticker:
 
 
 def _segment_rows(trace, inputs, seg: Segment, configs: Sequence[tuple[Policy, int]], keys: Sequence[str],
-                  want_wo: bool, tick: Callable[[float], None]) -> list[dict[str, Any]]:
+                  want_wo: bool, tick: Callable[[float], None], threads: int | None) -> list[dict[str, Any]]:
     """The rows of one segment's trace: every configuration replayed in one pass, in the order of ``configs``."""
     from sim.projected_error import ProjectedReference
     from sim.replay_cells import replay_cells
@@ -270,7 +271,7 @@ def _segment_rows(trace, inputs, seg: Segment, configs: Sequence[tuple[Policy, i
     refs: dict[tuple[int, ...], ProjectedReference] = {}
     rows: list[dict[str, Any] | None] = [None] * len(configs)
     for i, res in replay_cells(trace, [(pol, int(b)) for pol, b in configs], inputs=inputs,
-                               record_kept=(P, n_dec) if want_wo else None, on_progress=tick):
+                               record_kept=(P, n_dec) if want_wo else None, on_progress=tick, threads=threads):
         pol, b = configs[i]
         s = res.summary()
         row = {"key": keys[i], "segment": seg.name, "text": seg.text, "label": pol.label(), "budget": int(b),
