@@ -142,9 +142,72 @@ def gemma3_sliding_section(budgets: Sequence[int] = (64, 128, 256), mb_budget: i
         measured_on(comp, "policies_gemma3_compress")
 
 
+def sim_cost_section() -> str:
+    """The simulator's cost per cell beside the model's: the real models here, and the 8 B geometries projected."""
+    out = ["\n## The simulator's cost beside the model's (`benchmarks/sim_cost.py`)\n\n"]
+    d = load("sim_cost")
+    if d is None:
+        return out[0] + missing("sim_cost")
+    models = d.get("models", {})
+    if models:
+        out.append("A `kvsim recommend` search on one window of the shipped `idle` text: every candidate (each family's "
+                   "paper default and its hyperparameter values) at every rung of the automatic budget ladder, simulated "
+                   "in one pass with the losses recommend ranks by, trace recording included; the closed loop runs "
+                   "every candidate at the middle rung, batched as recommend batches it. One thread each, the same "
+                   "process, side by side.\n\n")
+        out.append(table(["model", "window", "cells", "simulate (s)", "of which recording (s)", "per cell (ms)",
+                          "with W_O error (s)", "closed loop per cell (s)", "closed / simulated", "load"],
+                         [[name, f"{m['n_prompt']} + {m['n_decode']}", m["cells"], m["simulate_seconds"],
+                           m.get("record_seconds"), 1e3 * m["sim_per_cell"], m.get("simulate_seconds_all_losses"),
+                           m["closed_per_cell"], m["ratio"], m["load"]] for name, m in models.items()]))
+        rec = [m for m in models.values() if m.get("recommend_seconds") is not None]
+        if rec:
+            out.append("\n" + "; ".join(f"`{m['recommend_command']}`: {fmt(m['recommend_seconds'])} s end to end, "
+                                        f"{m.get('recommend_model_runs')} closed-loop runs (load "
+                                        f"{fmt(m.get('recommend_load'))})" for m in rec) + ".\n")
+        for name, m in models.items():
+            if m.get("families"):
+                fam = m["families"]
+                out.append(f"\nWhere {name}'s simulate stage goes, per family (replay seconds of its cells in one "
+                           f"pass, on the recorded trace): " + "; ".join(
+                               f"{f} {fmt(v['seconds'])} s ({v['cells']} cells)" for f, v in fam.items()) + ".\n")
+    scale = d.get("scale", {})
+    if scale:
+        prices = d["prices"]
+        out.append(f"\n### At 8 B scale\n\nReplay measured here on synthetic traces of each geometry, one core, per layer "
+                   f"times the model's layers (trace-only tables apart: a search computes them once per trace); the "
+                   f"model's side from the GPU check and the H100 roofline (see *closed loop*). Prices assumed: "
+                   f"H100 ${prices['h100_gpu_hour']['usd']} per GPU-hour ({prices['h100_gpu_hour']['source']}); CPU "
+                   f"${prices['cpu_core_hour']['usd']} per core-hour ({prices['cpu_core_hour']['source']}).\n\n")
+        rows, sources = [], []
+        for geo, g in scale.items():
+            for ctx, c in g["contexts"].items():
+                sources.append(c["closed_loop"]["source"])
+                for pol, cell in c["per_cell"].items():
+                    cmp_ = c["comparison"][pol]
+                    rows.append([geo, f"{ctx} + {g['decode']}", c["budget"], pol, cell["replay_seconds"],
+                                 cell["trace_only_seconds"], c["closed_loop"]["measured_seconds"],
+                                 cmp_["cells_per_run_time_measured"], cmp_["cells_per_run_cost_measured"],
+                                 c["closed_loop"]["floor_seconds"], cmp_["cells_per_run_time_floor"],
+                                 cmp_["cells_per_run_cost_floor"]])
+        out.append(table(["geometry", "tokens", "budget", "policy", "replay per cell (s)", "trace-only (s)",
+                          "closed loop (s)", "cells per run, time", "cells per run, cost", "roofline run (s)",
+                          "cells per roofline run, time", "… cost"], rows))
+        out.append(f"\n*closed loop*: {sources[0]}.\n")
+        below = sorted({f"{r[3]} at {r[1]}" for r in rows if r[11] < 1})
+        if below:
+            out.append(f"\nWhere simulating first does not pay: against a closed loop at the H100's roofline, one "
+                       f"configuration of {', '.join(below)} costs more to simulate on a CPU core than to run in the "
+                       f"model. Ray spreads the cells over a cluster's cores: the wall time divides by the cores, the "
+                       f"machine cost does not.\n")
+    out.append("\n" + measured_on(d, "sim_cost"))
+    return "".join(out)
+
+
 def speed_page() -> str:
-    """How fast the CLI answers, the demo, replays against H2O, the closed loop's batches and replay at length."""
-    out = ["# Speed\n"]
+    """The simulator's cost beside the model's, how fast the CLI answers, the demo, replays against H2O, the closed
+    loop's batches and replay at length."""
+    out = ["# Speed\n", sim_cost_section()]
     d = load("cli")
     out.append("\n## The CLI and the first demo (`benchmarks/cli_speed.py`)\n\n")
     if d is None:

@@ -15,7 +15,7 @@ timed and measured for peak resident memory (``/usr/bin/time``):
 
 Writes benchmarks/results/long_context.json after every run (resumable: finished rows are kept).
 
-    python -m benchmarks.long_context [--only recordings|replay|closed_loop] [--policies ...]
+    python -m benchmarks.long_context [--only recordings|replay|closed_loop] [--policies ...] [--rerun ...]
 """
 from __future__ import annotations
 
@@ -86,6 +86,7 @@ def recordings(out: dict) -> None:
                 "--decode-tokens", str(t["decode"]), "--teacher-forced", "--single-pass", "--dtype", "float16",
                 "--out", t["dir"], "--overwrite", "--no-progress"]
         r = timed(args)
+        out["recordings"] = [x for x in out["recordings"] if x["model"] != model]   # a re-recording replaces it
         out["recordings"].append({"model": model, "n_tokens": t["prompt"] + t["decode"], "n_prompt": t["prompt"],
                                   "seconds": r["seconds"], "peak_rss_gb": r["peak_rss_gb"],
                                   "command": "kvsim " + " ".join(args), "result": r["stdout"].strip()})
@@ -217,12 +218,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=("recordings", "replay", "closed_loop"), default=None)
     ap.add_argument("--policies", default=POLICIES + ";oracle")
+    ap.add_argument("--rerun", default="", metavar="LIST",
+                    help="';'-separated policies whose replay rows are measured again (their old rows dropped)")
     args = ap.parse_args(argv)
     path = RESULTS / "long_context.json"
     out = json.loads(path.read_text()) if path.exists() else {}
     for key in ("recordings", "replay", "closed_loop"):
         out.setdefault(key, [])
     out["goals"] = {"recording_peak_rss_gb": 6.0, "replay_peak_rss_gb": 2.0, "speedup": 20.0}
+    rerun = {p for p in args.rerun.split(";") if p}
+    out["replay"] = [r for r in out["replay"] if r["policy"] not in rerun]
     os.chdir(ROOT)
     if args.only in (None, "recordings"):
         recordings(out)

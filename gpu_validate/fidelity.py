@@ -68,8 +68,7 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
     from tqdm.auto import tqdm
 
     from sim.layer_inputs import load_layers
-    from sim.replay import replay
-    from sim.replay_plan import effective_chunk
+    from sim.replay_cells import replay_cells
     from traces.format import load_trace
     from policies.base import reconstruction_chunk
     from traces.recorder import record_trace
@@ -93,8 +92,10 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
         trace = load_trace(Path(tmp) / "trace")
         inputs = load_layers(trace)
         full = full_model_logits(model, ids, start=n_prompt)
-        sims = [replay(trace, p, b, inputs=inputs, record_kept=(n_prompt, n_open_steps), threads=1, sliding=sliding,
-                       chunk=effective_chunk(p, chunk)) for p, b in configs]
+        sims = [None] * len(configs)     # every configuration in one pass (`sim.replay_cells`), in order
+        for i, res in replay_cells(trace, configs, inputs=inputs, record_kept=(n_prompt, n_open_steps),
+                                   sliding=sliding, chunk=chunk):
+            sims[i] = res
         n_open = int(min(n_open_steps, n_decode))
         with tqdm(total=2 * len(configs), desc="fidelity", unit="run", disable=not progress) as bar:
             def kept_done(i: int, res) -> None:

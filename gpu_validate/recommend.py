@@ -37,7 +37,7 @@ import pandas as pd
 from gpu_validate.fidelity import SIM_LOSSES as FIDELITY_SIM_LOSSES
 from gpu_validate.jobs import ValidateError
 from gpu_validate.recommend_grid import Candidate, Target
-from gpu_validate.segments import RayTarget, Segment, cell_key, closed_loop, simulated
+from gpu_validate.segments import ENGINE_LOSSES, RayTarget, Segment, cell_key, closed_loop, simulated
 
 #: the simulated losses of a recommendation's table: `gpu_validate.fidelity`'s and the error after W_O
 SIM_LOSSES = (*FIDELITY_SIM_LOSSES, "err_wo_mean")
@@ -136,13 +136,15 @@ class Recommender:
     def simulate(self) -> pd.DataFrame:
         """Mean over the segments of every simulated loss, per (label, budget); the candidates whose minimum
         budget exceeds a rung are left out of it."""
-        configs = [(c.policy, b) for c in self.cands.values() for b in self.budgets if c.policy.min_budget() <= b]
-        rows = simulated(self.model, self.segments, configs, n_prompt=self.n_prompt, model_id=self.model_id,
-                         store=self.sim_store, progress=self.progress)
-        df = pd.DataFrame(rows)
         if self.sim_loss not in SIM_LOSSES:
             raise ValidateError(f"unknown simulated loss {self.sim_loss!r}; choose from {SIM_LOSSES}")
-        cols = [*SIM_LOSSES, "kv_bytes_mean"]
+        configs = [(c.policy, b) for c in self.cands.values() for b in self.budgets if c.policy.min_budget() <= b]
+        # the engine's losses come with every replay; the error after W_O only when it ranks (it costs more than
+        # the replay itself)
+        rows = simulated(self.model, self.segments, configs, n_prompt=self.n_prompt, model_id=self.model_id,
+                         store=self.sim_store, progress=self.progress, losses=(*ENGINE_LOSSES, self.sim_loss))
+        df = pd.DataFrame(rows)
+        cols = [*(c for c in SIM_LOSSES if c in df), "kv_bytes_mean"]
         table = df.groupby(["label", "budget"])[cols].mean().reset_index()
         table["family"] = table.label.map(self.family)
         self.table = table

@@ -191,56 +191,130 @@ def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Poli
     return store.load()
 
 
+#: the simulated losses `simulated` reads off the engine's summary (free with every replay)
+ENGINE_LOSSES = ("err_mean", "err_p95", "kl_mean", "l1_mean", "miss_mass")
+#: every simulated loss `simulated` can give: the engine's and the error after W_O (`sim.projected_error`), which
+#: needs every cell's kept sets and a numpy pass of its own (most of a search's simulate stage when asked for)
+SIMULATED_LOSSES = (*ENGINE_LOSSES, "err_wo_mean")
+
+
 def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy, int]], *, n_prompt: int,
-              model_id: str, store=None, progress: bool = True) -> list[dict[str, Any]]:
+              model_id: str, store=None, progress: bool = True,
+              losses: Sequence[str] = SIMULATED_LOSSES, threads: int | None = None) -> list[dict[str, Any]]:
     """The simulator's losses of every segment × (policy, budget): one teacher-forced trace per segment, every
-    configuration replayed on it. One row per cell, with the per-layer mean error (``err_by_layer``) and the
-    error after the output projection W_O (`sim.projected_error`; ``err_wo_mean``, ``err_wo_by_layer``).
-    With a ``store`` (a `sim.store.ResultStore`), segments already simulated are read back, new ones added."""
+    configuration replayed on it in one pass (`sim.replay_cells.replay_cells`: layer by layer, results those of
+    replaying each alone). One row per cell, with the engine's losses (`ENGINE_LOSSES`), the per-layer mean error
+    (``err_by_layer``) and the K/V bytes held; with ``err_wo_mean`` in ``losses``, also the error after the output
+    projection W_O (`sim.projected_error`; ``err_wo_mean``, ``err_wo_by_layer``), the only loss that costs more
+    than the replay. With a ``store`` (a `sim.store.ResultStore`), segments already simulated (with the losses
+    asked for) are read back, new ones added. The progress bar counts configurations. ``threads``: the cells of a
+    layer replayed side by side (default: this process's share of the cores, `sim.replay_plan.replay_threads`)."""
     from tqdm.auto import tqdm
 
-    from sim.projected_error import projected_errors
-    from sim.layer_inputs import load_layers
-    from sim.replay import replay
-    from traces.format import load_trace
     from policies.base import reconstruction_chunk
+    from sim.layer_inputs import load_layers
+    from traces.format import load_trace
     from traces.recorder import record_trace
 
+    unknown = sorted(set(losses) - set(SIMULATED_LOSSES))
+    if unknown:
+        raise ValidateError(f"unknown simulated loss(es) {unknown}; choose from {SIMULATED_LOSSES}")
+    want_wo = "err_wo_mean" in losses
     rows: list[dict[str, Any]] = []
-    known = store.load() if store is not None else None
-    with tempfile.TemporaryDirectory(prefix="kvsim-segments-") as tmp:
-        for si, seg in enumerate(tqdm(segments, desc="simulate", unit="segment", disable=not progress)):
+    known = _stored_cells(store, want_wo)
+    with tempfile.TemporaryDirectory(prefix="kvsim-segments-") as tmp, \
+            tqdm(total=len(segments) * len(configs), desc="simulate", unit="cfg", disable=not progress) as bar:
+        for si, seg in enumerate(segments):
             keys = [cell_key(model_id, seg, n_prompt, pol, b) for pol, b in configs]
-            if known is not None and len(known) and set(keys) <= set(known.key):
-                part = known.set_index("key").loc[keys].reset_index()
-                rows += [{**r, "err_by_layer": list(r["err_by_layer"]), "err_wo_by_layer": list(r["err_wo_by_layer"])}
-                         for r in part.drop(columns=["model"]).to_dict("records")]
+            if known is not None and set(keys) <= set(known.index):
+                part = known.loc[keys].reset_index()
+                rows += [_row_lists(r) for r in part.drop(columns=["model"]).to_dict("records")]
+                bar.update(len(configs))
                 continue
-            seg_rows = []
+            bar.set_postfix_str(f"segment {si + 1}/{len(segments)}: recording")
             path = Path(tmp) / f"s{si}"
             record_trace(model, list(seg.ids), path, n_prompt=n_prompt, n_decode=len(seg.ids) - n_prompt,
                          teacher_forced=True, single_pass=True, progress=False, model_id=model_id,
                          reconstruction_chunk=reconstruction_chunk([pol for pol, _ in configs]))
             trace = load_trace(path)
-            inputs = load_layers(trace)
-            wo = trace.wo()
-            n_dec = len(seg.ids) - n_prompt
-            for pol, b in configs:
-                res = replay(trace, pol, int(b), inputs=inputs, record_kept=(n_prompt, n_dec), threads=1)
-                s = res.summary()
-                idx = res.layer_index                  # the layers the policy compresses
-                err_wo = projected_errors([inputs[i] for i in idx], res.kept, [wo[i] for i in idx], n_prompt,
-                                          trace.meta.softmax_scale)
-                seg_rows.append({"key": cell_key(model_id, seg, n_prompt, pol, b), "segment": seg.name,
-                                 "text": seg.text, "label": pol.label(), "budget": int(b),
-                                 **{k: s[k] for k in ("err_mean", "err_p95", "kl_mean", "l1_mean", "miss_mass")},
-                                 "err_by_layer": s["err_by_layer"],
-                                 "kv_bytes_mean": s["kv_bytes_mean"],
-                                 "err_wo_mean": float(err_wo.mean()), "err_wo_by_layer": err_wo.tolist()})
+            bar.set_postfix_str(f"segment {si + 1}/{len(segments)}")
+            seg_rows = _segment_rows(trace, load_layers(trace), seg, configs, keys, want_wo, _Ticker(bar), threads)
             if store is not None:
                 store.add([{**r, "model": model_id} for r in seg_rows])
             rows += seg_rows
     return rows
+
+
+class _Ticker:
+    """A tqdm bar advanced by fractions of a configuration (a cell's layer), shown in whole configurations."""
+
+    def __init__(self, bar) -> None:
+        self.bar, self.done, self.shown = bar, 0.0, 0
+
+    def __call__(self, x: float) -> None:
+        self.done += x
+        whole = int(self.done + 1e-9)
+        if whole > self.shown:
+            self.bar.update(whole - self.shown)
+            self.shown = whole
+
+
+def _segment_rows(trace, inputs, seg: Segment, configs: Sequence[tuple[Policy, int]], keys: Sequence[str],
+                  want_wo: bool, tick: Callable[[float], None], threads: int | None) -> list[dict[str, Any]]:
+    """The rows of one segment's trace: every configuration replayed in one pass, in the order of ``configs``."""
+    from sim.projected_error import ProjectedReference
+    from sim.replay_cells import replay_cells
+
+    P = trace.meta.n_prompt
+    n_dec = trace.meta.n_tokens - P
+    wo = trace.wo() if want_wo else None
+    refs: dict[tuple[int, ...], ProjectedReference] = {}
+    rows: list[dict[str, Any] | None] = [None] * len(configs)
+    for i, res in replay_cells(trace, [(pol, int(b)) for pol, b in configs], inputs=inputs,
+                               record_kept=(P, n_dec) if want_wo else None, on_progress=tick, threads=threads):
+        pol, b = configs[i]
+        s = res.summary()
+        row = {"key": keys[i], "segment": seg.name, "text": seg.text, "label": pol.label(), "budget": int(b),
+               **{k: s[k] for k in ENGINE_LOSSES}, "err_by_layer": s["err_by_layer"],
+               "kv_bytes_mean": s["kv_bytes_mean"]}
+        if want_wo:
+            idx = tuple(int(x) for x in res.layer_index)     # the layers the policy compresses
+            if idx not in refs:
+                refs[idx] = ProjectedReference([inputs[l] for l in idx], [wo[l] for l in idx], P,
+                                               trace.meta.softmax_scale)
+            err_wo = refs[idx].errors(res.kept)
+            row.update(err_wo_mean=float(err_wo.mean()), err_wo_by_layer=err_wo.tolist())
+        rows[i] = row
+    return rows
+
+
+def _stored_cells(store, want_wo: bool):
+    """The simulated rows of ``store`` indexed by key (None without a store), one per key: where a key was
+    written with and without the error after W_O, the row that has it."""
+    if store is None:
+        return None
+    df = store.load(dedupe=False)
+    if not len(df):
+        return df
+    has_wo = df["err_wo_mean"].notna() if "err_wo_mean" in df else np.zeros(len(df), bool)
+    if want_wo:
+        df = df[has_wo]
+    else:
+        df = df.assign(_wo=has_wo).sort_values("_wo", ascending=False, kind="stable").drop(columns="_wo")
+    return df.drop_duplicates("key").set_index("key")
+
+
+def _row_lists(r: dict[str, Any]) -> dict[str, Any]:
+    """A stored row as `simulated` returns it: per-layer columns as lists, the error after W_O only where known."""
+    out = {k: v for k, v in r.items() if not (k.startswith("err_wo") and _missing(v))}
+    for k in ("err_by_layer", "err_wo_by_layer"):
+        if k in out:
+            out[k] = list(out[k])
+    return out
+
+
+def _missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and np.isnan(v))
 
 
 # ----- analysis: the model's own reliability, then the simulator against it -----

@@ -164,7 +164,15 @@ def round_to_float16(x):
 
 @njit(cache=True)
 def _reduced_score(probs, h0, h1, i, mode, buf):
-    """Attention on slot i reduced over the query heads of KV heads h0..h1-1 (0 mean, 1 max, 2 median)."""
+    """Attention on slot i reduced over the query heads of KV heads h0..h1-1 (0 mean, 1 max, 2 median). The mean
+    is summed in place, in the order (and float64 arithmetic) of ``buf[:n].mean()``, without the copy: the step's
+    hot loop calls it for every slot."""
+    if mode == 0:
+        tot = 0.0
+        for h in range(h0, h1):
+            for g in range(probs.shape[1]):
+                tot += probs[h, g, i]
+        return tot / ((h1 - h0) * probs.shape[1])
     n = 0
     for h in range(h0, h1):
         for g in range(probs.shape[1]):

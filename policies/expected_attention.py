@@ -24,6 +24,8 @@ State: per KV head and query head ``g`` the rotated mean and covariance (head st
 heads per KV head and head_dim <= 256; only the part a layer's G and d use is ever written, the rest of the
 zero-initialised block is never touched), per slot a "logits set" flag and its G logits.
 """
+from typing import Any
+
 import numpy as np
 from numba import njit
 
@@ -34,6 +36,9 @@ from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, prot
 from policies.kvpress_press import KvpressPress, protected_extra, require
 
 MAX_G, MAX_D = 8, 256
+#: head-state column set to 1 when the prompt statistics are already in place (a replay's ``replay_head_state``,
+#: computed once per trace and parameters): ``score_prompt`` then reads them instead of computing them
+STATS_GIVEN = MAX_G * (MAX_D + MAX_D * MAX_D)
 _VECTOR_MATH = {"reassoc", "contract"}   # SIMD sums in the per-slot kernels (rounding-level differences)
 SCHEMA = protection(n_sink=4, n_recent=1) + (
     Param("n_future_positions", 512, "int", 1, 1 << 16, doc="future positions the RoPE rotation is averaged over"),
@@ -177,26 +182,50 @@ def _stats_at(head_state, h, g, d):
     return mu, cov
 
 
-@kernel(SCORE_PROMPT_SIG)
-def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
-    n, hkv, d = k.shape
-    g_n = q.shape[1] // hkv
-    if g_n > MAX_G or d > MAX_D:
-        raise ValueError("expected_attention: at most 8 query heads per KV head and head_dim 256")
+@njit(cache=True)
+def prompt_stats(params, q, hkv, mus, covs):
+    """Every query head's rotated statistics of the prompt queries q [P, Hq, d] (``query_stats``) into mus
+    [Hkv, G, d] and covs [Hkv, G, d, d]: what ``score_prompt`` computes before scoring, a function of the trace
+    and the parameters only."""
+    n, hq_n, d = q.shape
+    g_n = hq_n // hkv
     n0 = min(int(params[P.n_sink]), n - 1)
-    use_cov = params[P.use_covariance] != 0.0
-    pos = np.arange(n)
     theta = params[P.rope_theta]
     cos_t, sin_t = rope_tables(n0, n, d, theta) if theta > 0.0 else (np.empty((0, 0)), np.empty((0, 0)))
     rbar = mean_rotation(n, int(params[P.n_future_positions]), d, theta) if theta > 0.0 else np.empty((0, 0))
     for h in range(hkv):
-        logits = np.empty((n, g_n))
         for g in range(g_n):
             mu, cov = query_stats(params, q, h * g_n + g, n0, d, cos_t, sin_t, rbar)
+            mus[h, g] = mu
+            covs[h, g] = cov
+
+
+@kernel(SCORE_PROMPT_SIG)
+def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
+    """The prompt's statistics (``prompt_stats``; a replay's head state may hold them already, ``STATS_GIVEN``),
+    every prompt key's logits under them, and the keys' scores (``combine``)."""
+    n, hkv, d = k.shape
+    g_n = q.shape[1] // hkv
+    if g_n > MAX_G or d > MAX_D:
+        raise ValueError("expected_attention: at most 8 query heads per KV head and head_dim 256")
+    use_cov = params[P.use_covariance] != 0.0
+    pos = np.arange(n)
+    given = head_state[0, STATS_GIVEN] != 0.0
+    mus = np.empty((hkv, g_n, d))
+    covs = np.empty((hkv, g_n, d, d))
+    if not given:
+        prompt_stats(params, q, hkv, mus, covs)
+    for h in range(hkv):
+        logits = np.empty((n, g_n))
+        for g in range(g_n):
             smu, scov = _stats_at(head_state, h, g, d)
-            smu[:] = mu
-            scov[:, :] = cov
-            prompt_logits(k[:, h, :], mu, cov, d, use_cov, logits[:, g])
+            if given:
+                mus[h, g] = smu
+                covs[h, g] = scov
+            else:
+                smu[:] = mus[h, g]
+                scov[:, :] = covs[h, g]
+            prompt_logits(k[:, h, :], mus[h, g].copy(), covs[h, g].copy(), d, use_cov, logits[:, g])
             for i in range(n):
                 slot_state[h, i, 1 + g] = logits[i, g]
         for i in range(n):
@@ -230,9 +259,36 @@ class ExpectedAttention(ScorerPolicy):
     schema = SCHEMA
     P = P
     slot_fields = 1 + MAX_G
-    head_fields = MAX_G * (MAX_D + MAX_D * MAX_D)
+    head_fields = STATS_GIVEN + 1
     score_prompt = score_prompt
     score_step = score_step
+
+    def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None,
+                          n_prompt: int = 0) -> np.ndarray:
+        """The head state with the prompt queries' statistics in place (``prompt_stats``: the rotations' ~50 k
+        sines and cosines and a d x d covariance per query head, most of the prefill), computed once per trace
+        and parameters and kept in ``memo`` for every budget and sibling configuration; the prefill reads them
+        (the same bits) instead of computing them. The closed loop's head state holds none: its prefill computes
+        them."""
+        head = super().replay_head_state(n_kv_heads, head_dim, layer, memo, n_prompt)
+        if n_prompt < 1 or memo is None or head.shape[1] <= STATS_GIVEN:
+            return head
+        params = self.param_vector(layer.attention)
+        key = ("expected_attention.stats", n_prompt, *(float(params[i]) for i in (
+            P.n_sink, P.n_future_positions, P.use_covariance, P.rope_theta)))
+        d = head_dim
+        stats = memo.get(key)                     # [Hkv, G, d + d * d]: each query head's mean, then covariance
+        if stats is None:
+            g = layer.q.shape[1] // n_kv_heads
+            mus, covs = np.empty((n_kv_heads, g, d)), np.empty((n_kv_heads, g, d, d))
+            prompt_stats(params, np.ascontiguousarray(layer.q[:n_prompt]), n_kv_heads, mus, covs)
+            stats = memo[key] = np.concatenate([mus, covs.reshape(n_kv_heads, g, d * d)], axis=2)
+        for g in range(stats.shape[1]):
+            base = g * (MAX_D + MAX_D * MAX_D)
+            head[:, base:base + d] = stats[:, g, :d]
+            head[:, base + MAX_D:base + MAX_D + d * d] = stats[:, g, d:]
+        head[:, STATS_GIVEN] = 1.0
+        return head
 
     def validate(self) -> None:
         super().validate()

@@ -160,6 +160,11 @@ class Executor:
     def __enter__(self) -> "Executor":
         return self
 
+    @property
+    def in_process(self) -> bool:
+        """Whether jobs run in this process (one worker, no Ray)."""
+        return not self.ray_address and self.plan.workers <= 1
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -241,10 +246,25 @@ def execute(jobs: list[Job], *, workers: int = 1, ray_address: str | None = None
     ``split_layers`` > 1, each job's configuration runs as that many layer groups (``Executor.run_split``)."""
     with Executor(workers=workers, ray_address=ray_address, threads=threads) as ex:
         if split_layers == 1:
-            yield from ex.run(jobs)
+            yield from ex.run(coalesce(jobs) if ex.in_process else jobs)
             return
         for job, results, seconds in ex.run_split(jobs, split_layers):
             yield job_rows(job, results, seconds)
+
+
+def coalesce(jobs: Sequence[Job]) -> list[Job]:
+    """The jobs with every budget of one (trace, policy with its parameters) in one job, in first-seen order: in
+    one process, `sim.replay.replay_budgets` replays a policy's budgets in one pass over the layers, where separate
+    jobs would walk the trace once each. (Worker processes and Ray keep one job per budget: the parallelism.)"""
+    merged: dict[tuple, Job] = {}
+    for job in jobs:
+        key = (job.trace, job.policy, job.params, job.group)
+        if key in merged:
+            prev = merged[key]
+            merged[key] = replace(prev, budgets=prev.budgets + job.budgets, keys=prev.keys + job.keys)
+        else:
+            merged[key] = job
+    return list(merged.values())
 
 
 def replay_split(ref: TraceRef, policy: Policy, budget: int, n_groups: int, *, workers: int = 1,

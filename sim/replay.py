@@ -20,7 +20,7 @@ import numpy as np
 
 from policies.base import Policy, PolicyError
 from sim.contract import raise_on, slot_capacity
-from sim.engine import EngineConfig, EngineOutputs, LayerData, replay_layer
+from sim.engine import EngineConfig, EngineOutputs, LayerData, call_replay_layer
 from sim.layer_inputs import LayerInputs, PromptLayers, layer_inputs, layer_memo
 from sim.metrics import N_METRICS
 from sim.oracle_replay import replay_oracle, replay_oracle_policy
@@ -90,10 +90,18 @@ def _replay_steps(trace: Trace, policy: Policy, budgets: Sequence[int], *,
                   inputs: list[LayerInputs] | None = None, record_kept: tuple[int, int] | None = None,
                   threads: int | None = None, sliding: str = "keep", chunk: int = 1,
                   group: LayerGroup | None = None) -> list[ReplayResult]:
-    """The step strategy: one engine replay per budget over the same prepared inputs."""
+    """The step strategy: one engine replay per budget over the same prepared inputs; several budgets in one pass
+    over the layers (`sim.replay_cells.replay_plans`: every budget's layer j while the layer is hot, the budgets of a
+    layer side by side on ``threads``), with the results of replaying each alone."""
     inputs = inputs if inputs is not None else layer_inputs(trace)
-    return [replay_step(trace, policy, b, inputs=inputs, record_kept=record_kept, threads=threads, sliding=sliding,
-                        chunk=chunk, group=group) for b in budgets]
+    if len(budgets) == 1:
+        return [replay_step(trace, policy, budgets[0], inputs=inputs, record_kept=record_kept, threads=threads,
+                            sliding=sliding, chunk=chunk, group=group)]
+    from sim.replay_cells import replay_plans
+
+    plans = [StepPlan.make(trace, policy, b, inputs=inputs, record_kept=record_kept, sliding=sliding, chunk=chunk,
+                           group=group) for b in budgets]
+    return [res for _, res in sorted(replay_plans(list(enumerate(plans)), threads), key=lambda x: x[0])]
 
 
 def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[LayerInputs] | None = None,
@@ -105,52 +113,121 @@ def replay_step(trace: Trace, policy: Policy, budget: int, *, inputs: list[Layer
     attention summed per slot, as a token-by-token run without evictions would accumulate it, then evicts to
     the budget; 1 is token by token, the prompt length is "compress once after the prompt"). A chunk never
     crosses into the decode steps, which stay one token each. With a ``group``, only its layers at its
-    shipped budgets (``layer_groups``)."""
-    check_budget(trace, policy, budget)
-    chunk = check_chunk(policy, chunk)
-    meta = trace.meta
-    inputs = inputs if inputs is not None else layer_inputs(trace)
-    layers = compressed_layers(trace, sliding) if group is None else list(group.layers)
-    T, P = meta.n_tokens, meta.n_prompt
-    hkv = meta.model.n_kv_heads
-    budgets = allocation(trace, policy, budget, inputs, layers) if group is None else group.budgets(budget)
-    prompt = PromptLayers(trace, inputs, layers, P)
-    kernels = tuple((fn,) for fn in policy.kernels())
-    n_steps = T - P
-    rec_start, n_rec = record_kept if record_kept else (0, 0)
-    n_rec = max(0, min(n_rec, T - rec_start))
+    shipped budgets (``layer_groups``). The layers replay side by side on ``threads`` threads
+    (``StepPlan.run_layer``)."""
+    plan = StepPlan.make(trace, policy, budget, inputs=inputs, record_kept=record_kept, sliding=sliding,
+                         chunk=chunk, group=group)
+    n_threads = replay_threads(threads, len(plan.layers))
+    with blas_per_layer_thread(n_threads), ThreadPoolExecutor(n_threads) as pool:
+        outs = list(pool.map(plan.run_layer, range(len(plan.layers))))
+    return plan.result(outs)
 
-    def run(j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        layer = layers[j]
-        li = inputs[layer]
-        b = budgets[j]
-        cap = int(slot_capacity(policy, b, T, chunk).max())
-        out = EngineOutputs(metrics=np.zeros((n_steps, meta.model.n_q_heads, N_METRICS), np.float64),
-                            slots=np.zeros((n_steps, hkv), np.int32), kept=np.full((n_rec, hkv, cap), -1, np.int32),
-                            info=np.zeros(3, np.int64))
-        head_init = initial_head_state(policy, li, layer_memo(inputs, layer), prompt, j)
+
+#: what one layer's replay returns: metrics [S, Hq, N_METRICS], slots [S, Hkv], kept [n_rec, Hkv, cap]
+LayerOutput = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """One (policy, budget) configuration of the step strategy, prepared: its budget and chunk checked, the layers
+    it compresses, its allocation over them, its kernels and the prompt view. ``run_layer(j)`` replays the j-th of
+    its layers (independent of the others: threads run them side by side, and a search's simulate stage runs many
+    configurations' layer j one after another while the layer's data is hot, `sim.replay_cells`); ``result``
+    assembles the layers' outputs into the configuration's `ReplayResult`."""
+
+    trace: Trace
+    policy: Policy
+    budget: int
+    inputs: Sequence[LayerInputs]
+    layers: list[int]
+    budgets: np.ndarray
+    prompt: PromptLayers
+    kernels: tuple
+    chunk: int
+    rec_start: int
+    n_rec: int
+    sliding: str
+
+    @classmethod
+    def make(cls, trace: Trace, policy: Policy, budget: int, *, inputs: Sequence[LayerInputs] | None = None,
+             record_kept: tuple[int, int] | None = None, sliding: str = "keep", chunk: int = 1,
+             group: LayerGroup | None = None) -> "StepPlan":
+        """The plan of ``replay_step``'s arguments (checked here: a bad budget or chunk fails before any replay)."""
+        check_budget(trace, policy, budget)
+        chunk = check_chunk(policy, chunk)
+        inputs = inputs if inputs is not None else layer_inputs(trace)
+        layers = compressed_layers(trace, sliding) if group is None else list(group.layers)
+        T, P = trace.meta.n_tokens, trace.meta.n_prompt
+        budgets = allocation(trace, policy, budget, inputs, layers) if group is None else group.budgets(budget)
+        rec_start, n_rec = record_kept if record_kept else (0, 0)
+        return cls(trace, policy, int(budget), inputs, layers, budgets, PromptLayers(trace, inputs, layers, P),
+                   engine_kernels(policy), chunk, rec_start, max(0, min(n_rec, T - rec_start)), sliding)
+
+    def run_layer(self, j: int) -> LayerOutput:
+        """Replay the j-th compressed layer: its metrics, slots held and kept positions."""
+        meta, policy = self.trace.meta, self.policy
+        T, P = meta.n_tokens, meta.n_prompt
+        hkv = meta.model.n_kv_heads
+        layer = self.layers[j]
+        li = self.inputs[layer]
+        b = self.budgets[j]
+        cap = int(slot_capacity(policy, b, T, self.chunk).max())
+        out = EngineOutputs(metrics=np.zeros((T - P, meta.model.n_q_heads, N_METRICS), np.float64),
+                            slots=np.zeros((T - P, hkv), np.int32),
+                            kept=np.full((self.n_rec, hkv, cap), -1, np.int32), info=np.zeros(3, np.int64))
+        head_init = initial_head_state(policy, li, layer_memo(self.inputs, layer), self.prompt, j)
         cfg = EngineConfig(params=policy.param_vector(li.attention), layer=layer, scale=float(li.attention.scale),
                            has_prefill=policy.has_prefill, metric_start=P, budget=b,
                            head_adaptive=policy.head_adaptive, bounded=not policy.unbounded, cap=cap,
                            n_slot_fields=policy.slot_fields, head_init=np.ascontiguousarray(head_init, np.float64),
-                           rec_start=rec_start, reads_attention=policy.reads_attention,
-                           window=int(li.attention.window or 0), chunk=chunk)
-        status = replay_layer(kernels, cfg, LayerData(li.q, li.k, li.v, li.lse, li.o, li.vmax1,
-                                                      _whole_prompt_acc(inputs, li, layer, P, chunk, policy)), out)
+                           rec_start=self.rec_start, reads_attention=policy.reads_attention,
+                           window=int(li.attention.window or 0), chunk=self.chunk)
+        status = call_replay_layer(self.kernels, cfg, LayerData(li.q, li.k, li.v, li.lse, li.o, li.vmax1,
+                                                           _whole_prompt_acc(self.inputs, li, layer, P, self.chunk,
+                                                                             policy)), out)
         raise_on(policy, status, out.info, layer)
         return out.metrics, out.slots, out.kept
 
-    n_threads = replay_threads(threads, len(layers))
-    with blas_per_layer_thread(n_threads), ThreadPoolExecutor(n_threads) as pool:
-        outs = list(pool.map(run, range(len(layers))))
-    kept = concat_kept([o[2][None] for o in outs]) if n_rec else None
-    return ReplayResult(
-        trace=str(trace.path), policy=policy.name, label=policy.label(), params=dict(policy.params),
-        budget=int(budget), budgets=budgets, steps=np.arange(P, T), metrics=np.stack([o[0] for o in outs]),
-        slots=np.stack([o[1] for o in outs]), head_dim=meta.model.head_dim, kept=kept,
-        kept_steps=np.arange(rec_start, rec_start + n_rec) if n_rec else None,
-        layers=np.asarray(layers, np.int64), held_elsewhere=held_elsewhere(trace, layers), sliding=sliding,
-    )
+    def result(self, outs: Sequence[LayerOutput]) -> ReplayResult:
+        """The configuration's result from its layers' outputs (in the order of ``layers``)."""
+        meta, policy = self.trace.meta, self.policy
+        T, P = meta.n_tokens, meta.n_prompt
+        kept = concat_kept([o[2][None] for o in outs]) if self.n_rec else None
+        return ReplayResult(
+            trace=str(self.trace.path), policy=policy.name, label=policy.label(), params=dict(policy.params),
+            budget=self.budget, budgets=self.budgets, steps=np.arange(P, T), metrics=np.stack([o[0] for o in outs]),
+            slots=np.stack([o[1] for o in outs]), head_dim=meta.model.head_dim, kept=kept,
+            kept_steps=np.arange(self.rec_start, self.rec_start + self.n_rec) if self.n_rec else None,
+            layers=np.asarray(self.layers, np.int64), held_elsewhere=held_elsewhere(self.trace, self.layers),
+            sliding=self.sliding,
+        )
+
+
+#: compiled kernels as the engine takes them, by dispatcher (`engine_kernels`)
+_ENGINE_KERNELS: dict[int, tuple[object, object]] = {}
+
+
+def engine_kernels(policy: Policy) -> tuple:
+    """``policy``'s (step, prefill, logit_scale) kernels as ``replay_layer`` takes them, each in a 1-tuple (one
+    compiled engine for every policy): the compiled function itself (numba's wrapper address protocol,
+    ``CompileResultWAP``), looked up once per process. Handed a dispatcher, numba re-derives its first-class
+    function type at every call (signature inspection and compile-result lookup, ~0.8 ms: 14% of a search's
+    replays of 640-token traces, a call per cell and layer); the machine code called is the same."""
+    from numba.core.types.function_type import CompileResultWAP
+
+    from policies.base import LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG
+
+    out = []
+    for fn, sig in zip(policy.kernels(), (STEP_SIG, PREFILL_SIG, LOGIT_SCALE_SIG)):
+        hit = _ENGINE_KERNELS.get(id(fn))
+        if hit is None or hit[0] is not fn:
+            cres = getattr(fn, "overloads", {}).get(sig.args)
+            if cres is None and hasattr(fn, "compile"):
+                fn.compile(sig.args)
+                cres = fn.overloads.get(sig.args)
+            hit = _ENGINE_KERNELS[id(fn)] = (fn, CompileResultWAP(cres) if cres is not None else fn)
+        out.append((hit[1],))
+    return tuple(out)
 
 
 def initial_head_state(policy: Policy, li: LayerInputs, memo: dict | None, prompt: PromptLayers,

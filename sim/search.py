@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from policies import Param, get_policy, policy_class
-from sim.executors import Executor, Job, TraceRef
+from sim.executors import Executor, Job, TraceRef, coalesce
 from sim.metrics import OBJECTIVES, metric
 from sim.replay_plan import effective_chunk
 from sim.specs import trace_id
@@ -125,7 +125,7 @@ def run_search(trace: TraceRef, policy: str, budgets: Sequence[int], store: Resu
                 plans.append((trial, pol, bset, keys))
             missing = [Job(trace, pol.name, tuple(sorted(pol.params.items())), (b,), (k,))
                        for _, pol, bset, keys in plans for b, k in zip(bset, keys) if k not in cached]
-            for rows in ex.run(missing):
+            for rows in ex.run(coalesce(missing) if ex.in_process else missing):
                 store.add(rows)
                 cached.update({r["key"]: r for r in rows})
             for trial, pol, bset, keys in plans:

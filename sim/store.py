@@ -53,13 +53,14 @@ class ResultStore:
     def parts(self) -> list[Path]:
         return sorted(self.root.glob("part-*.parquet"))
 
-    def load(self) -> pd.DataFrame:
-        """All rows, one per key (the first written wins if a key was ever written twice)."""
+    def load(self, dedupe: bool = True) -> pd.DataFrame:
+        """All rows, one per key (the first part file in name order wins if a key was ever written twice), or with
+        ``dedupe=False`` every row as written (a caller that prefers one of a key's rows picks it)."""
         frames = [pd.read_parquet(p) for p in self.parts()]
         if not frames:
             return pd.DataFrame()
         df = pd.concat(frames, ignore_index=True)
-        return df.drop_duplicates("key", keep="first").reset_index(drop=True)
+        return df.drop_duplicates("key", keep="first").reset_index(drop=True) if dedupe else df
 
     def keys(self) -> set[str]:
         return set(self.load().get("key", pd.Series(dtype=str)).tolist())

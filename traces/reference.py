@@ -54,12 +54,13 @@ def causal_column_sums(q: np.ndarray, k: np.ndarray, scale: float, *, start: int
 
 
 def full_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
-                             window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                             window: int | None = None, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Causal softmax attention of every query over the keys it sees: all earlier positions and itself, or
     with ``window`` only the last ``window`` positions (query i sees keys i - window + 1 .. i).
 
     q: [T, Hq, d]; k, v: [T, Hkv, d] with Hq a multiple of Hkv (GQA). Returns lse [T, Hq] (of the scaled
-    logits) and o [T, Hq, d], both float32, computed in float64 in row chunks to bound memory.
+    logits) and o [T, Hq, d], both float32, computed in float64 in row chunks to bound memory. ``start``: only the
+    queries from ``start`` on (the rows before are zero), for a trace whose earlier rows nothing reads.
     """
     T, hq, d = q.shape
     hkv = k.shape[1]
@@ -68,10 +69,10 @@ def full_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale:
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     g = hq // hkv
-    lse = np.empty((T, hq), np.float32)
-    out = np.empty((T, hq, d), np.float32)
+    lse = np.zeros((T, hq), np.float32)
+    out = np.zeros((T, hq, d), np.float32)
     for h in range(hkv):
-        for r0 in range(0, T, _ROW_CHUNK):
+        for r0 in range(start, T, _ROW_CHUNK):
             r1 = min(T, r0 + _ROW_CHUNK)
             c0 = visible_range(r0, r1, window)
             kh = np.asarray(k[c0:r1, h], np.float64)

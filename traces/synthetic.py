@@ -86,9 +86,11 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
                          n_sinks: int = 4, zipf_alpha: float = 1.1, recall_every: int = 16, recall_window: int = 32,
                          segment: int = 128, passkey_pos: int | None = None, n_needle_queries: int = 16,
                          local_length: float = 4.0, dtype: str = "float32",
-                         windows: Sequence[int | None] | None = None) -> InMemoryTrace:
+                         windows: Sequence[int | None] | None = None, reference_from: int = 0) -> InMemoryTrace:
     """Generate a synthetic trace with a known attention structure (see module docstring). ``windows`` makes a
-    hybrid model: per layer None (global) or a sliding window, whose windowed attention is the reference."""
+    hybrid model: per layer None (global) or a sliding window, whose windowed attention is the reference.
+    ``reference_from``: the full-attention reference (lse, o) only from that row on, zeros before (what a replay
+    reads is the measured rows': a long trace's cost measurement skips the quadratic rest)."""
     if kind not in KINDS:
         raise ValueError(f"unknown synthetic kind {kind!r}; choose from {KINDS}")
     if head_dim < _MIN_HEAD_DIM:
@@ -148,7 +150,7 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
                     qc[has] += rec.recall * jit_[4] * tgt_vec / (scale * (tgt_vec ** 2).sum(1, keepdims=True))
                 qh[:, 2 + 2 * _N_FREQ:] = qc
         q32, k32, v32 = (a.astype(dtype) for a in (q, k, v))
-        lse, o = full_attention_reference(q32, k32, v32, scale, window=windows[layer])
+        lse, o = full_attention_reference(q32, k32, v32, scale, window=windows[layer], start=reference_from)
         wo = random_output_projection(n_q_heads, head_dim, seed * 1000 + layer)
         layers.append(LayerArrays(q32, k32, v32, lse, o, wo))
     attention = tuple(LayerAttention("sliding" if w else "global", w or None, 0.0, scale) for w in windows)

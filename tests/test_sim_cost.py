@@ -1,0 +1,55 @@
+"""The simulator's cost model (`benchmarks/sim_cost.py`): the model side read from the last GPU check, the
+comparison's arithmetic, its page section, and the shortcut its long synthetic traces take (the reference of the
+measured rows only)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks import docs_tables, sim_cost
+from traces.reference import full_attention_reference
+
+
+def test_closed_loop_of_an_8b_geometry_comes_from_the_gpu_check():
+    out = sim_cost.closed_loop_8b("llama3-8b", 4096)
+    assert "gpu_check_generate.json" in out["source"] and "32 layers" in out["source"]
+    # the roofline is a floor: the measured closed loop cannot be faster
+    assert 0 < out["floor_seconds"] < out["measured_seconds"]
+    # qwen3-8b has more layers and parameters: more model time per cell
+    assert sim_cost.closed_loop_8b("qwen3-8b", 4096)["floor_seconds"] > out["floor_seconds"]
+
+
+def test_cells_per_run_in_time_and_in_cost():
+    ctx = {"per_cell": {"h2o": {"replay_seconds": 2.0, "trace_only_seconds": 0.0}},
+           "closed_loop": {"measured_seconds": 100.0, "floor_seconds": 1.0}}
+    got = sim_cost.compare(ctx)["h2o"]
+    assert got["cells_per_run_time_measured"] == pytest.approx(50.0)
+    assert got["cells_per_run_time_floor"] == pytest.approx(0.5)
+    gpu, cpu = sim_cost.PRICES["h100_gpu_hour"]["usd"], sim_cost.PRICES["cpu_core_hour"]["usd"]
+    assert got["cells_per_run_cost_floor"] == pytest.approx(0.5 * gpu / cpu)
+
+
+def test_speed_page_section(monkeypatch):
+    model = {"n_prompt": 512, "n_decode": 128, "cells": 203, "simulate_seconds": 40.0, "record_seconds": 3.0,
+             "sim_per_cell": 40.0 / 203, "simulate_seconds_all_losses": 80.0, "closed_per_cell": 4.0,
+             "ratio": 4.0 / (40.0 / 203), "load": 1.0, "families": {"h2o": {"cells": 28, "seconds": 9.0}}}
+    ctx = {"budget": 512, "per_cell": {"h2o": {"replay_seconds": 60.0, "trace_only_seconds": 1.0}},
+           "closed_loop": {"measured_seconds": 100.0, "floor_seconds": 1.5, "source": "the check"}}
+    ctx["comparison"] = sim_cost.compare(ctx)
+    data = {"models": {"smollm2-135m": model}, "prices": sim_cost.PRICES,
+            "scale": {"llama3-8b": {"decode": 256, "contexts": {"4096": ctx}}}, "machine": {"load_avg_1min": 1.0}}
+    monkeypatch.setattr(docs_tables, "load", lambda name: data if name == "sim_cost" else None)
+    text = docs_tables.sim_cost_section()
+    assert "| smollm2-135m | 512 + 128 | 203 |" in text
+    assert "Where simulating first does not pay" in text and "h2o at 4096 + 256" in text
+    assert "$2.99 per GPU-hour" in text
+
+
+def test_reference_of_the_measured_rows_only():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((40, h, 8)).astype(np.float32) for h in (4, 2, 2))
+    lse, o = full_attention_reference(q, k, v, 0.3)
+    lse2, o2 = full_attention_reference(q, k, v, 0.3, start=25)
+    np.testing.assert_allclose(lse2[25:], lse[25:], rtol=1e-6)
+    np.testing.assert_allclose(o2[25:], o[25:], rtol=1e-6, atol=1e-7)
+    assert not lse2[:25].any() and not o2[:25].any()
