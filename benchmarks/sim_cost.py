@@ -12,8 +12,8 @@ run, one thread: on the real models, and projected to 8 B geometries.
   tokens (+ 256 decoded), replayed here for the recommend families' paper defaults: seconds per layer, times the
   geometry's layers, per cell; the trace-only tables (BUZZ's prompt attention, D2O's allocation statistics...) are
   timed apart (a search computes them once per trace). The model's side comes from the last GPU check
-  (``benchmarks/results/gpu_check_generate.json``: decode tokens/s of the 4-layer Llama-3-8B-shaped model on one
-  H100, scaled to the geometry's layers) and, as a floor, the H100's roofline; the prices are stated assumptions
+  (``benchmarks/results/gpu_check.json``: bf16 decode tokens/s of the 4-layer Llama-3-8B-shaped model with a policy
+  on kvsim's Triton cache, on the GPU that check ran on, scaled to the geometry's layers) and, as a floor, the H100's roofline; the prices are stated assumptions
   (`PRICES`).
 
 Writes benchmarks/results/sim_cost.json (stages merge into it, so ``--only`` reruns one part).
@@ -245,9 +245,9 @@ def closed_loop_8b(geometry: str, P: int) -> dict[str, Any]:
     the prefill at the roofline; floor = the roofline alone (weights read once per decoded token, prefill FLOPs at
     `H100`'s MFU), what an efficient closed loop could reach."""
     g = GEOMETRIES[geometry]
-    path = RESULTS / "gpu_check_generate.json"
+    path = RESULTS / "gpu_check.json"
     check = json.loads(path.read_text())
-    runs = [r for r in check["steps"]["generate"]["runs"] if r["model"] == GPU_MODEL]
+    runs = [r for r in check["steps"]["generate"]["runs"] if r["model"] == GPU_MODEL and r["dtype"] == "bfloat16"]
     run = min(runs, key=lambda r: abs(r["prompt_tokens"] - P))
     per_layer_token = 1.0 / run["tokens_per_s_triton"] / GPU_MODEL_LAYERS
     params = PARAMS[geometry]
@@ -257,7 +257,8 @@ def closed_loop_8b(geometry: str, P: int) -> dict[str, Any]:
     floor_decode = SCALE_DECODE * (weights + kv_per_token) / H100["hbm_bytes_per_s"]
     return {"measured_seconds": prefill + SCALE_DECODE * per_layer_token * g["n_layers"],
             "floor_seconds": prefill + floor_decode,
-            "source": f"{path.name} ({check['device']}, kvsim {GPU_MODEL} at {run['prompt_tokens']} prompt tokens: "
+            "source": f"{path.name} ({check['device']}, kvsim {GPU_MODEL} in bf16 at {run['prompt_tokens']} prompt "
+                      f"tokens, {run['policy']} at {run['budget']} slots: "
                       f"{run['tokens_per_s_triton']:.1f} decode tokens/s on the Triton cache, "
                       f"{run['tokens_per_s_transformers_sdpa']:.1f} with transformers' own SDPA cache), scaled from "
                       f"{GPU_MODEL_LAYERS} to {g['n_layers']} layers; prefill and floor at the H100 roofline "

@@ -12,7 +12,7 @@ from traces.reference import full_attention_reference
 
 def test_closed_loop_of_an_8b_geometry_comes_from_the_gpu_check():
     out = sim_cost.closed_loop_8b("llama3-8b", 4096)
-    assert "gpu_check_generate.json" in out["source"] and "32 layers" in out["source"]
+    assert "gpu_check.json" in out["source"] and "32 layers" in out["source"]
     # the roofline is a floor: the measured closed loop cannot be faster
     assert 0 < out["floor_seconds"] < out["measured_seconds"]
     # qwen3-8b has more layers and parameters: more model time per cell
