@@ -285,6 +285,8 @@ class BumbleBee(Policy):
     """
 
     name = "bumblebee"
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"lam": (0.3, 0.0, 0.6)}
     summary = "submodular diversity + importance"
     schema = SCHEMA
     P = P

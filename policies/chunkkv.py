@@ -201,6 +201,8 @@ class ChunkKV(ScorerPolicy):
     per layer with ``scope=layer``; see the module docstring for kvpress's reading)."""
 
     name = "chunkkv"
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"chunk_length": (20, 10, 40)}
     summary = "whole chunks by summed attention score"
     schema = SCHEMA
     P = P

@@ -163,6 +163,8 @@ class DuoAttention(Policy):
     on-the-fly head scores); see the module docstring for the head scores, the budget and the defaults."""
 
     name = "duo_attention"
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"head_compression_ratio": (0.5, 0.25, 0.75)}
     summary = "retrieval heads keep the budget, streaming heads sinks + recent (on-the-fly head split)"
     schema = SCHEMA
     P = P

@@ -84,6 +84,8 @@ class ObservedAttention(ScorerPolicy):
     See the module docstring for the decode rule and the protection."""
 
     name = "observed_attention"
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"decode_rule": ("average", "accumulated")}
     summary = "prompt attention received, averaged over the queries that saw the token"
     schema = SCHEMA
     P = P

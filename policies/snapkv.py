@@ -139,6 +139,8 @@ class SnapKV(ScorerPolicy):
     the budget with the same rule over a sliding observation window (the last ``window_size`` queries)."""
 
     name = "snapkv"
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"window_size": (32, 8, 16, 64)}
     summary = "observation-window prompt selection with pooling"
     schema = SCHEMA
     P = P
@@ -163,6 +165,8 @@ class PyramidKV(SnapKV):
     stays ``budget * L * Hkv`` (see ``pyramid_layer_budgets``)."""
 
     name = "pyramidkv"
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"window_size": (32, 8, 16, 64)}
     summary = "SnapKV with layer budgets decreasing with depth"
     schema = PYRAMID_SCHEMA
     P = param_indices(PYRAMID_SCHEMA)

@@ -26,6 +26,8 @@ class StreamingLLM(ScorerPolicy):
     """Keep the first ``n_sinks`` tokens and the most recent ``budget - n_sinks`` (paper default: 4 sinks)."""
 
     name = "streaming_llm"
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"n_sinks": (4, 0, 1, 16)}
     reads_attention = False
     summary = "sinks + sliding window"
     schema = SCHEMA
