@@ -228,6 +228,20 @@ def signal_analysis(judged: Sequence[dict]) -> dict[str, Any]:
     return out
 
 
+def threshold_scan(judged: Sequence[dict], thresholds: Sequence[float] = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8)
+                   ) -> list[dict[str, Any]]:
+    """The margin (``confidence.margin_t``) as a predictor of the outcome, threshold by threshold: of the answers
+    that claimed the target, how many had at least that margin and the share of them that held out, and the same
+    below it. `gpu_validate.recommend.CONFIDENCE` was chosen from this scan on SmolLM2 and is judged on Gemma-3."""
+    claimed = [j for j in judged if j["answer"]["met"]]
+    out = []
+    for t in thresholds:
+        above = [j["held_out_met"] for j in claimed if j["confidence"]["margin_t"] >= t]
+        below = [j["held_out_met"] for j in claimed if j["confidence"]["margin_t"] < t]
+        out.append({"threshold": t, "above": _share(above), "below": _share(below)})
+    return out
+
+
 def summarise(cells: Sequence[dict], judged: Sequence[dict], reliable_only: bool) -> dict[str, float]:
     """The summary shares over cells (the choice within a grid budget) and over the judged recommendations."""
     cells = [c for c in cells if c["held_reliability"] >= RELIABLE] if reliable_only else list(cells)
@@ -388,6 +402,7 @@ def report(args, load) -> int:
     summary["confidence_calibration"] = {**confidence_calibration(rnd),
                                          "fold": confidence_calibration([j for j in judged if j["kind"] == "fold"])}
     summary["confidence_signals"] = signal_analysis(rnd)
+    summary["confidence_threshold_scan"] = threshold_scan(rnd)
     summary["within_family_rho"] = {t: within_family_rho(table(v, SIM_LOSS), table(v, "delta_nll"), family_of)
                                     for t, v in segs.items()}
     texts = list(segs)          # the model on one text against itself on another (symmetric)

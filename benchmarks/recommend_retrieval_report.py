@@ -14,11 +14,12 @@ import numpy as np
 
 def report(args, load) -> int:
     from benchmarks._util import machine, write_result
-    from benchmarks.recommend_report import confidence_calibration, coverage, judge, random_splits, signal_analysis
-    from benchmarks.recommend_retrieval import SPECS
+    from benchmarks.recommend_report import (confidence_calibration, coverage, judge, random_splits,
+                                             signal_analysis, threshold_scan)
+    from benchmarks.recommend_retrieval import grid_candidates
     from gpu_validate.needle import config_key
     from gpu_validate.recommend import MARGIN_Z
-    from gpu_validate.recommend_grid import Target, budget_ladder, candidates
+    from gpu_validate.recommend_grid import Target, budget_ladder
     from gpu_validate.recommend_retrieval import RetrievalRecommender, certifiable
     from sim.runinfo import kvsim_version, now
     from sim.store import ResultStore
@@ -29,7 +30,7 @@ def report(args, load) -> int:
     limit_threads(args.threads)
     t0 = time.perf_counter()
     model, tok, mid, prompts, solved = load(args)
-    cands = candidates(";".join(SPECS))
+    cands = grid_candidates()
     budgets = budget_ladder(args.prompt, args.budgets)
     grid_store, sim_store = ResultStore(args.store), ResultStore(args.store + "-sim")
     known = grid_store.load()
@@ -76,6 +77,7 @@ def report(args, load) -> int:
         "coverage": {**coverage(judged), "by_target": {str(tg): coverage([j for j in judged if j["target"] == str(tg)])
                                                        for tg in targets}},
         "confidence_calibration": confidence_calibration(judged), "confidence_signals": signal_analysis(judged),
+        "confidence_threshold_scan": threshold_scan(judged),
         "goals": {"target_met_share": ">= 0.9", "budget_ratio_median": "<= 1.25 (whole rungs here: no refinement)",
                   "coverage": ">= 1 - alpha", "confidence_calibration": "high holds >= 0.95"}}
     grid_means = [{"label": lab, "budget": b, "failure_share": float(np.mean(list(v.values())))}
@@ -87,8 +89,8 @@ def report(args, load) -> int:
            "targets": [str(t) for t in targets],
            "grid": {"configurations": [c.label for c in cands], "budgets": budgets,
                     "closed_loop_runs": len(cands) * len(budgets) * len(units) + len(prompts),
-                    "subset_note": "each family's paper default and SnapKV's windows: a fixed subset of the "
-                                   "candidates, for cost; no refinement between rungs"},
+                    "subset_note": "each family's paper default and SnapKV with an 8-token window: a fixed subset "
+                                   "of the candidates, for cost; no refinement between rungs"},
            "summary": summary, "recommendations": judged, "grid_failure_shares": grid_means,
            "seconds": time.perf_counter() - t0, "machine": machine(), "kvsim": kvsim_version(), "date": now(),
            "command": "python -m benchmarks.recommend_retrieval " + " ".join(sys.argv[1:])}
