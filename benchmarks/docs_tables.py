@@ -325,34 +325,105 @@ def fidelity_page() -> str:
             out.append(model_losses(d))
         out.append("\n" + measured_on(d, name))
     for name, title in (("recommend_smollm2-135m", "SmolLM2-135M"), ("recommend_gemma3-270m", "Gemma-3-270M")):
-        d = load(name)
         out.append(f"\n## `kvsim recommend` judged on held-out segments: {title} (`benchmarks/recommend.py`)\n\n")
-        if d is None:
-            out.append(missing(name))
-            continue
-        s, goals = d["summary"], d["summary"].get("goals", {})
-        out.append(f"Grid: {len(d['grid']['families'])} families, {d['grid']['configurations']} configurations × "
-                   f"budgets {', '.join(map(str, d['grid']['budgets']))}, {d['grid']['closed_loop_runs']} closed-loop "
-                   f"runs; target {d['target']}; simulated loss `{s.get('sim_loss')}`. {d.get('split_note', '')}.\n\n")
-        keys = ["pick_in_model_top3_share", "median_regret_share", "median_regret_nats", "target_met_share",
-                "claimed_met_share", "target_met_share_of_claimed", "budget_ratio_median", "model_runs_share"]
-        kinds = [(kind, name) for kind, name in (("fold", "folds"), ("halves", "halves"), ("cross_text", "cross-text"))
-                 if kind in s]
-        out.append("kvsim's answers beside those of the model itself on the segments a recommendation sees (its whole "
-                   "grid there: what a perfect simulator would answer), both judged on the held-out segments:\n\n")
-        out.append(table(["measure", *[f"{who}, {name}" for _, name in kinds for who in ("kvsim", "model on seen")],
-                          "goal"],
-                         [[k, *[s[kind]["all_cells"].get(f"{pre}{k}") for kind, _ in kinds
-                                for pre in ("", "model_on_seen_")], goals.get(k)]
-                          for k in keys if k in s]))
-        rho = dict(s.get("within_family_rho", {}))
-        rho.update({f"model, {pair}": per for pair, per in s.get("within_family_rho_model_across_texts", {}).items()})
-        if rho:
-            fams = sorted({f for per in rho.values() for f in per})
-            out.append("\nWithin-family Spearman ρ over each family's values: the simulator against the model per "
-                       "text, and the model on one text against itself on the other:\n\n")
-            out.append(table(["text", *fams], [[t, *[per.get(f) for f in fams]] for t, per in rho.items()]))
-        out.append("\n" + measured_on(d, name))
+        d = load(name)
+        out.append(missing(name) if d is None else recommend_section(d, name))
+    for name, title in (("recommend_retrieval_smollm2-135m", "SmolLM2-135M"),
+                        ("recommend_retrieval_gemma3-270m", "Gemma-3-270M")):
+        out.append(f"\n## `kvsim recommend --target retrieval=X` judged on held-out prompts: {title} "
+                   "(`benchmarks/recommend_retrieval.py`)\n\n")
+        d = load(name)
+        out.append(missing(name) if d is None else recommend_retrieval_section(d, name))
+    return "".join(out)
+
+
+def _ci(x: dict[str, Any]) -> str:
+    """A share with its count and 95% interval: ``0.93 (112/120; 0.87-0.97)``."""
+    if not x.get("n"):
+        return "—"
+    return f"{fmt(x['share'])} ({round(x['share'] * x['n'])}/{x['n']}; {fmt(x['ci95'][0])}-{fmt(x['ci95'][1])})"
+
+
+def guarantee_tables(s: dict[str, Any]) -> str:
+    """The guarantee's coverage per target and the confidence's calibration per level."""
+    cov = s["coverage"]
+    rows = [[t, fmt(c["alpha"]), _ci(c["certified"]), _ci(c["coverage"]), c["coverage_per_unit"],
+             c["cost_ratio_median"], c["budget_ratio_median"]] for t, c in cov["by_target"].items()]
+    rows.append(["all", fmt(cov["alpha"]) if not isinstance(cov["alpha"], list) else "—", _ci(cov["certified"]),
+                 _ci(cov["coverage"]), cov["coverage_per_unit"], cov["cost_ratio_median"], cov["budget_ratio_median"]])
+    out = ("\nThe distribution-free guarantee (random splits): how often a budget was certified, and how often the "
+           "held-out mean loss met the target at the certified budget (goal ≥ 1 − alpha), beside the share of "
+           "held-out units that did and what the certified budget costs over the answer's and over the smallest "
+           "grid budget meeting the target held out:\n\n")
+    out += table(["target", "alpha", "certified", "coverage", "per unit", "cost / answer", "budget ratio"], rows)
+    cal = s["confidence_calibration"]
+    out += ("\nThe confidence against the outcome (random splits): per level stated, how many answers and the share "
+            "that held on the held-out segments, with the median budget ratio:\n\n")
+    out += table(["level", "answers held", "budget ratio"],
+                 [[lvl, _ci(cal[lvl]), cal[lvl]["budget_ratio_median"]] for lvl in ("high", "medium", "low")])
+    sig = s.get("confidence_signals")
+    if sig:
+        names = [k for k, v in sig.items() if isinstance(v, dict)]
+        out += (f"\nWhat predicts a failure held out (base rate {fmt(sig['failure_base_rate'])} of "
+                f"{sig['n']}): each signal's AUC, and its best threshold's balanced accuracy and MCC:\n\n")
+        out += table(["signal", "AUC", "balanced accuracy", "MCC"],
+                     [[k, sig[k].get("auc_failure"), sig[k].get("balanced_accuracy"), sig[k].get("mcc")]
+                      for k in names])
+    return out
+
+
+def recommend_section(d: dict[str, Any], name: str) -> str:
+    """benchmarks/recommend.py's JSON: the answers' shares per split kind, the guarantee, the confidence, rho."""
+    s, goals = d["summary"], d["summary"].get("goals", {})
+    g = d["grid"]
+    out = [f"Grid: {len(g['families'])} families, {g['configurations']} configurations × budgets "
+           f"{', '.join(map(str, g['budgets']))}, {g['closed_loop_runs']} closed-loop runs, and "
+           f"{g.get('refined_cells', 0)} (configuration, refined budget) cells at "
+           f"{', '.join(map(str, g.get('refined_budgets', [])))} on every segment "
+           f"({g.get('refined_closed_loop_runs', 0)} runs); targets {', '.join(d['targets'])}; simulated loss "
+           f"`{s.get('sim_loss')}`. {d.get('split_note', '')}.\n\n"]
+    keys = ["target_met_share", "claimed_met_share", "target_met_share_of_claimed", "budget_ratio_median",
+            "budget_ratio_fine_median", "refined_share", "model_runs_share", "pick_in_model_top3_share",
+            "median_regret_share"]
+    kinds = [(kind, label) for kind, label in (("random", "random"), ("fold", "folds"), ("cross_text", "cross-text"))
+             if kind in s]
+    out.append("kvsim's answers beside those of the model itself on the segments a recommendation sees (its whole "
+               "grid there: what a perfect simulator would answer), both judged on the held-out segments:\n\n")
+    out.append(table(["measure", *[f"{who}, {label}" for _, label in kinds for who in ("kvsim", "model on seen")],
+                      "goal"],
+                     [[k, *[s[kind]["all_cells"].get(k) if who == "" else s[kind]["all_cells"].get(f"model_on_seen_{k}")
+                            for kind, _ in kinds for who in ("", "m")], goals.get(k)]
+                      for k in keys]))
+    out.append("\nPer target (random splits):\n\n")
+    out.append(table(["target", "answers", "target met", "budget ratio", "budget ratio (fine)", "refined"],
+                     [[t, v["recommendations"], v["target_met_share"], v["budget_ratio_median"],
+                       v["budget_ratio_fine_median"], v["refined_share"]]
+                      for t, v in s["random"]["by_target"].items()]))
+    out.append(guarantee_tables(s))
+    rho = dict(s.get("within_family_rho", {}))
+    rho.update({f"model, {pair}": per for pair, per in s.get("within_family_rho_model_across_texts", {}).items()})
+    if rho:
+        fams = sorted({f for per in rho.values() for f in per})
+        out.append("\nWithin-family Spearman ρ over each family's values: the simulator against the model per "
+                   "text, and the model on one text against itself on the other:\n\n")
+        out.append(table(["text", *fams], [[t, *[per.get(f) for f in fams]] for t, per in rho.items()]))
+    out.append("\n" + measured_on(d, name))
+    return "".join(out)
+
+
+def recommend_retrieval_section(d: dict[str, Any], name: str) -> str:
+    """benchmarks/recommend_retrieval.py's JSON: the answers on held-out prompts, the guarantee, the confidence."""
+    s, g = d["summary"], d["grid"]
+    out = [f"{d['prompts']} pass-key prompts of {d['n_prompt']} tokens in the two shipped texts, {d['prompts_solved_by_full']} "
+           f"answered by the full cache, {d['units']} with the whole grid: {len(g['configurations'])} configurations "
+           f"({', '.join(f'`{c}`' for c in g['configurations'])}) × budgets {', '.join(map(str, g['budgets']))}, "
+           f"{g['closed_loop_runs']} closed-loop runs. {d['split_note']}.\n\n"]
+    out.append(table(["target", "answers", "splits refused", "target met", "budget ratio"],
+                     [[t, v["recommendations"], v["refused_splits"], v["target_met_share"], v["budget_ratio_median"]]
+                      for t, v in s["by_target"].items()] +
+                     [["all", len(d["recommendations"]), "", s["target_met_share"], s["budget_ratio_median"]]]))
+    out.append(guarantee_tables(s))
+    out.append("\n" + measured_on(d, name))
     return "".join(out)
 
 

@@ -1,15 +1,19 @@
-"""How far `kvsim recommend` can be trusted: its choices made on one text, judged on another text it never saw
-against an exhaustive closed-loop grid there.
+"""How far `kvsim recommend` can be trusted: its choices made on some segments of two texts, judged on segments it
+never saw against an exhaustive closed-loop grid there.
 
-1. ``--stage grid``: every configuration of `gpu_validate.recommend_grid.FAMILY_GRID` (7 families x 4
-   hyperparameter values + TOVA) at every budget, closed loop, on ``--segments`` segments of each of two shipped
-   texts (resumable store; a segment of each text per round, so a stopped run is balanced).
-2. ``--stage report``: the simulator on the same cells; `gpu_validate.recommend.recommend` run on each text's
-   segments (its simulations and its own few closed-loop runs), then judged on the other text's grid: whether
-   its first choice per budget is among the model's three best, its regret against the paper default, whether the
-   budget it recommends meets the target there and how it compares with the smallest budget that does, and how
-   many model runs it used; within-family Spearman rho per family; the model's own split-half reliability.
-   Writes benchmarks/results/recommend_<model>.json.
+1. ``--stage grid``: every configuration of `FAMILIES` (a fixed subset of ``--policies all``, for cost: 7 families
+   x 4 hyperparameter values + TOVA, each family's own ``search_grid``) at every budget, closed loop, on
+   ``--segments`` segments of each of two shipped texts (resumable store; a segment of each text per round, so a
+   stopped run is balanced).
+2. ``--stage report``: the simulator on the same cells; `gpu_validate.recommend.recommend` run on the seen
+   segments of each split (benchmarks/recommend_report.py: random draws of ``seen`` segments, folds, cross-text;
+   its simulations and its own closed-loop runs, the refined budgets between rungs included -- those are new runs,
+   stored in the grid's store, and the configurations confirmed there also run on every segment so that the
+   held-out segments judge them), then judged on the held-out segments: whether the budget it recommends meets the
+   target there and how it compares with the smallest budget that does, the coverage of its guarantee, how often
+   each confidence level held, whether its first choice per budget is among the model's three best, its regret
+   against the paper default, and how many model runs it used. Writes benchmarks/results/recommend_<model>.json.
+   CPU-heavy where refinement asks for budgets the store lacks: run it under the heavy lock.
 
     python -m benchmarks.recommend --model smollm2-135m --stage grid
     python -m benchmarks.recommend --model smollm2-135m --stage report
@@ -21,14 +25,18 @@ import sys
 import time
 
 TEXTS = ("default", "idle")
+#: the grid's families (each with its own search grid): a fixed subset of the candidates, for cost
+FAMILIES = ("h2o", "snapkv", "streaming_llm", "buzz", "d2o", "cascading", "expected_attention", "tova")
 #: per model: segments per text (evenly spaced, so 5 on SmolLM2 and 7 on Gemma-3 keep the windows of the earlier
 #: 3-segment grids: the model's own split-half reliability on Gemma-3 was 0.34-0.71 with 2 segments a text; from 4
-#: segments a text the report also judges recommendations that saw half of them), prompt and scored tokens, budgets
+#: segments a text the report also judges recommendations that saw half of them), prompt and scored tokens, budgets,
+#: and the random splits: how many segments a recommendation sees (six: `kvsim recommend --segments 3` on two texts)
+#: and how many draws
 MODELS = {
     "smollm2-135m": {"segments": 5, "prompt": 512, "decode": 128, "budgets": "64,128,192,256,384",
-                     "target": "dnll=0.05"},
+                     "target": "dnll=0.05", "seen": 6, "splits": 120},
     "gemma3-270m": {"segments": 7, "prompt": 1024, "decode": 128, "budgets": "64,128,256,384",
-                    "target": "dnll=0.05"},
+                    "target": "dnll=0.05", "seen": 6, "splits": 120},
 }
 
 
@@ -39,10 +47,19 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--segments", type=int, default=None, help="segments per text (default: the model's)")
     ap.add_argument("--store", default=None, help="closed-loop store (default results/recommend_<model>)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the closed loop")
+    ap.add_argument("--splits", type=int, default=None, help="random splits (default: the model's)")
+    ap.add_argument("--verbose", action="store_true", help="the recommendations' own progress lines")
+    ap.add_argument("--refine", type=float, default=None,
+                    help="report stage: the refinement ratio (default: gpu_validate.recommend.REFINE; 0: rungs only)")
+    ap.add_argument("--margin-z", type=float, default=None,
+                    help="report stage: the bound's level (default: gpu_validate.recommend.MARGIN_Z)")
+    ap.add_argument("--out", default=None, help="report stage: the JSON (default benchmarks/results/recommend_<model>"
+                                                ".json; another path for a variant)")
     args = ap.parse_args(argv)
     d = MODELS[args.model]
     args.segments = args.segments or d["segments"]
     args.prompt, args.decode, args.budgets, args.target = d["prompt"], d["decode"], d["budgets"], d["target"]
+    args.seen, args.splits, args.families = d["seen"], args.splits or d["splits"], FAMILIES
     args.store = args.store or f"results/recommend_{args.model}"
     return args
 
@@ -73,7 +90,7 @@ def grid(args) -> int:
     limit_threads(args.threads)
     t0 = time.perf_counter()
     model, _, by_text = load(args)
-    configs = [(c.policy, b) for c in candidates() for b in budget_ladder(args.prompt, args.budgets)]
+    configs = [(c.policy, b) for c in candidates(";".join(FAMILIES)) for b in budget_ladder(args.prompt, args.budgets)]
     store = ResultStore(args.store)
     for i in range(args.segments):
         closed_loop(model, [by_text[t][i] for t in TEXTS], configs, store, n_prompt=args.prompt, model_id=args.model,

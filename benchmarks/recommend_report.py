@@ -1,28 +1,35 @@
 """Stage 2 of benchmarks/recommend.py: recommendations made on some segments, judged on segments they never saw
-against the exhaustive closed-loop grid there (see that file's docstring).
+against the exhaustive closed-loop grid there (see that file's docstring). `judge`, `coverage`,
+`confidence_calibration` and `signal_analysis` serve benchmarks/recommend_retrieval.py too.
 
-Three kinds of split. **Folds** (the headline): the recommendation sees segment i of each text and is judged on the
-other segments of the same texts -- a user samples their corpus and deploys on the rest of it. **Halves** (from 4
-segments a text): it sees half of each text's segments, every choice of them, and is judged on the other half -- the
-same user with more of their text sampled, which says what more seen text buys. **Cross-text**: it sees every
-segment of one text and is judged on the other text -- a distribution shift, reported beside the folds.
-A cell is one (split, budget); the model's own split-half reliability on the held-out segments of the cell says
-which cells can judge a ranking at all, and the summary gives the shares over every cell and over the reliable ones.
+Three kinds of split. **Random** (the headline): the recommendation sees ``seen`` segments drawn at random from
+both texts and is judged on the others -- a user who measured part of their corpus and deploys on the rest, the
+units exchangeable by construction, as the guarantee assumes; more than a hundred draws, so that the guarantee's
+coverage is a measured share. **Folds**: it sees segment i of each text and is judged on the other segments of the
+same texts (two seen segments: what a short run of `kvsim recommend` sees). **Cross-text**: it sees every segment
+of one text and is judged on the other -- a distribution shift, which the guarantee does not cover.
+
+The answer is judged on the held-out segments' mean loss of its configuration at its budget (``held_out_met``),
+against the smallest budget at which some configuration met the target there. Where refinement tried budgets
+between the grid's rungs, the configurations confirmed there are run on every segment afterwards, so that the
+answer's held-out loss is measured, and the budget ratio is given two ways: against the grid's rungs (as before
+refinement existed, ``budget_ratio``) and against the rungs plus the refined budgets, where "some configuration"
+is one of those confirmed there (``budget_ratio_fine``).
 
 **The model's own ceiling.** Beside the simulator's first pick, each cell judges the pick of a perfect simulator:
 the model's own closed-loop loss on the segments the recommendation sees (``model_on_seen_first``), and each
-recommendation the answer of the model's whole grid there (``model_on_seen``: the smallest budget whose best
+recommendation the answer of the model's whole grid there (``model_on_seen``: the smallest grid budget whose best
 configuration meets the target). Nothing predicted from those segments knows the held-out ones better than the
-model's own losses there, so these shares (``model_on_seen_*`` in the summary) are what the goals can be measured
-against: where the model's own ranking does not carry from seen to held-out segments, no simulator's can.
+model's own losses there.
 """
 from __future__ import annotations
 
-import itertools
+import json
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -32,6 +39,8 @@ EXTRA_TARGETS = (0.1, 0.2)
 VALIDATE = 3
 #: a held-out cell judges a ranking when the model agrees with itself at least this well there
 RELIABLE = 0.8
+#: seed of the random splits
+SPLIT_SEED = 0
 
 
 def rank_stats(first: str, model: pd.Series, default_pick: str) -> dict[str, Any]:
@@ -76,192 +85,368 @@ def model_on_seen_answer(seen: pd.DataFrame, held: pd.DataFrame, tg, smallest_he
             "held_out_met": tg.met(loss), "budget_ratio": b / smallest_held if smallest_held else float("nan")}
 
 
-def splits(segs: dict[str, list]) -> list[dict[str, Any]]:
-    """The folds (segment i of each text seen, the rest held out), the halves (every way of seeing half of each
-    text's segments, the same indices in every text, the other half held out; from 4 segments a text) and the two
-    cross-text splits."""
+def random_splits(units: Sequence, n_seen: int, n: int, seed: int = SPLIT_SEED) -> list[tuple[list, list]]:
+    """``n`` distinct random (seen, held-out) splits of ``units``, ``n_seen`` seen (all of them when there are
+    fewer distinct ones), in a seeded order."""
+    import math
+
+    units = list(units)
+    total = math.comb(len(units), n_seen)
+    rng = np.random.default_rng(seed)
+    picks: list[tuple[int, ...]] = []
+    seen_sets: set[tuple[int, ...]] = set()
+    while len(picks) < min(n, total):
+        idx = tuple(sorted(int(i) for i in rng.choice(len(units), n_seen, replace=False)))
+        if idx not in seen_sets:
+            seen_sets.add(idx)
+            picks.append(idx)
+    return [([units[i] for i in idx], [u for j, u in enumerate(units) if j not in idx]) for idx in picks]
+
+
+def splits(segs: dict[str, list], n_seen: int, n_random: int) -> list[dict[str, Any]]:
+    """The random splits (``n_random`` draws of ``n_seen`` segments from all texts, the rest held out), the folds
+    (segment i of each text seen, the rest held out) and the cross-text splits."""
+    every = [s for v in segs.values() for s in v]
+    out = [{"name": f"random {i}", "kind": "random", "seen": seen, "held": held}
+           for i, (seen, held) in enumerate(random_splits(every, n_seen, n_random))]
     n = min(len(v) for v in segs.values())
-    out = [{"name": f"fold {i}", "kind": "fold", "seen": [v[i] for v in segs.values()],
-            "held": [s for v in segs.values() for j, s in enumerate(v) if j != i]} for i in range(n)]
-    if n >= 4:
-        for seen in itertools.combinations(range(n), n // 2):
-            out.append({"name": "half " + ",".join(map(str, seen)), "kind": "halves",
-                        "seen": [v[i] for v in segs.values() for i in seen],
-                        "held": [s for v in segs.values() for j, s in enumerate(v) if j not in seen]})
+    out += [{"name": f"fold {i}", "kind": "fold", "seen": [v[i] for v in segs.values()],
+             "held": [s for v in segs.values() for j, s in enumerate(v) if j != i]} for i in range(n)]
     texts = list(segs)
     out += [{"name": f"{a} -> {b}", "kind": "cross_text", "seen": segs[a], "held": segs[b]}
             for a in texts for b in texts if a != b]
     return out
 
 
-def summarise(cells: Sequence[dict], recs: Sequence[dict], reliable_only: bool) -> dict[str, float]:
-    """The issue's summary shares over cells (and over the recommendations of the headline target)."""
+def smallest_meeting(held: dict[tuple[str, int], np.ndarray], budgets: Sequence[int], tg) -> int | None:
+    """The smallest of ``budgets`` at which some configuration's mean held-out loss (``held``: (label, budget) ->
+    losses per held-out unit) meets the target."""
+    return next((b for b in sorted(budgets) if any(tg.met(float(v.mean())) for (_, bb), v in held.items() if bb == b)),
+                None)
+
+
+def judge(rec: dict[str, Any], held: dict[tuple[str, int], np.ndarray], tg, grid_budgets: Sequence[int],
+          fine_budgets: Sequence[int], grid_runs: int) -> dict[str, Any]:
+    """One recommendation (its report ``rec``) judged on the held-out units: ``held`` maps (label, budget) to the
+    losses of each held-out unit. The answer's held-out loss and whether it met the target; the budget ratio to the
+    smallest grid budget some configuration met it at there (and to the smallest of the grid's and the refined
+    budgets, ``_fine``); the guarantee's coverage (the held-out mean, and the share of held-out units, at the
+    certified budget meeting the target); the confidence level and margin it stated."""
+    a, g = rec["answer"], rec["guarantee"]
+    lab, b = a["choice"]["label"], a["budget"]
+    loss = held[lab, b]
+    ref = smallest_meeting(held, grid_budgets, tg)
+    ref_fine = smallest_meeting(held, [*grid_budgets, *fine_budgets], tg)
+    out = {"target": str(tg), "answer": {"met": a["met"], "budget": b, "label": lab,
+                                         "refined": b not in grid_budgets},
+           "held_out_loss": float(loss.mean()), "held_out_met": tg.met(float(loss.mean())),
+           "held_out_units_met_share": float(np.mean([tg.met(x) for x in loss])),
+           "smallest_grid_budget_meeting_target": ref, "budget_ratio": b / ref if ref else float("nan"),
+           "smallest_budget_meeting_target_fine": ref_fine,
+           "budget_ratio_fine": b / ref_fine if ref_fine else float("nan"),
+           "model_runs": rec["model_runs"], "model_runs_share": rec["model_runs"] / grid_runs,
+           "confidence": {k: rec["confidence"][k] for k in ("level", "margin_t", "pair_agreement",
+                                                             "calibration_rms_log")},
+           "margin": a["margin"], "calibration_rms_log": rec["calibration"]["rms_log"]}
+    gb = g["budget"]
+    cert = {"alpha": g["alpha"], "n_units": g["n_units"], "budget": gb, "cost_ratio": g["cost_ratio"]}
+    if gb is not None:
+        gl = held[g["label"], gb]
+        cert.update(held_out_loss=float(gl.mean()), held_out_met=tg.met(float(gl.mean())),
+                    held_out_units_met_share=float(np.mean([tg.met(x) for x in gl])),
+                    budget_ratio=gb / ref if ref else float("nan"))
+    out["guarantee"] = cert
+    return out
+
+
+def _share(xs: Sequence[bool]) -> dict[str, Any]:
+    """A share with its count and 95% Clopper-Pearson interval (small counts are common here)."""
+    from scipy.stats import beta
+
+    n, k = len(xs), int(np.sum(xs))
+    if not n:
+        return {"n": 0, "share": float("nan"), "ci95": [float("nan"), float("nan")]}
+    lo = 0.0 if k == 0 else float(beta.ppf(0.025, k, n - k + 1))
+    hi = 1.0 if k == n else float(beta.ppf(0.975, k + 1, n - k))
+    return {"n": n, "share": k / n, "ci95": [lo, hi]}
+
+
+def coverage(judged: Sequence[dict]) -> dict[str, Any]:
+    """The guarantee over the judged recommendations: the share whose certification succeeded, and of those the
+    share whose held-out mean loss met the target at the certified budget (``coverage``; goal >= 1 - alpha), the
+    share of held-out units that did (what the guarantee is about: one new unit), the median cost of the
+    certified budget over the answer's and over the smallest grid budget meeting the target held out."""
+    cert = [j for j in judged if j["guarantee"]["budget"] is not None]
+    alphas = sorted({round(j["guarantee"]["alpha"], 6) for j in judged})
+    return {"recommendations": len(judged), "alpha": alphas[0] if len(alphas) == 1 else alphas,
+            "certified": _share([j["guarantee"]["budget"] is not None for j in judged]),
+            "coverage": _share([j["guarantee"]["held_out_met"] for j in cert]),
+            "coverage_per_unit": float(np.mean([j["guarantee"]["held_out_units_met_share"] for j in cert]))
+            if cert else float("nan"),
+            "cost_ratio_median": float(np.median([j["guarantee"]["cost_ratio"] for j in cert])) if cert else None,
+            "budget_ratio_median": float(np.nanmedian([j["guarantee"]["budget_ratio"] for j in cert]))
+            if cert else None,
+            "goal": "coverage >= 1 - alpha"}
+
+
+def confidence_calibration(judged: Sequence[dict]) -> dict[str, Any]:
+    """Per confidence level the recommendations stated: how many, the share whose answer held out (with its
+    Clopper-Pearson interval) and their median budget ratio (to the grid's smallest budget meeting the target)."""
+    out = {}
+    for level in ("high", "medium", "low"):
+        part = [j for j in judged if j["confidence"]["level"] == level]
+        out[level] = {**_share([j["held_out_met"] for j in part]),
+                      "budget_ratio_median": float(np.nanmedian([j["budget_ratio"] for j in part]))
+                      if part and np.isfinite([j["budget_ratio"] for j in part]).any() else float("nan")}
+    out["goal"] = "high holds in >= 95% of cases; low only where answers fail more often"
+    return out
+
+
+def signal_analysis(judged: Sequence[dict]) -> dict[str, Any]:
+    """How well each candidate signal of the confidence predicts that an answer fails held out: per signal, its
+    AUC for failure (0.5: no information) and the best single threshold's balanced accuracy and MCC, with the base
+    rate of failure. Signals: the answer's margin in standard errors over segments, the share of its seen segments
+    that met the target, the simulator's pair agreement, the calibration's error."""
+    from sklearn.metrics import matthews_corrcoef, roc_auc_score
+
+    fail = np.array([not j["held_out_met"] for j in judged])
+    signals = {"margin_t": [-j["confidence"]["margin_t"] for j in judged],
+               "units_met_share": [-j["margin"]["units_met_share"] for j in judged],
+               "pair_agreement": [-(j["confidence"]["pair_agreement"] if j["confidence"]["pair_agreement"] ==
+                                    j["confidence"]["pair_agreement"] else 0.5) for j in judged],
+               "calibration_rms_log": [j["calibration_rms_log"] for j in judged]}
+    out: dict[str, Any] = {"n": len(judged), "failure_base_rate": float(fail.mean()) if len(fail) else float("nan")}
+    for name, raw in signals.items():
+        x = np.nan_to_num(np.array(raw, float), posinf=1e9, neginf=-1e9)
+        if len(set(fail)) < 2:
+            out[name] = {"auc_failure": float("nan")}
+            continue
+        best = max(((float(np.mean([np.mean((x >= t)[fail]), np.mean((x < t)[~fail])])), t)
+                    for t in np.unique(x)), default=(float("nan"), float("nan")))
+        out[name] = {"auc_failure": float(roc_auc_score(fail, x)), "balanced_accuracy": best[0],
+                     "mcc": float(matthews_corrcoef(fail, x >= best[1]))}
+    return out
+
+
+def threshold_scan(judged: Sequence[dict], thresholds: Sequence[float] = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8)
+                   ) -> list[dict[str, Any]]:
+    """The margin (``confidence.margin_t``) as a predictor of the outcome, threshold by threshold: of the answers
+    that claimed the target, how many had at least that margin and the share of them that held out, and the same
+    below it. `gpu_validate.recommend.CONFIDENCE` was chosen from this scan on SmolLM2 and is judged on Gemma-3."""
+    claimed = [j for j in judged if j["answer"]["met"]]
+    out = []
+    for t in thresholds:
+        above = [j["held_out_met"] for j in claimed if j["confidence"]["margin_t"] >= t]
+        below = [j["held_out_met"] for j in claimed if j["confidence"]["margin_t"] < t]
+        out.append({"threshold": t, "above": _share(above), "below": _share(below)})
+    return out
+
+
+def summarise(cells: Sequence[dict], judged: Sequence[dict], reliable_only: bool) -> dict[str, float]:
+    """The summary shares over cells (the choice within a grid budget) and over the judged recommendations."""
     cells = [c for c in cells if c["held_reliability"] >= RELIABLE] if reliable_only else list(cells)
 
     def share(xs) -> float:
         return float(np.mean(xs)) if len(xs) else float("nan")
 
     def median(xs) -> float:
-        return float(np.median(xs)) if len(xs) else float("nan")
+        return float(np.nanmedian(xs)) if len(xs) and np.isfinite(xs).any() else float("nan")
 
-    return {"cells": len(cells),
+    return {"cells": len(cells), "recommendations": len(judged),
             "pick_in_model_top3_share": share([c["simulator_first"]["in_top3"] for c in cells]),
             "median_regret_share": median([c["simulator_first"]["regret_share"] for c in cells]),
             "median_regret_nats": median([c["simulator_first"]["regret_nats"] for c in cells]),
             "recommendation_pick_in_model_top3_share": share([c["recommendation_pick"]["in_top3"] for c in cells]),
             "recommendation_median_regret_share": median([c["recommendation_pick"]["regret_share"] for c in cells]),
-            "recommendation_median_regret_nats": median([c["recommendation_pick"]["regret_nats"] for c in cells]),
-            "target_met_share": share([r["held_out_met"] for r in recs]),
+            "target_met_share": share([r["held_out_met"] for r in judged]),
             # an answer may say the target is met at no budget tried: the share that claim, and how many of those
             # claims held on the held-out segments
-            "claimed_met_share": share([r["answer"]["met"] for r in recs]),
-            "target_met_share_of_claimed": share([r["held_out_met"] for r in recs if r["answer"]["met"]]),
-            "budget_ratio_median": float(np.nanmedian([r["budget_ratio"] for r in recs])) if recs else float("nan"),
-            "model_runs_share": share([r["model_runs_share"] for r in recs]),
+            "claimed_met_share": share([r["answer"]["met"] for r in judged]),
+            "target_met_share_of_claimed": share([r["held_out_met"] for r in judged if r["answer"]["met"]]),
+            "budget_ratio_median": median([r["budget_ratio"] for r in judged]),
+            "budget_ratio_fine_median": median([r["budget_ratio_fine"] for r in judged]),
+            "refined_share": share([r["answer"]["refined"] for r in judged]),
+            "model_runs_share": share([r["model_runs_share"] for r in judged]),
             "model_on_seen_pick_in_model_top3_share": share([c["model_on_seen_first"]["in_top3"] for c in cells]),
             "model_on_seen_median_regret_share": median([c["model_on_seen_first"]["regret_share"] for c in cells]),
-            "model_on_seen_median_regret_nats": median([c["model_on_seen_first"]["regret_nats"] for c in cells]),
-            "model_on_seen_target_met_share": share([r["model_on_seen"]["held_out_met"] for r in recs]),
-            "model_on_seen_claimed_met_share": share([r["model_on_seen"]["met_on_seen"] for r in recs]),
-            "model_on_seen_target_met_share_of_claimed": share([r["model_on_seen"]["held_out_met"] for r in recs
-                                                                if r["model_on_seen"]["met_on_seen"]]),
-            "model_on_seen_budget_ratio_median": (float(np.nanmedian([r["model_on_seen"]["budget_ratio"] for r in recs]))
-                                                  if recs else float("nan"))}
+            "model_on_seen_target_met_share": share([r["model_on_seen"]["held_out_met"] for r in judged]),
+            "model_on_seen_budget_ratio_median": median([r["model_on_seen"]["budget_ratio"] for r in judged])}
 
 
 def report(args, load) -> int:
     from benchmarks._util import machine, write_result
     from gpu_validate.fidelity import split_half_reliability
-    from gpu_validate.recommend import SIM_LOSS, SIM_LOSSES, Recommender
+    from gpu_validate.recommend import MARGIN_Z, REFINE, SIM_LOSS, SIM_LOSSES, Recommender
     from gpu_validate.recommend_grid import Target, budget_ladder, candidates
-    from gpu_validate.segments import simulated
+    from gpu_validate.segments import closed_loop, simulated
     from sim.runinfo import kvsim_version, now
     from sim.store import ResultStore
+    from sim.threads import limit_threads
     from traces.texts import SHIPPED_TEXTS
 
+    import torch  # noqa: F401  (first, so limit_threads caps its pool)
+
+    limit_threads(args.threads)
     t0 = time.perf_counter()
     model, _, by_text = load(args)
-    cands = candidates()
+    cands = candidates(";".join(args.families))
     family_of = {c.label: c.family for c in cands}
     default = {c.family: c.label for c in cands if c.default}
     budgets = budget_ladder(args.prompt, args.budgets)
     configs = [(c.policy, b) for c in cands for b in budgets]
     grid_store, sim_store = ResultStore(args.store), ResultStore(args.store + "-sim")
     closed = grid_store.load()
-    closed = closed[closed.model == args.model]
-    done = closed.groupby("segment").size()
+    done = closed[(closed.model == args.model) & closed.budget.isin(budgets)].groupby("segment").size()
     segs = {t: [s for s in by_text[t] if done.get(s.name, 0) >= len(configs)] for t in by_text}
+    every = [s for v in segs.values() for s in v]
     print(f"segments with the whole grid run: {({t: len(v) for t, v in segs.items()})}", flush=True)
-    sim = pd.DataFrame(simulated(model, [s for v in segs.values() for s in v], configs, n_prompt=args.prompt,
-                                 model_id=args.model, store=sim_store))
+    sim = pd.DataFrame(simulated(model, every, configs, n_prompt=args.prompt, model_id=args.model, store=sim_store))
+    target = Target.parse(args.target)
+    targets = [target] + [Target.parse(f"{target.name}={v}") for v in EXTRA_TARGETS]
+    every_split = splits(segs, args.seen, args.splits)
+    log = print if args.verbose else (lambda s: None)
+    refine = REFINE if args.refine is None else (args.refine or None)
+    margin_z = MARGIN_Z if args.margin_z is None else args.margin_z
+
+    # 1. every recommendation on its seen segments (refinement's budgets run closed loop there, stored in the grid)
+    made = []
+    for i, sp in enumerate(every_split):
+        for tg in targets:
+            with tempfile.TemporaryDirectory() as tmp:
+                rec = Recommender(model, sp["seen"], cands, budgets, tg, n_prompt=args.prompt, model_id=args.model,
+                                  out=tmp, validate=VALIDATE, per_family=2, closed_store=grid_store,
+                                  sim_store=sim_store, progress=False, log=log, refine=refine,
+                                  margin_z=margin_z).run()
+            made.append((sp, tg, rec))
+        a = rec["answer"]
+        print(f"[{i + 1}/{len(every_split)}] {sp['name']}: {tg} -> {a['choice']['label']} @ {a['budget']} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    # 2. the configurations confirmed at refined budgets, run on every segment (their held-out losses)
+    fine = sorted({(lab, r["budget"]) for _, _, rec in made for r in rec["per_budget"] if r["budget"] not in budgets
+                   for lab in r["confirmed"]})
+    by_label = {c.label: c.policy for c in cands}
+    print(f"{len(fine)} (configuration, refined budget) cells confirmed: running them on all {len(every)} segments",
+          flush=True)
+    closed_loop(model, every, [(by_label[lab], b) for lab, b in fine], grid_store, n_prompt=args.prompt,
+                model_id=args.model, progress=False, log=log, max_rows=64)
+    closed = grid_store.load()
+    closed = closed[closed.model == args.model]
+    fine_budgets = sorted({b for _, b in fine})
+    names = {s.name for s in every}
+    known = {*((lab, b) for lab in family_of for b in budgets), *fine}
+    rows = closed[closed.segment.isin(names) & closed.label.isin(family_of)]
+    rows = rows[[(lab, int(b)) in known for lab, b in zip(rows.label, rows.budget)]]
+    loss_of = {col: rows.set_index(["label", "budget", "segment"])[col] for col in ("delta_nll", "top1_disagreement")}
+
+    def held_table(held: Sequence, col: str) -> dict[tuple[str, int], np.ndarray]:
+        """(label, budget) -> the loss on each held-out segment, for every cell run on all of them."""
+        part = loss_of[col][loss_of[col].index.get_level_values("segment").isin([s.name for s in held])]
+        return {(lab, int(b)): v.to_numpy(float) for (lab, b), v in part.groupby(level=["label", "budget"])
+                if len(v) == len(held)}
+
+    # 3. the judgements
     cols = ["segment", "label", "budget"]
-    merged = closed[[*cols, "text", "delta_nll", "top1_disagreement"]].merge(sim[[*cols, *SIM_LOSSES]], on=cols)
-    values = ["delta_nll", "top1_disagreement", *SIM_LOSSES]
-    per_seg = merged.set_index(["segment", "label", "budget"])[values]
+    merged = rows[rows.budget.isin(budgets)][[*cols, "text", "delta_nll", "top1_disagreement"]].merge(
+        sim[[*cols, *SIM_LOSSES]], on=cols)
+    per_seg = merged.set_index(cols)[["delta_nll", "top1_disagreement", *SIM_LOSSES]]
 
     def table(segments: Sequence, col: str) -> pd.DataFrame:
-        """label x budget: the mean of ``col`` over ``segments``."""
-        names = [s.name for s in segments]
-        part = per_seg[per_seg.index.get_level_values("segment").isin(names)]
+        """label x grid budget: the mean of ``col`` over ``segments``."""
+        part = per_seg[per_seg.index.get_level_values("segment").isin([s.name for s in segments])]
         return part[col].groupby(["label", "budget"]).mean().unstack("budget")
 
     def reliability(segments: Sequence, b: int) -> float:
         """The model's split-half reliability (Spearman-Brown) of its ranking of every configuration at b."""
         if len(segments) < 2:
             return float("nan")
-        rows = [per_seg.loc[s.name]["delta_nll"].xs(b, level="budget").loc[sorted(family_of)] for s in segments]
-        return float(split_half_reliability(np.stack(rows))["spearman_brown"])
+        rows_ = [per_seg.loc[s.name]["delta_nll"].xs(b, level="budget").loc[sorted(family_of)] for s in segments]
+        return float(split_half_reliability(np.stack(rows_))["spearman_brown"])
 
-    target = Target.parse(args.target)
-    targets = [target] + [Target.parse(f"{target.name}={v}") for v in EXTRA_TARGETS]
-    def judge(sp: dict, tg, validate: int, per_family: int, recs: list, cells: list | None) -> None:
-        """One recommendation on the split's seen segments, judged on its held-out ones; its per-budget cells
-        (``cells``) for the headline target."""
-        with tempfile.TemporaryDirectory() as tmp:
-            rec = Recommender(model, sp["seen"], cands, budgets, tg, n_prompt=args.prompt, model_id=args.model,
-                              out=tmp, validate=validate, per_family=per_family, closed_store=grid_store,
-                              sim_store=sim_store, progress=False, log=lambda s: None).run()
-        a = rec["answer"]
-        held = table(sp["held"], tg.column)
-        held_loss = float(held.loc[a["choice"]["label"], a["budget"]])
-        meets = [b for b in budgets if (held[b] <= tg.limit).any()]
-        seen = table(sp["seen"], tg.column)
-        recs.append({"split": sp["name"], "kind": sp["kind"], "target": str(tg), "answer": a,
-                     "held_out_loss": held_loss, "held_out_met": tg.met(held_loss),
-                     "smallest_grid_budget_meeting_target": meets[0] if meets else None,
-                     "budget_ratio": a["budget"] / meets[0] if meets else float("nan"), "model_runs": rec["model_runs"],
-                     "model_runs_share": rec["model_runs"] / (len(configs) * len(sp["held"])),
-                     "confidence": rec["confidence"], "calibration": rec["calibration"],
-                     "model_on_seen": model_on_seen_answer(seen, held, tg, meets[0] if meets else None)})
-        print(f"{sp['name']} {tg} (validate {validate}, {per_family}/family): {a['choice']['label']} @ {a['budget']}, "
-              f"held-out {held_loss:.4f} ({'meets' if tg.met(held_loss) else 'MISSES'}), smallest meeting "
-              f"{meets[:1]}", flush=True)
-        if cells is None:
-            return
-        sim_seen, model_seen = table(sp["seen"], SIM_LOSS), table(sp["seen"], tg.column)
+    judged, cells = [], []
+    for sp, tg, rec in made:
+        held = held_table(sp["held"], tg.column)
+        j = judge(rec, held, tg, budgets, fine_budgets, len(configs) * len(sp["held"]))
+        seen_t, held_t = table(sp["seen"], tg.column), table(sp["held"], tg.column)
+        j.update(split=sp["name"], kind=sp["kind"], n_seen=len(sp["seen"]),
+                 model_on_seen=model_on_seen_answer(seen_t, held_t, tg, j["smallest_grid_budget_meeting_target"]))
+        judged.append(j)
+        if tg is not target:
+            continue
+        sim_seen = table(sp["seen"], SIM_LOSS)
         for rung in rec["per_budget"]:
             b = rung["budget"]
+            if b not in budgets:
+                continue
             default_pick = sim_seen.loc[list(default.values()), b].idxmin()
-            model_default_pick = model_seen.loc[list(default.values()), b].idxmin()
+            model_default_pick = seen_t.loc[list(default.values()), b].idxmin()
             cells.append({"split": sp["name"], "kind": sp["kind"], "budget": b,
-                          "held_reliability": reliability(sp["held"], b),
-                          "simulator_first": rank_stats(sim_seen[b].idxmin(), held[b], default_pick),
-                          "model_on_seen_first": rank_stats(model_seen[b].idxmin(), held[b], model_default_pick),
-                          "recommendation_pick": {**rank_stats(rung["pick"]["label"], held[b], default_pick),
+                          "held_reliability": reliability(sp["held"], b) if sp["kind"] != "random" else 1.0,
+                          "simulator_first": rank_stats(sim_seen[b].idxmin(), held_t[b], default_pick),
+                          "model_on_seen_first": rank_stats(seen_t[b].idxmin(), held_t[b], model_default_pick),
+                          "recommendation_pick": {**rank_stats(rung["pick"]["label"], held_t[b], default_pick),
                                                   "source": rung["source"]}})
 
-    recs: list = []
-    cells: list = []
-    more_recs: list = []
-    more_cells: list = []
-    every_split = splits(segs)
-    for sp in every_split:
-        for tg in targets:
-            judge(sp, tg, VALIDATE, 2, recs, cells if tg is target else None)
-            if sp["kind"] == "fold":      # what confirming one configuration of every family buys
-                judge(sp, tg, len(default), 1, more_recs, more_cells if tg is target else None)
-
-    summary: dict[str, Any] = {"sim_loss": SIM_LOSS}
-    for kind in sorted({sp["kind"] for sp in every_split}):
+    summary: dict[str, Any] = {"sim_loss": SIM_LOSS, "refine": refine, "margin_z": margin_z}
+    for kind in ("random", "fold", "cross_text"):
         kc = [c for c in cells if c["kind"] == kind]
-        kr = [r for r in recs if r["kind"] == kind]
-        summary[kind] = {"all_cells": summarise(kc, kr, False), "reliable_cells": summarise(kc, kr, True)}
-    summary.update(summary["fold"]["all_cells"])             # the headline fields at the top level, as the issue asks
-    summary["fold_validate_every_family"] = {"validate": len(default), "per_family": 1,
-                                             "all_cells": summarise(more_cells, more_recs, False),
-                                             "reliable_cells": summarise(more_cells, more_recs, True)}
-    every = [s for v in segs.values() for s in v]
+        kj = [j for j in judged if j["kind"] == kind]
+        summary[kind] = {"all_cells": summarise(kc, kj, False), "reliable_cells": summarise(kc, kj, True),
+                         "by_target": {str(tg): summarise([], [j for j in kj if j["target"] == str(tg)], False)
+                                       for tg in targets}}
+    summary.update(summary["random"]["all_cells"])           # the headline fields at the top level
+    rnd = [j for j in judged if j["kind"] == "random"]
+    summary["coverage"] = {**coverage(rnd), "by_target": {str(tg): coverage([j for j in rnd if j["target"] == str(tg)])
+                                                          for tg in targets},
+                           "fold": coverage([j for j in judged if j["kind"] == "fold"]),
+                           "cross_text": coverage([j for j in judged if j["kind"] == "cross_text"])}
+    summary["confidence_calibration"] = {**confidence_calibration(rnd),
+                                         "fold": confidence_calibration([j for j in judged if j["kind"] == "fold"])}
+    summary["confidence_signals"] = signal_analysis(rnd)
+    summary["confidence_threshold_scan"] = threshold_scan(rnd)
     summary["within_family_rho"] = {t: within_family_rho(table(v, SIM_LOSS), table(v, "delta_nll"), family_of)
                                     for t, v in segs.items()}
     texts = list(segs)          # the model on one text against itself on another (symmetric)
     summary["within_family_rho_model_across_texts"] = {
         f"{a} <-> {b}": within_family_rho(table(segs[a], "delta_nll"), table(segs[b], "delta_nll"), family_of)
         for i, a in enumerate(texts) for b in texts[i + 1:]}
-    summary["within_family_rho_by_sim_loss"] = {s: within_family_rho(table(every, s), table(every, "delta_nll"),
-                                                                     family_of) for s in SIM_LOSSES}
     summary["model_split_half_reliability"] = {
         **{t: {b: reliability(v, b) for b in budgets} for t, v in segs.items()},
         "all_segments": {b: reliability(every, b) for b in budgets}}
     summary["goals"] = {"pick_in_model_top3_share": ">= 0.8", "median_regret_share": "<= 0.10",
-                        "target_met_share": ">= 0.9", "budget_ratio_median": "<= 1.25", "model_runs_share": "<= 0.10"}
-    means = merged.groupby(["text", "label", "budget"])[values].mean()
-    rows = [{"text": t, "label": lab, "family": family_of[lab], "budget": int(b), **{k: float(v) for k, v in r.items()}}
-            for (t, lab, b), r in means.iterrows()]
-    out = {"model": args.model, "texts_seen": list(segs), "texts_held_out": list(segs),
-           "split_note": "folds: segment i of each text seen, the other segments of the same texts held out; "
-                         "halves: half of each text's segments seen (every choice of indices), the other half held "
+                        "target_met_share": ">= 0.9", "budget_ratio_median": "<= 1.25", "model_runs_share": "<= 0.10",
+                        "coverage": ">= 1 - alpha", "confidence_calibration": "high holds >= 0.95"}
+    means = merged.groupby(["text", "label", "budget"])[["delta_nll", "top1_disagreement", *SIM_LOSSES]].mean()
+    rows_out = [{"text": t, "label": lab, "family": family_of[lab], "budget": int(b),
+                 **{k: float(v) for k, v in r.items()}} for (t, lab, b), r in means.iterrows()]
+    fine_rows = [{"label": lab, "budget": b, "delta_nll_mean": float(loss_of["delta_nll"].loc[lab, b].mean())}
+                 for lab, b in fine]
+    out = {"model": args.model, "texts": {t: SHIPPED_TEXTS[t][1] for t in segs},
+           "segments": {t: [s.name for s in v] for t, v in segs.items()},
+           "split_note": f"random: {args.splits} draws of {args.seen} of the {len(every)} segments seen, the rest "
+                         "held out; fold: segment i of each text seen, the other segments of the same texts held "
                          "out; cross_text: one text seen, the other held out",
-           "texts": {t: SHIPPED_TEXTS[t][1] for t in segs}, "segments": {t: [s.name for s in v] for t, v in segs.items()},
            "n_prompt": args.prompt, "n_decode": args.decode, "target": str(target),
            "targets": [str(t) for t in targets], "validate": VALIDATE, "reliable_threshold": RELIABLE,
            "grid": {"families": {f: [c.label for c in cands if c.family == f] for f in default},
-                    "budgets": budgets, "configurations": len(cands), "closed_loop_runs": len(configs) * len(every)},
-           "summary": summary, "recommendations": recs, "cells": cells,
-           "recommendations_validate_every_family": more_recs, "rows": rows,
+                    "subset_note": "a fixed subset of `--policies all` (every registered policy and ada(·)/critical(·)"
+                                   "), for the cost of the exhaustive closed-loop grid",
+                    "budgets": budgets, "configurations": len(cands), "closed_loop_runs": len(configs) * len(every),
+                    "refined_cells": len(fine), "refined_budgets": fine_budgets,
+                    "refined_closed_loop_runs": len(fine) * len(every)},
+           "summary": summary, "recommendations": judged, "cells": cells, "rows": rows_out, "refined_rows": fine_rows,
            "seconds": time.perf_counter() - t0, "machine": machine(), "kvsim": kvsim_version(), "date": now(),
            "command": "python -m benchmarks.recommend " + " ".join(sys.argv[1:])}
-    path = write_result(f"recommend_{args.model}", out)
-    for k, v in summary.items():
-        print(f"{k}: {v}")
+    if args.out:
+        from traces.format import atomic_write_text
+
+        path = Path(args.out)
+        atomic_write_text(path, json.dumps(out, indent=1, default=float))
+    else:
+        path = write_result(f"recommend_{args.model}", out)
+    for k in ("target_met_share", "budget_ratio_median", "budget_ratio_fine_median", "claimed_met_share",
+              "model_runs_share"):
+        print(f"{k}: {summary[k]}")
+    print("coverage:", {k: v for k, v in summary["coverage"].items() if k not in ("by_target", "fold", "cross_text")})
+    print("confidence:", summary["confidence_calibration"])
     print(f"wrote {path}")
     return 0

@@ -1,10 +1,12 @@
-"""What `kvsim recommend` chooses among, and what it must reach: the candidate configurations (each policy family's
-paper default and the hyperparameter values around it that matter most), the budget ladder, and the quality target.
+"""What `kvsim recommend` chooses among, and what it must reach: the candidate configurations (every registered
+policy's paper default and the hyperparameter values its own module declares, ``Policy.search_grid``), the budget
+ladder, and the quality target.
 
-The families and their values are those whose hyperparameters decide what a cache keeps in a way the simulator can
-get wrong: recent windows and ratios, attention sinks, BUZZ's threshold-to-window ratio, Cascading's number of
-sub-caches and expected attention's two optional terms. TOVA has no hyperparameter to search and is a one-point
-family. The paper default is always the first value, so a family's default is ``grid[family][0]``.
+A policy's search space lives where the policy is defined, so a newly registered policy -- a plug-in's included --
+is a candidate of ``--policies all`` with no edit here. ``all`` also wraps the combinators people stack on a scorer
+(`COMBINATORS`: Ada-KV's head-wise allocation and CriticalKV's W_O rescaling) around every scorer they accept, each
+with the scorer's grid. Left out: the full cache (it holds everything: nothing to recommend) and policies that need
+future attention (the oracle).
 """
 from __future__ import annotations
 
@@ -17,20 +19,10 @@ from gpu_validate.errors import ValidateError
 if TYPE_CHECKING:
     from policies.base import Policy
 
-#: family -> policy specs, the paper default first; four values per family with a hyperparameter
-FAMILY_GRID: dict[str, tuple[str, ...]] = {
-    "h2o": ("h2o", "h2o:recent_ratio=0.1", "h2o:recent_ratio=0.25", "h2o:recent_ratio=0.75"),
-    "snapkv": ("snapkv", "snapkv:window_size=8", "snapkv:window_size=16", "snapkv:window_size=64"),
-    "streaming_llm": ("streaming_llm", "streaming_llm:n_sinks=0", "streaming_llm:n_sinks=1",
-                      "streaming_llm:n_sinks=16"),
-    "buzz": ("buzz", "buzz:t_over_w=1.0", "buzz:t_over_w=2.0", "buzz:t_over_w=8.0"),
-    "d2o": ("d2o", "d2o:recent_ratio=0.1", "d2o:recent_ratio=0.5", "d2o:recent_ratio=0.75"),
-    "cascading": ("cascading", "cascading:n_cascades=1", "cascading:n_cascades=2", "cascading:n_cascades=8"),
-    "expected_attention": ("expected_attention", "expected_attention:use_covariance=False",
-                           "expected_attention:use_vnorm=False",
-                           "expected_attention:use_covariance=False,use_vnorm=False"),
-    "tova": ("tova",),
-}
+#: the combinators ``--policies all`` puts around every scorer they accept (kvpress's AdaKVPress and CriticalKVPress).
+#: ``decoding`` and ``threshold`` change when and how much a cache holds rather than which tokens a budget keeps;
+#: name them to search them (``--policies 'decoding(knorm)'``)
+COMBINATORS = ("ada", "critical")
 
 #: what each target names: (the closed-loop column it bounds, how the given number becomes that column's limit)
 TARGETS = {
@@ -91,21 +83,44 @@ class Candidate:
         return self.policy.label()
 
 
-def candidates(families: Sequence[str] | str = "all") -> list[Candidate]:
-    """The grid of the named families (``all``: every family of `FAMILY_GRID`). A name that is not a family is
-    taken as one policy spec, a family of its own with that single configuration."""
-    from sim.specs import parse_policy, split_policy_list
+def families() -> list[str]:
+    """Every policy name ``--policies all`` searches: each registered policy that can be recommended (not the full
+    cache, not an oracle), then each combinator of `COMBINATORS` over every scorer it accepts (``ada(knorm)``,
+    ``critical(snapkv)``...), as ``kvsim policies`` lists them."""
+    from policies.registry import list_policies, policy_class, split_name
 
-    names = list(FAMILY_GRID) if families == "all" else (
-        split_policy_list(families) if isinstance(families, str) else list(families))
+    out = []
+    for name in list_policies(combinators=True):
+        split = split_name(name)
+        if split is not None and split[0] not in COMBINATORS:
+            continue
+        cls = policy_class(name)
+        if not (cls.is_oracle or cls.unbounded):
+            out.append(name)
+    return out
+
+
+def candidates(policies: Sequence[str] | str = "all") -> list[Candidate]:
+    """The configurations to choose among: ``all`` (every family of `families`), or a ';'-separated list (or a
+    sequence) of policy names and specs. A bare name (``h2o``, ``ada(knorm)``) is a family: its paper default and
+    the values its ``search_grid`` declares (``Policy.search_configs``); a spec with values (``h2o:recent_ratio=0.3``)
+    is one configuration, a family of its own."""
+    from sim.specs import policy_parts, parse_policy, split_policy_list
+    from policies.registry import policy_class
+
+    names = families() if policies == "all" else (
+        split_policy_list(policies) if isinstance(policies, str) else list(policies))
     out: list[Candidate] = []
-    for name in names:
-        specs = FAMILY_GRID.get(name, (name,))
-        for i, spec in enumerate(specs):
-            pol = parse_policy(spec)
+    for spec in names:
+        name, given = policy_parts(spec)
+        pols = ([policy_class(name)(**params) for params in policy_class(name).search_configs()] if not given
+                else [parse_policy(spec)])
+        for i, pol in enumerate(pols):
             if pol.is_oracle:
                 raise ValidateError(f"{pol.label()} needs future attention and cannot be recommended")
-            out.append(Candidate(name if name in FAMILY_GRID else pol.label(), pol, i == 0))
+            if pol.unbounded:
+                raise ValidateError(f"{pol.label()} keeps the whole cache: there is no budget to recommend")
+            out.append(Candidate(name if not given else pol.label(), pol, i == 0 and not given))
     labels = [c.label for c in out]
     dup = sorted({x for x in labels if labels.count(x) > 1})
     if dup:

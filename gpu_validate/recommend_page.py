@@ -32,6 +32,15 @@ TERMS = {
     "pair agreement": "among pairs of configurations confirmed at the same budget, the share the simulator ordered "
                       "as the model did",
     "calibration error": "the typical factor between a confirmed run's predicted and measured loss",
+    "refined": "a budget between two rungs of the ladder, tried while bisecting towards the smallest budget that "
+               "meets the target",
+    "confidence": "a prediction of whether the answer holds on text it has not seen, from its margin: how many "
+                  "standard errors over segments its measured loss lies below the target. The levels are those at "
+                  "which the recommend benchmark's answers held on held-out text (high: at least 95% of them)",
+    "guarantee": "the budget at which the chosen configuration is certified without assuming anything of how the "
+                 "losses are distributed: only that a future window of your text is exchangeable with the segments "
+                 "measured (for a retrieval target: the pass-key prompts). It meets the target on a new such window "
+                 "with probability at least 1 - alpha",
 }
 
 
@@ -46,9 +55,11 @@ def _mib(x: float) -> str:
 def budget_rows(report: Mapping[str, Any]) -> list[list[object]]:
     """One row per budget: its choice, where the choice came from, its losses and memory."""
     rows = []
+    ladder = set(report["budgets"])
     for r in report["per_budget"]:
         p = r["pick"]
-        rows.append([r["budget"], p["label"], r["source"], len(r["confirmed"]), p["simulated"], p["predicted"],
+        budget = r["budget"] if r["budget"] in ladder else f"{r['budget']} (refined)"
+        rows.append([budget, p["label"], r["source"], len(r["confirmed"]), p["simulated"], p["predicted"],
                      "—" if p["measured"] is None else p["measured"],
                      "—" if p.get("upper_bound") is None else p["upper_bound"], _mib(p["kv_bytes"])])
     return rows
@@ -73,9 +84,10 @@ def print_report(report: Mapping[str, Any]) -> None:
     for h in BUDGET_HEADERS:
         table.add_column(h, justify="left" if h in ("choice", "from") else "right", no_wrap=True)
     answer = report["answer"]["budget"]
-    for row in budget_rows(report):
+    for r, row in zip(report["per_budget"], budget_rows(report)):
         cells = [fmt3(v) if isinstance(v, float) else str(v) for v in row]
-        table.add_row(*map(escape, cells), style="bold green" if row[0] == answer and report["answer"]["met"] else None)
+        table.add_row(*map(escape, cells),
+                      style="bold green" if r["budget"] == answer and report["answer"]["met"] else None)
     from rich.measure import Measurement
 
     need = Measurement.get(Console(width=400), Console(width=400).options, table).maximum
@@ -103,22 +115,20 @@ def recommend_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: 
     page.fact("budgets", "budgets", ", ".join(map(str, report["budgets"])))
     page.fact("runs", "closed-loop runs", str(report["model_runs"]))
     run_facts(page, report, command)
-    conf = report["confidence"]
-    pa = "—" if conf["pair_agreement"] is None or math.isnan(conf["pair_agreement"]) else \
-        f"{conf['pair_agreement']:.0%}"
+    conf, g = report["confidence"], report["guarantee"]
     boxes = [(f"{ch['budget']}", f"budget: {ch['label']}" + ("" if a["met"] else " (target NOT met)"),
               f"{a['budget_share_of_prompt']:.0%} of the prompt, {_mib(ch['kv_bytes'])} of K/V held"),
              (_loss(ch["measured"]), f"measured {report['target_column']}",
               f"predicted {_loss(ch['predicted'])}; target ≤ {report['target_limit']:g}"),
-             (conf["level"], "confidence", f"pair agreement {pa} of {conf['pairs']}; calibration error "
-                                           f"±{math.expm1(conf['calibration_rms_log']):.0%}")]
-    body = numbers_html(boxes) + f"<p>{esc(conf['advice'])}.</p>"
+             (conf["level"], "confidence", confidence_note(conf)),
+             ("—" if g["budget"] is None else str(g["budget"]), f"guaranteed budget (alpha {g['alpha']:.2g})",
+              f"{g['n_units']} {g['units']} as calibration units")]
+    body = numbers_html(boxes) + f"<p>{esc(conf['advice'])}.</p><p>Guarantee: {esc(g['statement'])}.</p>"
     if a["runner_up"]:
         r = a["runner_up"]
         body += (f"<p>Runner-up at budget {ch['budget']}: <b>{esc(r['label'])}</b>, measured {_loss(r['measured'])}, "
                  f"predicted {_loss(r['predicted'])}.</p>")
-    body += f"<p>Use it: <code>kvsim generate --model {esc(report['model'])} --policy '{esc(ch['spec'])}' " \
-            f"--budget {ch['budget']} --prompt '…'</code></p>"
+    body += f"<p>Use it: <code>{esc(use_command(report))}</code></p>"
     if a.get("kvpress"):
         body += f"<p>{esc(summary_line(a['kvpress']))}</p>"
     page.section("Answer", body)
@@ -170,8 +180,31 @@ def plot_front(report: dict[str, Any], path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
-def answer_lines(report: dict[str, Any], command_model: str) -> list[str]:
-    """The printed answer: the choice, the runner-up, the confidence, and the command that uses the choice."""
+def confidence_note(conf: Mapping[str, Any]) -> str:
+    """The confidence's evidence in one line: the margin, the simulator's order of confirmed pairs, the
+    calibration's error."""
+    t = conf["margin_t"]
+    margin = "∞" if math.isinf(t) else f"{t:.1f}"
+    pa = conf["pair_agreement"]
+    order = "n/a" if pa is None or math.isnan(pa) else f"{pa:.0%} of {conf['pairs']}"
+    return (f"margin {margin} standard errors; pair agreement {order}; calibration error "
+            f"±{math.expm1(conf['calibration_rms_log']):.0%}")
+
+
+def use_command(report: Mapping[str, Any], prompt: str = "Your prompt") -> str:
+    """The ``kvsim generate`` command that uses the answer, with the model as the user named it (``model_spec``:
+    a registry name, folder or .gguf, which ``kvsim generate --model`` takes; not the model's id)."""
+    import shlex
+
+    ch = report["answer"]["choice"]
+    model = report.get("model_spec") or report["model"]
+    return (f"kvsim generate --model {shlex.quote(str(model))} --policy {shlex.quote(ch['spec'])} "
+            f"--budget {ch['budget']} --prompt {shlex.quote(prompt)}")
+
+
+def answer_lines(report: dict[str, Any]) -> list[str]:
+    """The printed answer: the choice, the runner-up, the confidence, the guarantee, and the command that uses the
+    choice."""
     a = report["answer"]
     ch = a["choice"]
     unit = {"delta_nll": "nats/token", "top1_disagreement": "(top-1 disagreement)",
@@ -188,12 +221,11 @@ def answer_lines(report: dict[str, Any], command_model: str) -> list[str]:
     if a["runner_up"]:
         lines.append(f"Runner-up at the same budget: {a['runner_up']['label']}, {loss(a['runner_up'])}")
     c = report["confidence"]
-    pa = "n/a" if math.isnan(c["pair_agreement"]) else f"{c['pair_agreement']:.0%} of {c['pairs']}"
-    lines.append(f"Confidence {c['level']}: pair agreement {pa}; calibration error ±"
-                 f"{math.expm1(c['calibration_rms_log']):.0%}. {c['advice']}.")
+    lines.append(f"Confidence {c['level']}: {confidence_note(c)}. {c['advice']}.")
+    g = report["guarantee"]
+    lines.append(f"Guarantee (alpha {g['alpha']:.2g}, {g['n_units']} {g['units']}): {g['statement']}.")
     lines.append(f"{report['model_runs']} closed-loop runs were used.")
-    lines.append(f"Use it: kvsim generate --model {command_model} --policy '{ch['spec']}' --budget {ch['budget']} "
-                 "--prompt 'Your prompt'")
+    lines.append(f"Use it: {use_command(report)}")
     if a.get("kvpress"):            # answers written before the kvpress export have none
         lines.append(summary_line(a["kvpress"]))
     return lines

@@ -18,6 +18,9 @@ cache answers at least 95%". Its loss is the failure share on those prompts (``r
   share (at the level of ``margin_z``) does, so a handful of prompts cannot certify a high target: with n prompts
   all answered the limit is 1 - 0.05^(1/n) (12 prompts: 0.22, so retrieval=0.78 at best; 59 for 0.95).
   `certifiable` says what the prompts can certify, and the recommendation refuses a target they cannot.
+- **Guarantee**: that bound is already distribution-free (an exact binomial limit: it assumes only that future
+  prompts are exchangeable with these), so the answer's budget is the certified one, at the level ``alpha`` =
+  1 - Φ(``margin_z``) (``--alpha`` sets it; default 0.05).
 """
 from __future__ import annotations
 
@@ -99,18 +102,52 @@ class RetrievalRecommender(Recommender):
         super().__init__(model, prompts, cands, budgets, target, sim_loss=SIM_LOSS, **kwargs)
         self.decode = decode
 
-    def simulate(self) -> pd.DataFrame:
-        """Per (label, budget): the mean simulated loss over the prompts and the K/V bytes held while answering."""
+    unit_name = "pass-key prompts"
+
+    def _certify_rank(self) -> int:
+        """No conformal rank: the Clopper-Pearson bound certifies (the level is ``alpha``, from ``margin_z``)."""
+        from scipy.stats import norm
+
+        self.alpha = float(1.0 - norm.cdf(self.margin_z))
+        return 0
+
+    def simulate(self, budgets: Sequence[int] | None = None) -> pd.DataFrame:
+        """Per (label, budget) of ``budgets`` (default: the ladder): the mean simulated loss over the prompts and
+        the K/V bytes held while answering, added to the table."""
         from gpu_validate.needle_prediction import stored_features
 
-        configs = [(c.policy, b) for c in self.cands.values() for b in self.budgets if c.policy.min_budget() <= b]
+        budgets = self.budgets if budgets is None else budgets
+        configs = [(c.policy, b) for c in self.cands.values() for b in budgets if c.policy.min_budget() <= b]
         df = stored_features(self.model, self.segments, configs, self.sim_store, model_id=self.model_id,
                              progress=self.progress, log=self.log)
         df[SIM_LOSS] = 1.0 - df[RETRIEVAL_FEATURE]
-        table = df.groupby(["label", "budget"])[[SIM_LOSS, "kv_bytes_mean"]].mean().reset_index()
-        table["family"] = table.label.map(self.family)
-        self.table = table
-        return table
+        return self._add_table(df, [SIM_LOSS, "kv_bytes_mean"])
+
+    def certify(self, label: str, budget: int) -> dict[str, Any]:
+        """The answer's own Clopper-Pearson limit is the guarantee: certified at the answer's budget when it met
+        the target (no further runs)."""
+        fails = self.segment_losses[label, budget]
+        n, f = len(fails), int(fails.sum())
+        ok = self.target.met(self.bound[label, budget])
+        statement = (f"at budget {budget}, {label} answered {n - f} of the {n} {self.unit_name}; with probability at "
+                     f"least {1 - self.alpha:.0%} over prompts drawn like these, it answers at least "
+                     f"{self.target.value:.0%} of such prompts (one-sided Clopper-Pearson, exact binomial)"
+                     if ok else f"not certified: at budget {budget}, {label} failed {f} of the {n} {self.unit_name}")
+        return {"kind": "clopper_pearson", "alpha": self.alpha, "units": self.unit_name, "n_units": n,
+                "units_needed": None, "label": label, "budget": budget if ok else None, "answer_budget": budget,
+                "cost_ratio": 1.0 if ok else None, "steps": [{"budget": budget, "units_met": n - f,
+                                                              "upper_limit": self.bound[label, budget]}],
+                "statement": statement}
+
+    def _margin(self, label: str, budget: int) -> dict[str, float]:
+        """The margin of a failure share: its distance from the limit in binomial standard errors, the share
+        smoothed by half a failure (so that no failure in n prompts is a finite margin that grows with n)."""
+        fails = self.segment_losses[label, budget]
+        n = len(fails)
+        p = (fails.sum() + 0.5) / (n + 1)
+        se = float(np.sqrt(p * (1 - p) / n))
+        return {"t": (self.target.limit - float(fails.mean())) / se, "segment_se": se,
+                "units_met_share": float(1 - fails.mean())}
 
     def _measure(self, todo: Sequence[tuple[str, int]]) -> list[np.ndarray]:
         """Closed-loop retrieval of the cells ``todo`` on every prompt: each one's failures (1.0) per prompt."""
@@ -132,13 +169,20 @@ class RetrievalRecommender(Recommender):
 
 def recommend_retrieval(model, tokenizer, texts: dict[str, str], cands: Sequence[Candidate], budgets: Sequence[int],
                         target: Target, *, prompt_tokens: int, per_text: int, model_id: str, out: str | Path,
-                        backend: str, margin_z: float | None = None, progress: bool = True,
+                        backend: str, margin_z: float | None = None, alpha: float | None = None, progress: bool = True,
                         log: Callable[[str], None] | None = None, **kwargs) -> dict[str, Any]:
     """The retrieval recommendation on ``texts`` (see the module docstring); ``kwargs`` go to `Recommender`.
-    Returns the report, with the prompts made, those the full cache answers and the target they can certify."""
+    ``alpha``, when given, is the Clopper-Pearson level (``margin_z`` = Φ⁻¹(1 - alpha)). Returns the report, with
+    the prompts made, those the full cache answers and the target they can certify."""
+    from scipy.stats import norm
+
     from gpu_validate.recommend import MARGIN_Z
     from sim.store import ResultStore
 
+    if alpha is not None:
+        if not 0 < alpha < 1:
+            raise ValidateError(f"--alpha must be in (0, 1), got {alpha}")
+        margin_z = float(norm.ppf(1 - alpha))
     z = MARGIN_Z if margin_z is None else margin_z
     log = log or (print if progress else (lambda s: None))
     prompts = needle_units(tokenizer, texts, prompt_tokens, per_text)
@@ -152,8 +196,9 @@ def recommend_retrieval(model, tokenizer, texts: dict[str, str], cands: Sequence
     best = certifiable(len(solved), z)
     if target.value > best:
         raise ValidateError(f"{len(solved)} prompts the full cache answers (of {len(prompts)}) can certify at most "
-                            f"retrieval={best:.2f} (one-sided 95%: every one answered); give a lower target or more "
-                            "prompts (--segments: pass-key seeds per text, each at 5 depths)")
+                            f"retrieval={best:.2f} (one-sided {norm.cdf(z):.0%}: every one answered); give a lower "
+                            "target, a larger --alpha or more prompts (--segments: pass-key seeds per text, each at 5 "
+                            "depths)")
     rec = RetrievalRecommender(model, solved, cands, budgets, target, decode=tokenizer.decode, n_prompt=prompt_tokens,
                                model_id=model_id, out=root, backend=backend, margin_z=z, progress=progress, log=log,
                                **kwargs)

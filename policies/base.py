@@ -257,6 +257,34 @@ class Policy:
     #: named bundles of parameter values selected by a ``preset`` parameter (e.g. a released code's behaviour);
     #: values the user gives explicitly win over the preset's
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: the hyperparameter grid a configuration search tries (``kvsim recommend``'s candidates): parameter name ->
+    #: the values to try, the paper default first. Only ``searchable`` parameters of the schema; empty: the paper
+    #: default alone. ``search_configs`` expands it.
+    search_grid: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @classmethod
+    def search_configs(cls) -> list[dict[str, Any]]:
+        """The parameter sets of ``search_grid``, the paper default first: every combination of the declared values
+        (a grid over two booleans is four configurations; over one parameter, its values). Each value is checked
+        against the schema's type and range, and each axis must start at the paper default, so a changed default
+        or a typo fails here, naming the policy, rather than searching a grid that lost its anchor."""
+        import itertools
+
+        known = {p.name: p for p in cls.schema}
+        axes = []
+        for name, values in cls.search_grid.items():
+            p = known.get(name)
+            if p is None or not p.searchable:
+                raise PolicyError(f"{cls.name}.search_grid: {name!r} is not a searchable parameter of its schema "
+                                  f"({sorted(q.name for q in cls.schema if q.searchable)})")
+            coerced = tuple(p.coerce(v, cls.name) for v in values)
+            if not coerced or coerced[0] != p.default:
+                raise PolicyError(f"{cls.name}.search_grid[{name!r}] must start at the paper default {p.default!r}, "
+                                  f"got {values!r}")
+            if len(set(coerced)) != len(coerced):
+                raise PolicyError(f"{cls.name}.search_grid[{name!r}] lists a value twice: {values!r}")
+            axes.append([(name, v) for v in coerced])
+        return [dict(combo) for combo in itertools.product(*axes)]
 
     def __init__(self, **params: Any) -> None:
         preset = self.presets.get(str(params.get("preset", "")))

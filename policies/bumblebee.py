@@ -286,6 +286,8 @@ class BumbleBee(Policy):
 
     name = "bumblebee"
     reads_values = False
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"lam": (0.3, 0.0, 0.6)}
     summary = "submodular diversity + importance"
     schema = SCHEMA
     P = P

@@ -327,6 +327,8 @@ class Buzz(Policy):
     name = "buzz"
     reads_keys = False
     reads_values = False
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"t_over_w": (0.0, 1.0, 2.0, 8.0)}
     summary = "sinks + beehive local-max sampling + window, threshold passes"
     schema = SCHEMA
     P = P

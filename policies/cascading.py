@@ -365,6 +365,8 @@ class Cascading(Policy):
     name = "cascading"
     reads_keys = False
     reads_values = False
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"n_cascades": (4, 1, 2, 8)}
     summary = "sinks + cascading sub-caches with EMA-scored token selection"
     schema = SCHEMA
     P = P

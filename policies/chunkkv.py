@@ -204,6 +204,8 @@ class ChunkKV(ScorerPolicy):
     name = "chunkkv"
     reads_keys = False
     reads_values = False
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"chunk_length": (20, 10, 40)}
     summary = "whole chunks by summed attention score"
     schema = SCHEMA
     P = P

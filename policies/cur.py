@@ -216,6 +216,8 @@ class CUR(ScorerPolicy):
     module docstring for the score, its decode rule and the related leverage presses."""
 
     name = "cur"
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"leverage_type": ("kv_product", "key", "value")}
     summary = "approximate CUR leverage (squared norms) of keys and values"
     schema = SCHEMA
     P = P

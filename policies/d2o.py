@@ -461,6 +461,8 @@ class D2O(Policy):
 
     name = "d2o"
     reads_values = False
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"recent_ratio": (0.25, 0.1, 0.5, 0.75)}
     summary = "layer budgets by attention variance + H2O-style eviction + EMA-threshold merging"
     schema = SCHEMA
     P = P

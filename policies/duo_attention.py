@@ -166,6 +166,8 @@ class DuoAttention(Policy):
     name = "duo_attention"
     reads_keys = False
     reads_values = False
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"head_compression_ratio": (0.5, 0.25, 0.75)}
     summary = "retrieval heads keep the budget, streaming heads sinks + recent (on-the-fly head split)"
     schema = SCHEMA
     P = P

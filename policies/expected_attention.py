@@ -255,6 +255,8 @@ class ExpectedAttention(ScorerPolicy):
     """Keys scored by the attention future queries are expected to give them (see the module docstring)."""
 
     name = "expected_attention"
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"use_covariance": (True, False), "use_vnorm": (True, False)}
     summary = "expected future attention from query mean/covariance"
     schema = SCHEMA
     P = P

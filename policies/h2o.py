@@ -52,6 +52,8 @@ class H2O(ScorerPolicy):
     name = "h2o"
     reads_keys = False
     reads_values = False
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"recent_ratio": (0.5, 0.1, 0.25, 0.75)}
     summary = "accumulated attention + recent window"
     schema = SCHEMA
     P = P

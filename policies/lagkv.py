@@ -166,6 +166,8 @@ class LagKV(ScorerPolicy):
     """Lag-relative min/max normalised key and value statistics per partition (see the module docstring)."""
 
     name = "lagkv"
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"lag_size": (128, 32, 64)}
     summary = "lag-relative key/value statistics per partition"
     schema = SCHEMA
     P = P

@@ -87,6 +87,8 @@ class ObservedAttention(ScorerPolicy):
     name = "observed_attention"
     reads_keys = False
     reads_values = False
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"decode_rule": ("average", "accumulated")}
     summary = "prompt attention received, averaged over the queries that saw the token"
     schema = SCHEMA
     P = P

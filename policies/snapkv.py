@@ -142,6 +142,8 @@ class SnapKV(ScorerPolicy):
     name = "snapkv"
     reads_keys = False
     reads_values = False
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"window_size": (32, 8, 16, 64)}
     summary = "observation-window prompt selection with pooling"
     schema = SCHEMA
     P = P
@@ -172,6 +174,8 @@ class PyramidKV(SnapKV):
     stays ``budget * L * Hkv`` (see ``pyramid_layer_budgets``)."""
 
     name = "pyramidkv"
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"window_size": (32, 8, 16, 64)}
     summary = "SnapKV with layer budgets decreasing with depth"
     schema = PYRAMID_SCHEMA
     P = param_indices(PYRAMID_SCHEMA)

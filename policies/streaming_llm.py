@@ -29,6 +29,8 @@ class StreamingLLM(ScorerPolicy):
     name = "streaming_llm"
     reads_keys = False
     reads_values = False
+    #: what a configuration search tries (``Policy.search_grid``), the paper default first
+    search_grid = {"n_sinks": (4, 0, 1, 16)}
     reads_attention = False
     summary = "sinks + sliding window"
     schema = SCHEMA

@@ -1,8 +1,12 @@
-"""`kvsim recommend`: the target and the candidate grid, the calibration, the budget search's invariants (property
-tests on synthetic loss tables), and the whole recommendation on the tiny model, from Python and from the CLI."""
+"""`kvsim recommend`: the target and the candidates (each policy's declared search grid), the calibration, the
+budget search's invariants and its refinement between rungs, the distribution-free guarantee (property tests on
+synthetic loss tables), the confidence, and the whole recommendation on the tiny model, from Python and from the
+CLI (whose "Use it" command runs)."""
 from __future__ import annotations
 
 import json
+import math
+import shlex
 
 import numpy as np
 import pandas as pd
@@ -11,25 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_validate.jobs import ValidateError
-from gpu_validate.recommend import Calibration, Recommender, fit_calibration, shortlist
-from gpu_validate.recommend_grid import FAMILY_GRID, Target, budget_ladder, candidates
+from gpu_validate.recommend import (CONFIDENCE, REFINE, Calibration, Recommender, confidence_level, conformal_rank,
+                                    default_alpha, fit_calibration, refine_points, shortlist)
+from gpu_validate.recommend_grid import COMBINATORS, Target, budget_ladder, candidates, families
 from policies import get_policy
 from policies.errors import PolicyError
-
-
-@pytest.mark.parametrize("flip,rms,level", [(False, 0.2, "high"), (False, 1.5, "medium"), (True, 0.2, "low"),
-                                             (True, 1.5, "low")])
-def test_confidence_trusts_the_confirmed_order_over_the_calibration(flip, rms, level):
-    """An order of confirmed pairs that held keeps the level at least medium however loose the calibration (a
-    retrieval target's measured shares of 0 defeat a log-scale fit); an order that failed makes it low."""
-    from types import SimpleNamespace
-
-    sims = {("a", 64): 0.1, ("b", 64): 0.2, ("c", 64): 0.3}
-    measured = {k: (-v if flip else v) for k, v in sims.items()}
-    fake = SimpleNamespace(budgets=[64], measured=measured, _sim=lambda lab, b: sims[(lab, b)])
-    conf = Recommender._confidence(fake, Calibration(0.0, 1.0, 3, rms))
-    assert (conf["level"], conf["pairs"], conf["pair_agreement"]) == (level, 3, 0.0 if flip else 1.0)
-    assert ("ordered the confirmed configurations as the model did" in conf["advice"]) == (not flip)
 
 
 def test_target_parse_and_errors():
@@ -43,22 +33,71 @@ def test_target_parse_and_errors():
             Target.parse(bad)
 
 
-def test_grid_defaults_first_and_valid():
+def test_every_registered_policy_and_the_combinators_are_candidates():
+    """``all`` is every registered policy but the full cache and the oracle, and ada(·) / critical(·) over every
+    scorer they accept, each expanded from its own ``search_grid`` with the paper default first."""
+    from policies.registry import list_policies, policy_class
+
+    names = families()
+    plain = [n for n in list_policies(combinators=False)
+             if not (policy_class(n).is_oracle or policy_class(n).unbounded)]
+    assert set(plain) <= set(names) and "full" not in names and "oracle" not in names
+    wrapped = [n for n in list_policies() if "(" in n and n.split("(")[0] in COMBINATORS]
+    assert set(names) == set(plain) | set(wrapped) and "ada(knorm)" in names and "critical(snapkv)" in names
+    assert not any(n.startswith(("decoding(", "threshold(")) for n in names)
     cands = candidates()
-    assert len(cands) == sum(len(v) for v in FAMILY_GRID.values())
-    for fam, specs in FAMILY_GRID.items():
+    for fam in names:
         mine = [c for c in cands if c.family == fam]
+        cls = policy_class(fam)
+        assert len(mine) == len(cls.search_configs()) >= 1
         assert mine[0].default and not any(c.default for c in mine[1:])
-        assert mine[0].policy.params == get_policy(mine[0].policy.name).params      # the paper default
-        assert len({c.label for c in mine}) == len(specs)
-        assert all(c.policy.min_budget() <= 64 for c in mine)
+        assert mine[0].policy.params == cls().params                     # the paper default first
+    # the benchmark's families keep their four values (its stored closed-loop grid is keyed by them)
+    assert [c.label for c in cands if c.family == "h2o"] == [
+        "h2o", "h2o(recent_ratio=0.1)", "h2o(recent_ratio=0.25)", "h2o(recent_ratio=0.75)"]
+    assert len([c for c in cands if c.family == "expected_attention"]) == 4          # two booleans, crossed
     assert [c.label for c in candidates("tova;h2o:recent_ratio=0.3")] == ["tova", "h2o(recent_ratio=0.3)"]
+    assert [c.default for c in candidates("snapkv")] == [True, False, False, False]
     with pytest.raises(PolicyError):
         candidates("no_such_policy")
     with pytest.raises(ValidateError, match="future attention"):
         candidates("oracle")
+    with pytest.raises(ValidateError, match="whole cache"):
+        candidates("full")
     with pytest.raises(ValidateError, match="twice"):
         candidates("h2o;h2o:recent_ratio=0.1")
+
+
+def test_a_new_policy_is_a_candidate_from_its_own_declaration():
+    """A policy registered anywhere (a plug-in) is searched over the grid it declares, with no edit in kvsim."""
+    from policies.base import Param, param_indices
+    from policies.registry import _REGISTRY, register
+    from policies.window import SlidingWindow as Window
+
+    class Declared(Window):
+        name = "test_declared_window"
+        schema = (Param("slack", 2, "int", 0, 8),)
+        P = param_indices(schema)
+        search_grid = {"slack": (2, 0, 4)}
+
+    register(Declared)
+    try:
+        assert "test_declared_window" in families()
+        assert [c.policy.params["slack"] for c in candidates("test_declared_window")] == [2, 0, 4]
+    finally:
+        del _REGISTRY["test_declared_window"]
+
+
+@pytest.mark.parametrize("grid,word", [({"nope": (1,)}, "not a searchable"), ({"slack": (0, 2)}, "paper default"),
+                                       ({"slack": (2, 9)}, "above the maximum"), ({"slack": (2, 2)}, "twice")])
+def test_a_bad_search_grid_is_refused_naming_the_policy(grid, word):
+    from policies.base import Param
+    from policies.window import SlidingWindow as Window
+
+    bad = type("Bad", (Window,), {"name": "bad_grid", "schema": (Param("slack", 2, "int", 0, 8),),
+                                  "search_grid": grid})
+    with pytest.raises(PolicyError, match=word):
+        bad.search_configs()
 
 
 def test_budget_ladder():
@@ -70,6 +109,42 @@ def test_budget_ladder():
         budget_ladder(512, "64,512")
     with pytest.raises(ValidateError, match="integers"):
         budget_ladder(512, "64,a")
+
+
+@given(lo=st.integers(8, 2000), ratio=st.floats(1.0, 4.0))
+def test_refine_points_split_a_gap_into_steps_of_at_most_refine(lo, ratio):
+    hi = int(lo * ratio)
+    pts = refine_points(lo, hi)
+    assert pts == sorted(set(pts)) and all(lo < b < hi and b % 8 == 0 for b in pts)
+    chain = [lo, *pts, hi]
+    # each step is within REFINE, or as fine as multiples of 8 allow
+    assert all(b / a <= REFINE + 1e-9 or b - a <= 8 for a, b in zip(chain, chain[1:])) or len(pts) == 0 and hi - lo <= 16
+    assert refine_points(256, 384) == [312] and refine_points(128, 256) == [152, 184, 216]
+
+
+def test_conformal_rank_and_the_levels_it_refuses():
+    assert conformal_rank(6, 1 / 7) == 6 and conformal_rank(9, 0.1) == 9 and conformal_rank(19, 0.1) == 18
+    with pytest.raises(ValidateError, match="certify no level below"):
+        conformal_rank(3, 0.2)
+    with pytest.raises(ValidateError, match="alpha"):
+        conformal_rank(10, 1.5)
+    assert default_alpha(3) == 0.25 and default_alpha(9) == 0.1 and default_alpha(40) == 0.1
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 12), alpha=st.floats(0.05, 0.5), seed=st.integers(0, 10 ** 6))
+def test_conformal_rank_holds_its_level_on_exchangeable_units(n, alpha, seed):
+    """The rank's guarantee, exactly: over every draw of n + 1 exchangeable units (any continuous distribution),
+    the new unit falls at or below the k-th smallest of the n others with probability k / (n + 1) >= 1 - alpha."""
+    if (n + 1) * (1 - alpha) > n:
+        with pytest.raises(ValidateError):
+            conformal_rank(n, alpha)
+        return
+    k = conformal_rank(n, alpha)
+    x = np.random.default_rng(seed).lognormal(size=(4000, n + 1))
+    cover = np.mean(x[:, -1] <= np.sort(x[:, :-1], axis=1)[:, k - 1])
+    assert k / (n + 1) >= 1 - alpha - 1e-9
+    assert cover >= 1 - alpha - 4 * math.sqrt(alpha * (1 - alpha) / 4000) - 1e-9
 
 
 def test_calibration_recovers_a_power_law_and_never_inverts():
@@ -87,35 +162,52 @@ def test_shortlist_caps_each_family():
     assert shortlist(["a1", "a2", "a3", "b1", "c1"], fams, 3, 1) == ["a1", "b1", "c1"]
 
 
-class _TableRecommender(Recommender):
-    """A recommender whose simulated table and model losses are given: the search logic alone."""
+def test_confidence_levels_follow_the_margin():
+    hi, med = CONFIDENCE["high"], CONFIDENCE["medium"]
+    assert hi > med
+    assert [confidence_level(x) for x in (math.inf, hi, (hi + med) / 2, med, med - 1e-6, -1.0)] == [
+        "high", "high", "medium", "medium", "low", "low"]
 
-    def __init__(self, sim: np.ndarray, model: np.ndarray, target: float, k: int, tmp_path) -> None:
+
+class _TableRecommender(Recommender):
+    """A recommender whose simulated and model losses are functions of the budget: the search logic alone.
+    Configuration i's model loss on unit u at budget b is ``scale[i] * unit[u] * (b0 / b) ** power[i]`` (falling
+    with the budget), its simulated loss that times a per-configuration noise factor."""
+
+    def __init__(self, n_cfg: int, n_units: int, budgets, target: float, k: int, tmp_path, seed: int, **kw) -> None:
         from gpu_validate.recommend_grid import Candidate
 
-        labels = [f"c{i}" for i in range(sim.shape[0])]
-        cands = [Candidate(f"f{i % 3}", get_policy("h2o", recent_ratio=(i + 1) / (sim.shape[0] + 2)), i < 3)
-                 for i in range(sim.shape[0])]
-        self.names = {c.label: lab for c, lab in zip(cands, labels)}
-        super().__init__(None, [object()], cands, [16 * (j + 1) for j in range(sim.shape[1])],
-                         Target.parse(f"dnll={target}"), n_prompt=1000, model_id="m", out=tmp_path, validate=k)
-        self.loss = {(c.label, b): model[i, j] for i, c in enumerate(cands) for j, b in enumerate(self.budgets)}
-        self.table = pd.DataFrame([{"label": c.label, "budget": b, "l1_mean": sim[i, j], "family": c.family,
-                                    "kv_bytes_mean": float(b)}
-                                   for i, c in enumerate(cands) for j, b in enumerate(self.budgets)])
+        rng = np.random.default_rng(seed)
+        cands = [Candidate(f"f{i % 3}", get_policy("h2o", recent_ratio=(i + 1) / (n_cfg + 2)), i < 3)
+                 for i in range(n_cfg)]
+        self.scale, self.power = rng.uniform(0.05, 1.0, n_cfg), rng.uniform(0.5, 2.5, n_cfg)
+        self.unit = rng.lognormal(0.0, 0.4, n_units)
+        self.noise = rng.uniform(0.5, 2.0, n_cfg)
+        self.index = {c.label: i for i, c in enumerate(cands)}
+        super().__init__(None, [object()] * n_units, cands, budgets, Target.parse(f"dnll={target}"), n_prompt=10_000,
+                         model_id="m", out=tmp_path, validate=k, progress=False, **kw)
 
-    def confirm(self, cells):
-        for lab, b in cells:
-            if (lab, b) not in self.measured:
-                self.measured[lab, b] = self.bound[lab, b] = self.loss[lab, b]
-                self.runs += 1
+    def model_loss(self, label: str, b: int) -> np.ndarray:
+        i = self.index[label]
+        return self.scale[i] * self.unit * (self.budgets[0] / b) ** self.power[i]
+
+    def simulate(self, budgets=None):
+        budgets = self.budgets if budgets is None else budgets
+        rows = [{"label": lab, "budget": b, "l1_mean": float(self.model_loss(lab, b).mean() * self.noise[i]),
+                 "kv_bytes_mean": float(b)} for lab, i in self.index.items() for b in budgets]
+        return self._add_table(pd.DataFrame(rows), ["l1_mean", "kv_bytes_mean"])
+
+    def _measure(self, todo):
+        for cell in todo:
+            self.block_se[cell] = 0.0
+        return [self.model_loss(lab, b) for lab, b in todo]
 
 
 @pytest.mark.parametrize("margin_z", [0.0, 1.645])
 def test_upper_bound_takes_the_larger_of_the_token_and_the_segment_margin(margin_z, tmp_path):
     from scipy.stats import norm, t
 
-    rec = _TableRecommender(np.ones((2, 1)), np.ones((2, 1)), 0.1, 1, tmp_path)
+    rec = _TableRecommender(2, 2, [64], 0.1, 1, tmp_path, 0)
     rec.margin_z = margin_z
     a, b = (lab for lab in rec.cands)
     budget = rec.budgets[0]
@@ -135,27 +227,56 @@ def test_upper_bound_takes_the_larger_of_the_token_and_the_segment_margin(margin
 
 
 @settings(max_examples=60, deadline=None)
-@given(n_cfg=st.integers(2, 6), n_budgets=st.integers(1, 5), k=st.integers(1, 4), target=st.floats(0.05, 0.5),
-       seed=st.integers(0, 10 ** 6))
-def test_search_answers_the_smallest_confirmed_budget(n_cfg, n_budgets, k, target, seed, tmp_path_factory):
-    rng = np.random.default_rng(seed)
-    model = np.sort(rng.uniform(0, 1, (n_cfg, n_budgets)), axis=1)[:, ::-1]   # loss falls with the budget
-    sim = model * rng.uniform(0.5, 2.0, model.shape)                         # a noisy simulator
-    rec = _TableRecommender(sim, model, target, k, tmp_path_factory.mktemp("rec"))
+@given(n_cfg=st.integers(2, 6), n_budgets=st.integers(1, 5), n_units=st.integers(2, 8), k=st.integers(1, 4),
+       target=st.floats(0.02, 0.5), refine=st.booleans(), seed=st.integers(0, 10 ** 6))
+def test_search_answers_the_smallest_confirmed_budget_and_refines_it(n_cfg, n_budgets, n_units, k, target, refine,
+                                                                    seed, tmp_path_factory):
+    budgets = [64 * 2 ** j for j in range(n_budgets)]
+    rec = _TableRecommender(n_cfg, n_units, budgets, target, k, tmp_path_factory.mktemp("rec"), seed,
+                            refine=REFINE if refine else None, margin_z=0.0)
+    rec.simulate()
     found = rec.search()
-    best = {b: rec.best_measured(b) for b in rec.budgets}
-    assert all(v is not None for v in best.values())                        # every rung calibrated
+    assert all(rec.best_measured(b) is not None for b in rec.budgets)            # every rung calibrated
+    met = {b for (_, b), v in rec.bound.items() if rec.target.met(v)}
     if found is None:
-        assert not any(rec.target.met(v) for (_, b), v in rec.measured.items())
+        assert not met
+        return
+    assert rec.target.met(rec.best_measured(found)[1]) and found == min(met)     # nothing smaller was confirmed
+    missed = [b for b in rec.rungs if b < found and rec.best_measured(b) is not None]
+    if found > budgets[0]:                       # the budget below was searched, with the simulator's shortlist
+        lo = max(missed)
+        assert sum(bb == lo for _, bb in rec.measured) >= min(k, n_cfg)
+        if refine:                               # within REFINE of a budget whose confirmed best misses
+            assert found / lo <= REFINE + 1e-9 or found - lo <= 8
+        else:
+            assert lo in budgets and found in budgets
+    assert rec.runs == n_units * len(rec.measured)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_cfg=st.integers(2, 5), n_units=st.integers(3, 12), target=st.floats(0.02, 0.5), seed=st.integers(0, 10 ** 6))
+def test_guarantee_certifies_where_k_units_meet_the_target_from_the_top_down(n_cfg, n_units, target, seed,
+                                                                           tmp_path_factory):
+    budgets = [64, 128, 256, 512]
+    rec = _TableRecommender(n_cfg, n_units, budgets, target, 2, tmp_path_factory.mktemp("rec"), seed)
+    rec.simulate()
+    found = rec.search()
+    b = found if found is not None else budgets[-1]
+    label = rec.best_measured(b)[0]
+    g = rec.certify(label, b)
+    k = g["units_needed"]
+    assert (g["n_units"], k, g["alpha"]) == (n_units, conformal_rank(n_units, default_alpha(n_units)),
+                                             default_alpha(n_units))
+    above = sorted({b, *(x for x in budgets if x > b)})
+    assert all((label, x) in rec.measured for x in above)                     # it ran at every rung above
+    if g["budget"] is not None:
+        assert g["budget"] >= b
+        for x in above:
+            if x >= g["budget"]:             # monotone worst-case losses: k units meet at every budget from there up
+                worst = np.max([rec.segment_losses[label, y] for y in above if y >= x], axis=0)
+                assert np.sum(worst <= target) >= k
     else:
-        b = rec.budgets[found]
-        assert rec.target.met(best[b][1])
-        # no smaller rung has a confirmed configuration that meets the target
-        assert not any(rec.target.met(v) for (_, bb), v in rec.measured.items() if bb < b)
-        if found > 0:                                                         # the rung below was searched
-            below = rec.budgets[found - 1]
-            assert sum(bb == below for _, bb in rec.measured) >= min(k, n_cfg)
-    assert rec.runs == len(rec.measured) <= n_cfg * n_budgets
+        assert np.sum(rec.segment_losses[label, budgets[-1]] <= target) < k
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +310,11 @@ def test_recommend_on_the_tiny_model_resumes_without_model_runs(tiny_segments, t
     assert rep["model_runs"] == 2 * sum(len(r["confirmed"]) for r in rep["per_budget"])
     measured = [c for c in rep["configurations"] if not np.isnan(c["measured"])]
     assert len(measured) == rep["model_runs"] // 2 and all(c["predicted"] > 0 for c in rep["configurations"])
-    assert [f["budget"] for f in rep["front"]] == [16, 32, 48]
+    assert [f["budget"] for f in rep["front"]] == rep["rungs"] and {16, 32, 48} <= set(rep["rungs"])
+    g = rep["guarantee"]
+    assert (g["n_units"], g["units_needed"], g["alpha"]) == (2, 2, pytest.approx(1 / 3))
+    assert g["budget"] is None or g["budget"] >= a["budget"]
+    assert rep["confidence"]["level"] in ("high", "medium", "low")
 
     def no_model(*args, **kwargs):
         raise AssertionError("a resumed recommendation ran the model")
@@ -224,6 +349,7 @@ def test_closed_loop_on_ray_workers_equals_in_process(tiny_segments, tmp_path):
 
 def test_recommend_cli_writes_json_page_and_plot(tmp_path, capsys):
     from sim.cli import main
+    from sim.webpage import esc
 
     out = tmp_path / "rec"
     rc = main(["recommend", "--model", "tiny", "--prompt-tokens", "64", "--decode-tokens", "32", "--segments", "1",
@@ -235,5 +361,13 @@ def test_recommend_cli_writes_json_page_and_plot(tmp_path, capsys):
     page = (out / "recommend.html").read_text()
     assert 'data-fact="target"' in page and "data:image/png;base64" in page
     printed = capsys.readouterr().out
-    assert "Use it: kvsim generate --model tiny --policy" in printed
+    use = next(line for line in printed.splitlines() if line.startswith("Use it: "))[len("Use it: "):]
+    assert use.startswith("kvsim generate --model tiny --policy") and rep["model_spec"] == "tiny"
+    assert f"<code>{esc(use)}</code>" in page                                # the page shows the same command
+    argv = shlex.split(use)
+    assert main([*argv[1:], "--max-new-tokens", "2", "--threads", "1"]) == 0   # and it runs
     assert main(["recommend", "--model", "tiny", "--target", "ppl=3", "--out", str(out)]) == 2
+    # a level one segment cannot certify is refused before anything runs
+    assert main(["recommend", "--model", "tiny", "--segments", "1", "--target", "dnll=0.1", "--alpha", "0.2",
+                 "--out", str(out)]) == 2
+    assert "certify no level below" in capsys.readouterr().err

@@ -75,9 +75,16 @@ def test_retrieval_recommendation_gates_on_the_full_cache_and_bounds_the_failure
     assert a["met"] and a["budget"] == 48 and a["choice"]["measured"] == 0.0
     assert a["choice"]["upper_bound"] == pytest.approx(1 - certifiable(9, 1.645))
     assert rep["model_runs"] == sum(calls) and rep["configurations"][0]["kv_bytes_mean"] > 0
+    assert 40 in rep["rungs"]                    # refined between 32 (missed) and 48: 40 missed too
+    g = rep["guarantee"]                         # the Clopper-Pearson bound is the distribution-free guarantee
+    assert (g["kind"], g["budget"], g["n_units"], g["alpha"]) == ("clopper_pearson", 48, 9, pytest.approx(0.05, 1e-3))
     with pytest.raises(ValidateError, match="can certify at most retrieval=0.72"):
         recommend_retrieval(model, tok, {"default": read_text("default")[0]}, cands, [16, 32, 48, 64],
                             Target.parse("retrieval=0.9"), out=tmp_path, **kw)
+    # a looser level certifies more from the same prompts: 0.4 ** (1/9) >= 0.9
+    rep = recommend_retrieval(model, tok, {"default": read_text("default")[0]}, cands, [16, 32, 48, 64],
+                              Target.parse("retrieval=0.9"), out=tmp_path, alpha=0.4, **kw)
+    assert rep["guarantee"]["alpha"] == pytest.approx(0.4) and rep["answer"]["budget"] == 48
 
 
 def test_retrieval_cli_says_when_the_model_answers_no_pass_key(tmp_path, capsys):
