@@ -106,7 +106,8 @@ class Case:
     ``diagnosis`` adds the run's own evidence). diagnostics:
     (label, kvsim spec) pairs run at kvpress's per-head counts to test a stated cause (their Jaccard is reported
     beside the row's, never instead of it). fill: a ``FILLS`` function giving run-time values for "{name}"
-    placeholders in the press spec, the kvsim spec and the params (DMS's threshold, from the trace).
+    placeholders in the press spec, the kvsim spec and the params (DMS's threshold, from the trace). why_not: why the
+    row cannot run (no kvsim spec: the rule cannot be expressed from a trace; a kvsim spec: kvpress has no press).
     """
 
     kvsim: str | None
@@ -270,6 +271,20 @@ CASES: dict[str, Case] = {
                               "new K/V beside KVzip's selection: its cache holds pairs no prompt token produced, "
                               "which a kept-set policy over a trace cannot express; its selection is KVzip's "
                               "(kvzip / kvzip_plus here)"),
+    "TriAttention": Case(
+        "triattention", {"divide_length": 128, "offset_max_length": 65536, "offset_agg": "mean", "normalize": True,
+                         "group_agg": "max", "protect_prefill": True, "n_recent": 0},
+        why_not="kvpress 0.5.5 ships no TriAttention press: nothing to compare kept sets with",
+        note="kvsim's triattention follows the method's released code (github.com/WeianMao/triattention, its Hugging "
+             "Face path at the experiment runner's defaults); tests/test_triattention.py checks its scores, "
+             "statistics, selection and whole decode against a NumPy transcription of that code's formulas and "
+             "schedule. Two parts of the released defaults a trace cannot express: (1) the default pruning mode "
+             "(per_head_pruning) averages each layer's group-maximum score over all layers and keeps one set per "
+             "KV-head index, the same in every layer, while a kvsim policy decides per layer (the simulator replays "
+             "one layer at a time, the closed loop steps the layers side by side), so kvsim runs the code's "
+             "per-layer option (per_layer_perhead_pruning=True, layer_perhead_aggregation=max); (2) the query "
+             "statistics come from a file calibrated offline on another text, which neither a policy nor a trace "
+             "holds, so kvsim calibrates them on the prompt's own queries."),
     "KVgrad": Case(None, {}, press={"cls": "KVgradPress"},
                    why_not="KVgrad scores each KV pair by input x gradient of the final hidden states through a "
                            "backward pass over KVzip's reconstruction; a trace records forward activations only "
@@ -648,7 +663,7 @@ def available(case: Case) -> str | None:
     missing = [r for r in case.requires if r not in names]
     if missing:
         return f"not available: kvsim has no {', '.join(missing)} policy in its registry"
-    if case.kvsim is None:
+    if case.kvsim is None or case.why_not:
         return f"not available: {case.why_not or 'no kvsim spec for this press'}"
     return None
 
@@ -681,7 +696,6 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     limit_threads(2)
     WORK.mkdir(parents=True, exist_ok=True)
-    env_py = ensure_env(args.rebuild_env)
     folder = resolve_model(MODEL)                           # converted the kvsim way on first use
     text, text_id = read_text(TEXT)
     from transformers import AutoTokenizer
@@ -718,6 +732,8 @@ def main(argv: list[str] | None = None) -> None:
         declared = declared_press(policies[name], P, base) if why is None else None
         if why is None:
             entry["export"] = declared["export"]
+        elif case.kvsim is not None and case.why_not:      # kvsim has the method, kvpress has no press: say so
+            entry["export"] = declared_press(parse_policy(spec), P, base)["export"]
         if case.press is None and why is None and declared["counterpart"] is None:
             why = f"not available: kvsim's declaration refuses it: {declared['export']['refused']}"
         cp = declared["counterpart"] if declared else None
@@ -733,12 +749,23 @@ def main(argv: list[str] | None = None) -> None:
             arrays = INJECTIONS[case.inject](trace, inputs, policies[name])
             np.savez(WORK / f"inject_{file_tag(name)}.npz", **arrays)
         if why is not None:
-            entry.update(status="not available", note=why)
+            entry.update(status="not available", note=f"{why}. {entry['note']}" if entry["note"] else why)
         else:
             runnable.append(name)
         results[name] = entry
 
+    path = RESULTS / "kvpress_parity.json"
+    if not runnable:          # only rows kvpress has no press for: nothing to run there, the rest of the file stays
+        if not path.is_file():
+            raise SystemExit(f"none of {wanted} runs in kvpress and there is no {path} to add them to")
+        old = json.loads(path.read_text())
+        old["policies"] = {**old["policies"], **results}
+        atomic_write_text(path, json.dumps(old, indent=1, default=float) + "\n")
+        print(f"updated {', '.join(results)} in {path}")
+        return
+
     # kvpress side, one subprocess for all presses
+    env_py = ensure_env(args.rebuild_env)
     request = {"model": str(folder), "token_ids": ids[:P], "out_dir": str(WORK), "threads": 2,
                "cases": [{"name": n, "file": file_tag(n), "press": presses[n], "attn": settings[n]["attn"],
                           "sets_ratio": settings[n]["sets_ratio"], "ratio": args.ratio, "inject": CASES[n].inject,
@@ -828,7 +855,6 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine(),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "kvpress_parity.json"
     if args.only and path.is_file():       # a partial run updates its rows, the others stay as they were
         payload["policies"] = {**json.loads(path.read_text())["policies"], **results}
     atomic_write_text(path, json.dumps(payload, indent=1, default=float) + "\n")

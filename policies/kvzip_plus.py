@@ -71,8 +71,16 @@ class KVzipPlus(KVzip):
             return np.ones(recon_q.shape[0], np.float32), value_output_norms(v, None, recon_q.shape[1])
         norms, v, wo = read(j, chunk_size)
         norms = np.asarray(norms, np.float64)
-        if norms.shape != (recon_q.shape[0],) or not np.isfinite(norms).all() or (norms <= 0).any():
-            raise self._no_extras("the recorded pass (its hidden-state norms are missing or not positive)")
+        if norms.shape != (recon_q.shape[0],) or not np.isfinite(norms).all() or (norms < 0).any():
+            raise self._no_extras("the recorded pass (its hidden-state norms are missing or not finite)")
+        if (norms == 0).any():
+            from policies.errors import PolicyError
+
+            t = int(np.flatnonzero(norms == 0)[0])
+            raise PolicyError(f"{self.label()}: repeat token {t} of KVzip's pass reaches compressed layer {j}'s "
+                              f"attention with a zero hidden state (a token whose embedding is zero, such as a "
+                              f"padding token), so KVzip+'s division by ||h_t|| is undefined; leave such tokens out "
+                              f"of the prompt")
         return (1.0 / norms).astype(np.float32), value_output_norms(np.asarray(v), wo, recon_q.shape[1])
 
     def _no_extras(self, where: str) -> Exception:

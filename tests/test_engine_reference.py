@@ -10,6 +10,7 @@ from policies import get_policy, list_policies
 from sim.reference_replay import reference_head_state, reference_replay_layer
 from sim.layer_inputs import load_layers
 from sim.replay import replay
+from tests.short_schedules import short_policy
 from traces.synthetic import make_synthetic_trace
 
 POLICIES = [n for n in list_policies() if not get_policy(n).is_oracle]
@@ -24,7 +25,7 @@ def test_engine_matches_numpy_reference(name, seed, T, geometry, frac, prompt_fr
     trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=hq, n_kv_heads=hkv, head_dim=16, n_tokens=T,
                                  n_prompt=int(T * prompt_frac), seed=seed, recall_every=4, recall_window=4,
                                  segment=8, passkey_pos=0, n_needle_queries=2)
-    policy = get_policy(name)
+    policy = short_policy(name)
     budget = max(policy.min_budget(), int(T * frac))
     assume(budget <= T)
     P = trace.meta.n_prompt
@@ -52,7 +53,7 @@ def test_skipping_unread_attention_changes_nothing(name):
     attention of every step (it only skips the unmeasured prompt steps' attention)."""
     trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=64,
                                  n_prompt=40, seed=3)
-    policy = get_policy(name)
+    policy = short_policy(name)
     eager = type(policy.name + "_eager", (type(policy),), {"reads_attention": True})(**policy.params)
     budget = max(12, policy.min_budget())
     a, b = replay(trace, policy, budget, record_kept=(40, 24)), replay(trace, eager, budget, record_kept=(40, 24))

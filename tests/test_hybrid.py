@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from policies import PolicyError, get_policy, list_policies
+from tests.short_schedules import short_policy
 from sim.reference_replay import reference_head_state, reference_replay_layer
 from sim.layer_inputs import load_layers
 from sim.oracle_replay import replay_oracle
@@ -138,7 +139,7 @@ POLICIES = [n for n in list_policies() if not get_policy(n).is_oracle]
 def test_engine_matches_reference_under_a_window(name):
     trace = hybrid(seed=5)
     T, P = 40, 24
-    policy = get_policy(name)
+    policy = short_policy(name)
     budget = max(policy.min_budget(), 10)
     res = replay(trace, policy, budget, sliding="compress", record_kept=(P, T - P))
     inputs = load_layers(trace)

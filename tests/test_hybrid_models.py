@@ -18,6 +18,7 @@ from sim.replay import replay
 from traces.format import load_trace
 from traces.recorder import record_trace
 from tests.random_models import random_gemma3
+from tests.short_schedules import short_policy
 
 torch.set_num_threads(1)
 WINDOW = 8
@@ -78,7 +79,7 @@ def test_gemma3_token_by_token_recording_equals_single_pass(gemma, ids, gemma_tr
 @pytest.mark.parametrize("policy", ["h2o", "snapkv", "streaming_llm", "tova", "d2o", "pyramidkv", "bumblebee",
                                     "expected_attention", "cascading", "buzz", "ada_snapkv"])
 def test_gemma3_open_loop_kept_sets_equal_simulator(gemma, gemma_trace, policy, sliding):
-    pol = get_policy(policy)
+    pol = short_policy(policy)
     out = kept_set_agreement(gemma, gemma_trace, pol, max(6, pol.min_budget()), 20, sliding=sliding)
     layers = 1 if sliding == "keep" else 4
     assert out["n_compared"] == layers * 1 * 20
@@ -114,8 +115,8 @@ def test_gemma3_memory_counts_the_windows(gemma, gemma_trace, ids):
 
 
 def test_gemma3_batched_equals_solo(gemma, ids):
-    jobs = [BatchJob(get_policy(n), b, ids[:16], continuation=ids[16:30])
-            for n in CLOSED_LOOP if n not in NORM_TIES for b in (6,) if b >= get_policy(n).min_budget()]
+    jobs = [BatchJob(short_policy(n), b, ids[:16], continuation=ids[16:30])
+            for n in CLOSED_LOOP if n not in NORM_TIES for b in (6,) if b >= short_policy(n).min_budget()]
     batched = run_batch(gemma, jobs, keep_logits=True, record_kept=(16, 6))
     for job, got in zip(jobs, batched):
         solo = CompressedRunner(gemma, job.policy, job.budget, keep_logits=True, record_kept=(16, 6)).run(

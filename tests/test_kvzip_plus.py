@@ -114,3 +114,17 @@ def test_closed_loop_equals_simulator(recorded):
     plus = replay(trace, parse_policy("kvzip_plus:chunk_size=8"), 10, record_kept=(24, 1)).kept
     plain = replay(trace, parse_policy("kvzip:chunk_size=8"), 10, record_kept=(24, 1)).kept
     assert not np.array_equal(np.sort(plus, axis=-1), np.sort(plain, axis=-1))
+
+
+def test_a_zero_hidden_state_is_refused_with_the_reason():
+    """Gemma-3's padding token (id 0) has a zero embedding: reread in the pass it reaches the first layer's attention
+    as a zero hidden state, on which KVzip+'s 1 / ||h_t|| is undefined; the closed loop says so."""
+    from gpu_validate.jobs import BatchJob
+    from gpu_validate.runner import run_batch
+    from policies import get_policy
+    from tests.random_models import random_gemma3
+
+    model = random_gemma3(("sliding_attention", "full_attention"))
+    ids = [5, 9, 0, 17, 3, 8, 21, 4, 30, 2, 11, 6]
+    with pytest.raises(Exception, match="zero hidden state"):
+        run_batch(model, [BatchJob(get_policy("kvzip_plus"), 6, ids[:10], continuation=ids[10:])], sliding="compress")

@@ -19,21 +19,23 @@ VARIANTS = [("d2o", {"preset": "reference"}), ("d2o", {"alloc": "literal"}), ("c
             ("buzz", {"prefill": "one_pass", "window": 3, "threshold": 6}),
             ("snapkv", {"window_only": True, "group_reduce": "max"}),
             ("ada_snapkv", {"rounding": "released", "group_reduce": "max", "window_only": True}),
-            ("ada_h2o", {"rounding": "released"})]
+            ("ada_h2o", {"rounding": "released"}),
+            ("triattention", {"divide_length": 4}), ("triattention", {"divide_length": 2, "protect_prefill": False}),
+            ("triattention", {"divide_length": 3, "n_recent": 2, "offset_agg": "max", "group_agg": "mean"})]
 
 
 @st.composite
 def trace_and_budget(draw, name: str, params: dict | None = None):
     """A small synthetic trace and a budget the policy accepts (min_budget..T)."""
+    policy = get_policy(name, **(params or {}))
+    lo = policy.min_budget()
     hq, hkv = draw(st.sampled_from(GEOMETRIES))
-    T = draw(st.integers(16, 72))
+    # long enough for the policy's least budget (TriAttention's default schedule needs 128 slots)
+    T = draw(st.integers(max(16, lo), max(72, lo + 56)))
     trace = make_synthetic_trace(
         draw(st.sampled_from(KINDS)), n_layers=draw(st.integers(1, 2)), n_q_heads=hq, n_kv_heads=hkv,
         head_dim=16, n_tokens=T, n_prompt=draw(st.integers(0, T // 2)), seed=draw(st.integers(0, 2**16)),
         recall_every=5, recall_window=6, segment=12, n_needle_queries=3, passkey_pos=1)
-    policy = get_policy(name, **(params or {}))
-    lo = policy.min_budget()
-    assume(lo <= T)
     budget = draw(st.integers(lo, T))
     return trace, policy, budget
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from policies import get_policy, list_policies
 from sim.replay import replay
+from tests.short_schedules import short_policy
 from traces.format import InMemoryTrace, LayerArrays, ModelInfo, TraceMeta
 from traces.reference import full_attention_reference
 from traces.synthetic import random_output_projection
@@ -52,12 +53,12 @@ def _twin_traces(seed: int, T: int, n_prompt: int, what: str) -> tuple[InMemoryT
 
 def _same_decisions(name: str, what: str, seed: int, T: int, n_prompt: int, frac: float) -> None:
     a, b = _twin_traces(seed, T, n_prompt, what)
-    policy = get_policy(name)
+    policy = short_policy(name)
     budget = max(policy.min_budget(), int(frac * T))
     if budget > T:
         pytest.skip(f"{name}'s minimum budget exceeds the trace")
     ra = replay(a, policy, budget, record_kept=(0, T))
-    rb = replay(b, get_policy(name), budget, record_kept=(0, T))
+    rb = replay(b, short_policy(name), budget, record_kept=(0, T))
     np.testing.assert_array_equal(ra.kept, rb.kept, err_msg=f"{name} declares it does not read the {what}, "
                                                              f"but its kept sets changed with them")
 

@@ -26,6 +26,7 @@ from sim.cli import main
 from traces.format import load_trace
 from traces.recorder import record_trace
 from tests.random_models import random_llama
+from tests.short_schedules import short_policy
 
 torch.set_num_threads(1)
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" and torch.cuda.is_available() else "cpu"
@@ -121,7 +122,7 @@ EXACT_TIES = {"critical(knorm)": 0.98, "cur": 0.98, "ada(cur)": 0.98, "critical(
 @pytest.mark.parametrize("policy", CLOSED_LOOP)
 @pytest.mark.parametrize("budget", [8, 12])
 def test_open_loop_kept_sets_equal_simulator(llama, llama_trace, policy, budget):
-    pol = get_policy(policy)
+    pol = short_policy(policy)
     out = kept_set_agreement(llama, llama_trace, pol, max(budget, pol.min_budget()), 24)
     assert out["n_compared"] == 2 * 2 * 24
     assert out["kept_agreement"] >= EXACT_TIES.get(policy, 1.0)
