@@ -203,18 +203,19 @@ def _same_layer(entry: dict[str, Any], g: dict[str, int]) -> bool:
 
 
 def replay_geometry(g: dict[str, int], P: int, budget: int, n_layers: int) -> dict[str, dict[str, float]]:
-    """Seconds per layer of each recommend family's paper default replayed at ``budget`` on a synthetic trace of
-    geometry ``g`` with a P-token prompt: ``seconds`` the replay once its trace-only tables exist (a search's every
+    """Seconds per layer of the paper default of each family of the recommend benchmark's fixed subset
+    (`benchmarks.recommend.FAMILIES`) replayed at ``budget`` on a synthetic trace of geometry ``g`` with a P-token
+    prompt: ``seconds`` the replay once its trace-only tables exist (a search's every
     later cell), ``trace_only_seconds`` what the first replay spends more (its tables). Peak RSS stated apart."""
-    from gpu_validate.recommend_grid import FAMILY_GRID
+    from benchmarks.recommend import FAMILIES
     from sim.layer_inputs import load_layers
     from sim.replay import replay
     from sim.specs import parse_policy
     from traces.synthetic import make_synthetic_trace
 
     tiny = make_synthetic_trace("mixed", n_layers=1, n_tokens=96, n_prompt=64)
-    for specs in FAMILY_GRID.values():                      # kernels loaded before the timings
-        replay(tiny, parse_policy(specs[0]), 16, threads=1)
+    for name in FAMILIES:                                   # kernels loaded before the timings
+        replay(tiny, parse_policy(name), 16, threads=1)
     t0 = time.perf_counter()
     trace = make_synthetic_trace("mixed", n_layers=n_layers, n_q_heads=g["n_q_heads"], n_kv_heads=g["n_kv_heads"],
                                  head_dim=g["head_dim"], n_tokens=P + SCALE_DECODE, n_prompt=P, seed=0,
@@ -223,8 +224,8 @@ def replay_geometry(g: dict[str, int], P: int, budget: int, n_layers: int) -> di
     print(f"  synthetic {P} + {SCALE_DECODE} tokens, {n_layers} layer(s): {time.perf_counter() - t0:.0f} s",
           flush=True)
     out = {}
-    for specs in FAMILY_GRID.values():
-        policy = parse_policy(specs[0])                      # the family's paper default
+    for name in FAMILIES:
+        policy = parse_policy(name)                          # the family's paper default
         t0 = time.perf_counter()
         replay(trace, policy, budget, inputs=inputs, threads=1)
         first = time.perf_counter() - t0
