@@ -54,6 +54,9 @@ class KVzipPlus(KVzip):
     """KVzip's reconstruction score with KVzip+'s normalisation: each repeat query's attention divided by its
     hidden-state norm, each token's column multiplied by its W_O-projected value norm (module docstring)."""
 
+    #: the normalisation reads the prompt's values (``||W_O^(g) v_i||``), which KVzip's score does not
+    reads_values = True
+
     name = "kvzip_plus"
     summary = "KVzip's reread attention x ||W_O v|| / ||h|| (KVzip+)"
 
