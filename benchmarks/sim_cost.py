@@ -89,9 +89,10 @@ def model_costs(name: str, recommend: bool) -> dict[str, Any]:
     configs = [(c.policy, b) for c in cands for b in ladder if c.policy.min_budget() <= b]
     losses = (*ENGINE_LOSSES, SIM_LOSS)
     # every kernel loaded (numba's disk cache) before the timings, on a short window
-    short = make_segments({TEXT: ids}, 1, 96)
+    short_prompt = max(64, *(c.policy.min_budget() for c in cands))   # room for every candidate's smallest budget
+    short = make_segments({TEXT: ids}, 1, short_prompt + 32)
     t0 = time.perf_counter()
-    simulated(model, short, [(c.policy, max(16, c.policy.min_budget())) for c in cands], n_prompt=64,
+    simulated(model, short, [(c.policy, max(16, c.policy.min_budget())) for c in cands], n_prompt=short_prompt,
               model_id=name, progress=False, losses=losses)
     warm = time.perf_counter() - t0
     out: dict[str, Any] = {"n_prompt": P, "n_decode": D, "text": f"{TEXT}@{seg[0].start}", "candidates": len(cands),
@@ -165,7 +166,7 @@ def recommend_run(name: str) -> dict[str, Any]:
         if proc.returncode != 0:
             raise RuntimeError(f"kvsim {' '.join(args)} failed: {proc.stderr[-3000:]}")
         rep = json.loads((Path(tmp) / "recommend.json").read_text())
-    return {"recommend_seconds": seconds, "recommend_command": "kvsim " + " ".join(a for a in args if a != tmp),
+    return {"recommend_seconds": seconds, "recommend_command": "kvsim " + " ".join("OUT" if a == tmp else a for a in args),
             "recommend_model_runs": rep.get("model_runs"), "recommend_answer": rep.get("answer", {}).get("choice"),
             "recommend_load": max(load0, load_avg())}
 
