@@ -195,11 +195,15 @@ def sim_cost_section() -> str:
         out.append(table(["geometry", "tokens", "budget", "policy", "replay per cell (s)", "trace-only (s)",
                           "closed loop (s)", "cells per run, time", "cells per run, cost", "roofline run (s)",
                           "cells per roofline run, time", "… cost"], rows))
+        from sim.specs import parse_policy
+
+        streamed = sorted({r[3] for r in rows if not parse_policy(r[3]).has_prefill})
         out.append(f"\n*closed loop*: {sources[0]}. It is one configuration's run with its prompt prefilled in one "
-                   f"pass (then {next(iter(scale.values()))['decode']} decode steps). The replays of H2O, TOVA, D2O, "
-                   f"Cascading and StreamingLLM stream the prompt one token at a time (chunk 1), which is most of their "
-                   f"cost at 32 k; their own closed loop in that mode would take one model step per prompt token as "
-                   f"well, so against it the simulator's share is larger than this table says.\n")
+                   f"pass (then {next(iter(scale.values()))['decode']} decode steps). The replays of "
+                   f"{', '.join(streamed)} stream the prompt one token at a time through their step (no prefill), "
+                   f"which is most of their cost at 32 k; their own closed loop in that mode would take one model "
+                   f"step per prompt token as well, so against it the simulator's share is larger than this table "
+                   f"says.\n")
         faster = sorted({f"{r[3]} at {r[1]}" for r in rows if r[7] >= 1})
         out.append(f"\nIn wall time on one CPU core against the measured GPU run, "
                    f"{'only ' + ', '.join(faster) if faster else 'no configuration'} simulates faster than the model "
