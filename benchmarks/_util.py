@@ -14,7 +14,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def machine() -> dict[str, Any]:
     """The machine and the thread environment a result was measured in (pools as this process has them)."""
-    from sim.threads import environment_record
+    from sim.replay.threads import environment_record
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "load_avg_1min": os.getloadavg()[0],
@@ -24,7 +24,7 @@ def machine() -> dict[str, Any]:
 def user_env(**extra: str) -> dict[str, str]:
     """The environment of a plain user shell for a ``kvsim`` subprocess: this one without any thread variable
     (so the CLI's own thread budgeting is what gets measured), plus ``extra``."""
-    from sim.threads import KVSIM_THREADS, THREAD_ENV_VARS
+    from sim.replay.threads import KVSIM_THREADS, THREAD_ENV_VARS
 
     drop = {*THREAD_ENV_VARS, "NUMBA_NUM_THREADS", KVSIM_THREADS}
     root = str(Path(__file__).resolve().parents[1])

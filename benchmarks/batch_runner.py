@@ -1,5 +1,5 @@
 """Closed-loop batching speed-up on SmolLM2-135M (CPU, torch backend): N (policy, budget) configurations run
-one at a time vs as one batch (`gpu_validate.runner.run_batch`), and the batched results checked against the
+one at a time vs as one batch (`gpu_validate.closedloop.runner.run_batch`), and the batched results checked against the
 solo ones. Writes benchmarks/results/batch_runner.json.
 
     python -m benchmarks.batch_runner [--model smollm2-135m] [--prompt 128] [--decode 32]
@@ -40,12 +40,12 @@ def _streamed_batch(model_name: str, n_prompt: int, n_decode: int) -> dict:
     import torch
 
     try:
-        from gpu_validate.jobs import BatchJob
-    except ImportError:   # --before's checkout may predate gpu_validate.jobs (BatchJob was in gpu_validate.runner)
-        from gpu_validate.runner import BatchJob
-    from gpu_validate.runner import run_batch
-    from sim.specs import parse_policy
-    from sim.threads import limit_threads
+        from gpu_validate.closedloop.jobs import BatchJob
+    except ImportError:   # --before's checkout may predate gpu_validate.closedloop.jobs (BatchJob was in gpu_validate.closedloop.runner)
+        from gpu_validate.closedloop.runner import BatchJob
+    from gpu_validate.closedloop.runner import run_batch
+    from sim.experiments.specs import parse_policy
+    from sim.replay.threads import limit_threads
     from traces.model import default_text
     from traces.models import load_model
 
@@ -74,10 +74,10 @@ def _time_host_steps() -> dict:
     the forward), or, in a checkout from before it, `BatchRunner._policy_step` (one layer inside its attention)."""
     acc = {"cpu": 0.0, "wall": 0.0}
     try:
-        from gpu_validate.decode_steps import DecodeSteps as owner
+        from gpu_validate.closedloop.decode_steps import DecodeSteps as owner
         name = "step"
     except ImportError:
-        from gpu_validate.batch_runner import BatchRunner as owner
+        from gpu_validate.closedloop.batch_runner import BatchRunner as owner
         name = "_policy_step"
     acc["what"] = f"{owner.__name__}.{name}"
     real = getattr(owner, name)
@@ -158,10 +158,10 @@ def main(argv: list[str]) -> int:
     import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
 
     from benchmarks._util import machine, write_result
-    from gpu_validate.jobs import BatchJob
-    from gpu_validate.runner import CompressedRunner, run_batch
-    from sim.specs import parse_policy
-    from sim.threads import limit_threads
+    from gpu_validate.closedloop.jobs import BatchJob
+    from gpu_validate.closedloop.runner import CompressedRunner, run_batch
+    from sim.experiments.specs import parse_policy
+    from sim.replay.threads import limit_threads
     from traces.model import default_text
     from traces.models import load_model
 

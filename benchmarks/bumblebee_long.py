@@ -5,7 +5,7 @@ Trace: synthetic 'mixed' in Gemma-3-270M's global-layer geometry (1 layer, 4 que
 P prompt tokens + 256 decode steps, generated once into --cache (32 k tokens take minutes) and loaded by every run.
 Each run is a child process under ``/usr/bin/time``: peak RSS of the whole process (Python, numba, the loaded trace
 and the replay's float32 copies of it included) and its wall seconds. Two kinds of run:
-  - replay: ``sim.replay.replay`` at one budget (prompt importance + selection + 256 decode steps); the child also
+  - replay: ``sim.replay.policy_replay.replay`` at one budget (prompt importance + selection + 256 decode steps); the child also
     reports a digest of every recorded kept set and metric, so that before and after can be compared;
   - prefill_ab (up to 8 k): the prefill kernel of both versions in one process, alternated AB_REPEAT times (min and
     median seconds; this machine's load swings single runs by several times, alternation shares it out);
@@ -65,7 +65,7 @@ def _module(version: str, rev: str):
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}.py"
     if not path.exists() or path.read_text() != src:
         path.write_text(src)
-    from policies.registry import policy_class
+    from policies.core.registry import policy_class
 
     policy_class("bumblebee")           # discover first: the old class must not be replaced by the current one
     spec = importlib.util.spec_from_file_location(name, path)
@@ -93,7 +93,7 @@ def child(kind: str, trace_dir: str, budget: int, version: str, rev: str) -> dic
         np.save(Path(trace_dir) / "importance.npy", m)
         return {**out, "seconds": time.perf_counter() - t0}
     if kind == "select":
-        from policies.scorer import recent_slots
+        from policies.core.scorer import recent_slots
 
         k = np.ascontiguousarray(np.array(trace.layer(0).k[:P, 0], np.float32))
         m = np.load(Path(trace_dir) / "importance.npy")
@@ -139,7 +139,7 @@ def child(kind: str, trace_dir: str, budget: int, version: str, rev: str) -> dic
         return {**out, "before_s": min(times["before"]), "after_s": min(times["after"]),
                 "before_median_s": float(np.median(times["before"])),
                 "after_median_s": float(np.median(times["after"])), "runs_s": times, "identical": bool(same)}
-    from sim.replay import replay
+    from sim.replay.policy_replay import replay
 
     pol = mod.BumbleBee()
     t1 = time.perf_counter()

@@ -66,9 +66,9 @@ def _cosines(uT, rows: int = 16, repeat: int = 2048) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from policies.kernels import GROUP_REDUCE, prompt_attention
+    from policies.core.shared_kernels import GROUP_REDUCE, prompt_attention
     from policies._bumblebee_greedy import default_cache_columns, unit_keys_t
-    from policies.scorer import recent_slots
+    from policies.core.scorer import recent_slots
     from traces.format import load_trace
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -23,10 +23,10 @@ def main(argv: list[str] | None = None) -> None:
     from scipy.stats import spearmanr
 
     from policies import get_policy, list_policies
-    from sim.layer_inputs import load_layers
-    from sim.replay import replay
-    from sim.replay_plan import effective_chunk
-    from sim.threads import limit_threads
+    from sim.replay.layer_inputs import load_layers
+    from sim.replay.policy_replay import replay
+    from sim.replay.plan import effective_chunk
+    from sim.replay.threads import limit_threads
     from traces.format import load_trace
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -195,7 +195,7 @@ def sim_cost_section() -> str:
         out.append(table(["geometry", "tokens", "budget", "policy", "replay per cell (s)", "trace-only (s)",
                           "closed loop (s)", "cells per run, time", "cells per run, cost", "roofline run (s)",
                           "cells per roofline run, time", "… cost"], rows))
-        from sim.specs import parse_policy
+        from sim.experiments.specs import parse_policy
 
         streamed = sorted({r[3] for r in rows if not parse_policy(r[3]).has_prefill})
         out.append(f"\n*closed loop*: {sources[0]}. It is one configuration's run with its prompt prefilled in one "

@@ -21,10 +21,10 @@ import numpy as np
 
 from benchmarks._util import add_real_trace_args, machine, real_model_trace, result_name, trace_fields, write_result
 from policies import get_policy
-from sim.layer_inputs import load_layers
-from sim.oracle_replay import replay_oracle
-from sim.replay import replay
-from sim.threads import limit_threads
+from sim.replay.layer_inputs import load_layers
+from sim.replay.oracle_replay import replay_oracle
+from sim.replay.policy_replay import replay
+from sim.replay.threads import limit_threads
 from traces.format import InMemoryTrace, LayerArrays, ModelInfo, Trace, TraceMeta
 from traces.synthetic import make_synthetic_trace
 
@@ -109,7 +109,7 @@ def improvement_table(rows: list[dict]) -> list[dict]:
 
 def plot(rows: list[dict], table: list[dict], path: Path) -> None:
     """Top: loss curves of each pair (log scale); bottom: Ada's relative change of loss and bound per trace."""
-    from sim.plotting import agg_pyplot, save_figure
+    from sim.reports.plotting import agg_pyplot, save_figure
 
     plt = agg_pyplot()
 

@@ -19,9 +19,9 @@ import numpy as np
 from benchmarks._util import (RESULTS, add_real_trace_args, machine, real_model_trace, result_name, trace_fields,
                               write_result)
 from policies import get_policy, list_policies
-from sim.layer_inputs import load_layers
-from sim.oracle_replay import replay_oracle
-from sim.replay import replay
+from sim.replay.layer_inputs import load_layers
+from sim.replay.oracle_replay import replay_oracle
+from sim.replay.policy_replay import replay
 from traces.format import InMemoryTrace, LayerArrays, Trace
 from traces.reference import full_attention_reference
 from traces.synthetic import make_synthetic_trace
@@ -73,7 +73,7 @@ def evaluate(traces: dict[str, Trace]) -> list[dict]:
 
 
 def plot(rows: list[dict], path) -> None:
-    from sim.plotting import agg_pyplot, save_figure
+    from sim.reports.plotting import agg_pyplot, save_figure
 
     plt = agg_pyplot()
 

@@ -19,11 +19,11 @@ import numpy as np
 from benchmarks._util import (RESULTS, add_real_trace_args, machine, real_model_trace, result_name, trace_fields,
                               write_result)
 from policies._buzz_model import held_trajectory, old_sequence, predicted_ratio
-from policies.registry import get_policy
-from sim.layer_inputs import load_layers
-from sim.oracle_replay import replay_oracle
-from sim.replay import replay
-from sim.threads import limit_threads
+from policies.core.registry import get_policy
+from sim.replay.layer_inputs import load_layers
+from sim.replay.oracle_replay import replay_oracle
+from sim.replay.policy_replay import replay
+from sim.replay.threads import limit_threads
 from traces.format import Trace
 from traces.synthetic import make_synthetic_trace
 
@@ -121,7 +121,7 @@ def mean_table(rows: list[dict]) -> dict:
 
 
 def plot(cmp_rows: list[dict], sweep: list[dict], fp: dict, path: Path) -> None:
-    from sim.plotting import agg_pyplot, save_figure
+    from sim.reports.plotting import agg_pyplot, save_figure
 
     plt = agg_pyplot()
 

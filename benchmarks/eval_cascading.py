@@ -24,9 +24,9 @@ from benchmarks._util import (RESULTS, add_real_trace_args, machine, real_model_
                               trace_fields, write_result)
 from policies import get_policy
 from policies.cascading import approximate_context_length
-from sim.layer_inputs import load_layers
-from sim.oracle_replay import replay_oracle
-from sim.replay import replay
+from sim.replay.layer_inputs import load_layers
+from sim.replay.oracle_replay import replay_oracle
+from sim.replay.policy_replay import replay
 from traces.synthetic import make_synthetic_trace
 
 KINDS = ("mixed", "zipf", "recall", "topic_shift", "local", "passkey")
@@ -107,7 +107,7 @@ def passkey_sweep() -> dict:
 
 
 def plot(rows: list[dict], sweep: dict, path: Path) -> None:
-    from sim.plotting import agg_pyplot, save_figure
+    from sim.reports.plotting import agg_pyplot, save_figure
 
     plt = agg_pyplot()
 

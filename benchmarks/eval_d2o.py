@@ -25,8 +25,8 @@ import numpy as np
 from benchmarks._util import add_real_trace_args, machine, real_model_trace, result_name, trace_fields, write_result
 from policies import get_policy
 from policies.d2o import UNCOMPRESSED
-from sim.layer_inputs import load_layers
-from sim.replay import replay
+from sim.replay.layer_inputs import load_layers
+from sim.replay.policy_replay import replay
 from traces.format import Trace, load_trace
 from traces.synthetic import make_synthetic_trace
 
@@ -90,7 +90,7 @@ def best_betas(grid: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], grid: list[dict], path: Path) -> None:
-    from sim.plotting import agg_pyplot, save_figure
+    from sim.reports.plotting import agg_pyplot, save_figure
 
     plt = agg_pyplot()
 
@@ -119,7 +119,7 @@ def plot(rows: list[dict], grid: list[dict], path: Path) -> None:
 def plot_layer_budgets(rows: list[dict], path: Path) -> None:
     """Per-layer budgets of each allocation reading, one panel per budget (of the real-model trace if any);
     uncompressed layers (``exempt_layers``) are marked at the top."""
-    from sim.plotting import agg_pyplot, save_figure
+    from sim.reports.plotting import agg_pyplot, save_figure
 
     plt = agg_pyplot()
 

@@ -5,7 +5,7 @@ The text (``--text``, the shipped ``default+idle`` by default) is cut to ``--pro
 prompt streams through each policy's cache (Cascading, StreamingLLM and H2O token by token: Cascading refuses
 chunked prefill, and the other two stream as their papers do; BUZZ samples it once, Remark 2), then the
 ``--decode`` tokens are teacher forced and scored. PPL / ΔPPL are against the unmodified model on the same tokens
-(`gpu_validate.evaluate.metrics_of_run`). The rows go through the model batched (`gpu_validate.runner.run_batch`:
+(`gpu_validate.closedloop.model_metrics.metrics_of_run`). The rows go through the model batched (`gpu_validate.closedloop.runner.run_batch`:
 one batch per kind, streamed or prefill selector, and budget tier, the prompt's forward shared by all; one batch of
 budgets 256-2048 padded every row to 2048 slots: 1.7 s a streamed token on SmolLM2-135M here). Writes
 benchmarks/results/eval_long_ppl_<model>_<context>k.json.
@@ -30,12 +30,12 @@ def main(argv: list[str]) -> int:
     import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
 
     from benchmarks._util import length_result_name, machine, write_result
-    from gpu_validate.evaluate import metrics_of_run
-    from gpu_validate.chunked_forward import full_model_logits
-    from gpu_validate.jobs import BatchJob
-    from gpu_validate.runner import run_batch
-    from sim.specs import parse_policy
-    from sim.threads import limit_threads
+    from gpu_validate.closedloop.model_metrics import metrics_of_run
+    from gpu_validate.closedloop.chunked_forward import full_model_logits
+    from gpu_validate.closedloop.jobs import BatchJob
+    from gpu_validate.closedloop.runner import run_batch
+    from sim.experiments.specs import parse_policy
+    from sim.replay.threads import limit_threads
     from traces.model import read_text
     from traces.models import load_model
 

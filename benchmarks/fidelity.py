@@ -13,7 +13,7 @@ def main(argv: list[str]) -> int:
     import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
 
     from sim.cli import main as kvsim
-    from sim.threads import limit_threads
+    from sim.replay.threads import limit_threads
 
     limit_threads(1)   # one thread, through the API sweep workers use
     return kvsim(["fidelity", "--model", "default", "--prompt", "128", "--decode", "160", "--budgets", "16,32,64",

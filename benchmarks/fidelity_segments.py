@@ -36,10 +36,10 @@ MODELS = {
 def main(argv: list[str]) -> int:
     import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
 
-    from gpu_validate.segments import closed_loop, make_segments
-    from sim.specs import parse_policy_list
-    from sim.store import ResultStore
-    from sim.threads import limit_threads
+    from gpu_validate.studies.fidelity.segments import closed_loop, make_segments
+    from sim.experiments.specs import parse_policy_list
+    from sim.experiments.store import ResultStore
+    from sim.replay.threads import limit_threads
     from traces.model import read_text
     from traces.models import load_model
 
@@ -89,11 +89,11 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
     import pandas as pd
 
     from benchmarks._util import RESULTS, machine, write_result
-    from gpu_validate.pages import segments_page
-    from sim.runinfo import kvsim_version, now
-    from gpu_validate.fidelity import MODEL_LOSSES, SIM_LOSSES
-    from sim.store import ResultStore
-    from gpu_validate.segments import (fidelity_by_text, fit_layer_weights, plot_segment_fidelity, simulated,
+    from gpu_validate.studies.study_pages import segments_page
+    from sim.reports.runinfo import kvsim_version, now
+    from gpu_validate.studies.fidelity.rank_fidelity import MODEL_LOSSES, SIM_LOSSES
+    from sim.experiments.store import ResultStore
+    from gpu_validate.studies.fidelity.segments import (fidelity_by_text, fit_layer_weights, plot_segment_fidelity, simulated,
                                        weighted_error)
 
     closed = store.load()

@@ -206,7 +206,7 @@ def generate_check(name: str, model, P: int, sizes: Sizes) -> dict[str, Any]:
     """kvsim's configurations against each other and transformers' own cache on one model and prompt length."""
     import torch
 
-    from gpu_validate.evaluate import compare_kept
+    from gpu_validate.closedloop.model_metrics import compare_kept
 
     dev = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (1, P), generator=torch.Generator().manual_seed(P)).to(dev)
@@ -295,9 +295,9 @@ def closed_loop_step(sizes: Sizes, device: str) -> dict[str, Any]:
     the policy steps."""
     import torch
 
-    from gpu_validate.jobs import BatchJob
-    from gpu_validate.runner import run_batch
-    from sim.specs import parse_policy
+    from gpu_validate.closedloop.jobs import BatchJob
+    from gpu_validate.closedloop.runner import run_batch
+    from sim.experiments.specs import parse_policy
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -338,7 +338,7 @@ def recommend_step(device: str) -> dict[str, Any]:
     `RECOMMEND_TOLERANCE`. On a CPU-only dry run the two are one run, which checks the plumbing only."""
     import tempfile
 
-    from gpu_validate.recommend import recommend_texts
+    from gpu_validate.studies.recommendation.recommender import recommend_texts
 
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:

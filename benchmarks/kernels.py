@@ -56,7 +56,7 @@ def measure(device: str, *, bench: Callable[[Callable[[], Any]], float],
     import torch
     import torch.nn.functional as F
 
-    from gpu_validate.kernels.attention import attention_bytes, choose_splits, varlen_decode_attention
+    from gpu_validate.kvcache.kernels.attention import attention_bytes, choose_splits, varlen_decode_attention
 
     try:
         from flash_attn import flash_attn_with_kvcache
@@ -155,7 +155,7 @@ def _compaction(dev, bench, budgets: list[int], bsz: int, n_kv: int, d: int) -> 
     """One eviction at a random slot + one append per head, with and without merging the evicted slot."""
     import torch
 
-    from gpu_validate.kernels.compaction import slot_heads, varlen_compact
+    from gpu_validate.kvcache.kernels.compaction import slot_heads, varlen_compact
 
     out = []
     for budget in budgets:
@@ -199,8 +199,8 @@ def interpret_smoke() -> int:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from gpu_validate.kernels.attention import varlen_decode_attention
-    from gpu_validate.reference import ref_decode_attention
+    from gpu_validate.kvcache.kernels.attention import varlen_decode_attention
+    from gpu_validate.kvcache.kernel_reference import ref_decode_attention
 
     torch.manual_seed(0)
     start = torch.tensor([0, 64], dtype=torch.int32)

@@ -18,7 +18,7 @@ prefill at compression ratio 0.5 (kvpress keeps ``int(1024 * (1 - 0.5)) = 512`` 
   ``kvsim record``; 1 024 prompt + 1 teacher-forced token, the prompt in one forward as kvpress does, with KVzip's
   context-reconstruction pass, ``--kvzip``). A policy
   with a prefill selector runs its prefill kernel on each layer's prompt, as the engine does before decode
-  (``sim.engine.replay_layer``); one that streams its prompt (StreamingLLM, plain TOVA) is replayed with the
+  (``sim.replay.engine.replay_layer``); one that streams its prompt (StreamingLLM, plain TOVA) is replayed with the
   whole prompt as one chunk (``--prefill-chunk P``, "compress once after prefill") and its kept set read after
   the prompt's last step.
 - Budgets: by default kvsim gets, per (layer, KV head), the count kvpress kept there (512 for most presses;
@@ -69,7 +69,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.kvpress_press import MIN_JACCARD, n_kept, press_repr   # pure Python: the worker imports it too
+from policies.core.kvpress_press import MIN_JACCARD, n_kept, press_repr   # pure Python: the worker imports it too
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = ROOT / "benchmarks" / ".kvpress-env"
@@ -210,11 +210,11 @@ CASES: dict[str, Case] = {
              "the rest of the layer's 3 x 512 by a top-k over the flattened scores; kvsim's ada is the Ada-KV "
              "authors' safeguard: every head keeps the 64-token window and its candidate budget is the mixture "
              "0.8 n_h + 0.2 x 448, n_h its count in the flattened top 3 x 448 of the non-window candidates "
-             "(policies/stages.py ada_allocate, ada_prompt). Head sizes: kvpress 148-929, kvsim 221-846."),
+             "(policies/core/stages.py ada_allocate, ada_prompt). Head sizes: kvpress 148-929, kvsim 221-846."),
     "CriticalKV(ExpectedAttention)": Case(f"critical({EA_NOVNORM}, {CRIT}=0.5)", {"epsilon": 1e-4, "first_stage_ratio": 0.5, "n_sink": 4, "use_vnorm": False}, diagnostics=(("first stage of 252 candidates (first_stage_ratio=252.5/508)",
                       f"critical({EA_NOVNORM}, {CRIT}={252.5 / 508!r})"),), note="Stage 1's size differs by two tokens: kvpress keeps int(0.5 x 512) = 256 tokens by score, the 4 sinks "
              "(padded to max+1 by ExpectedAttentionPress) among them, so 252 candidates; kvsim's first_stage_ratio "
-             "is a share of the slots left for candidates, int((512 - 4) x 0.5) = 254 (policies/stages.py "
+             "is a share of the slots left for candidates, int((512 - 4) x 0.5) = 254 (policies/core/stages.py "
              "critical_stages). With 252 candidates in stage 1 kvsim's sets are identical (diagnostics)."),
     "CriticalAdaKV(ExpectedAttention)": Case(f"critical(ada({EA_NOVNORM}, floor_alpha=0.2), {CRIT}=0.5)", {"alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5, "n_sink": 4, "use_vnorm": False}, press={"cls": "CriticalAdaKVPress", "press": {"cls": "ExpectedAttentionPress", "n_sink": 4, "use_vnorm": False},
          "alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5}, budgets="base", diagnostics=(("critical without ada at kvpress's per-head counts", f"critical({EA_NOVNORM}, {CRIT}=0.5)"),), note="Three differences. (1) The head budgets, as for AdaKV(SnapKV) (kvpress 102-1011 tokens per head, "
@@ -242,7 +242,7 @@ CASES: dict[str, Case] = {
              "the benchmark's ratio."),
     "KVzip": Case("kvzip:n_sink=4,n_recent=0,layerwise=false,chunk_size=2048", {"n_sink": 4, "layerwise": False, "chunk_size": 2048, "instruction": "kvpress's, no chat template"}, requires=("kvzip",), note="kvpress's KVzipPress rereads the prompt after the prefill ('Repeat the previous context exactly.', "
              "a suffix, the prompt) and prunes the lowest scores of all layers and heads ranked together; kvsim's "
-             "trace is recorded with the same pass (`kvsim record --kvzip`, traces/hf/reconstruction.py). kvpress "
+             "trace is recorded with the same pass (`kvsim record --kvzip`, traces/hf/reconstruction_pass.py). kvpress "
              "writes the suffix from the tokenizer's chat template; the prompts here are plain text, so the "
              "worker hands KVzipPress the tokenizer without its template (suffix '\\n', kvpress's choice for a "
              "tokenizer without one, and kvsim's). Compared at kvpress's per-head counts (the selection); "
@@ -543,8 +543,8 @@ def kvsim_prefill(trace: Any, inputs: Any, policy: Any, budgets: np.ndarray) -> 
     prefill kernel on each layer's prompt with head (l, h) at budgets[l, h] slots (an Ada-KV policy takes them as
     its base sizes and allocates within the layer). Returns the kept mask [L, H, P] and each layer's head state
     after the prefill (where a policy keeps what it calibrated on the prompt: Q-Filters' filters)."""
-    from sim.layer_inputs import layer_memo
-    from sim.replay import initial_head_state
+    from sim.replay.layer_inputs import layer_memo
+    from sim.replay.policy_replay import initial_head_state
 
     P = trace.meta.n_prompt
     L, H = len(inputs), trace.meta.model.n_kv_heads
@@ -568,7 +568,7 @@ def kvsim_kept(trace: Any, inputs: Any, policy: Any, budgets: np.ndarray) -> np.
     """[L, H, P] kept mask of ``policy`` after compressing the trace's prompt once, head (l, h) to budgets[l, h]
     slots: ``kvsim_prefill`` for a policy with a prefill selector; one that streams its prompt is replayed with
     the whole prompt as one chunk and its set read after the prompt's last step (uniform budgets only)."""
-    from sim.replay import replay
+    from sim.replay.policy_replay import replay
 
     P = trace.meta.n_prompt
     if policy.has_prefill:
@@ -582,7 +582,7 @@ def kvsim_kept(trace: Any, inputs: Any, policy: Any, budgets: np.ndarray) -> np.
 
 def prompt_layers(trace: Any, inputs: Any) -> Any:
     """What a policy's allocator reads of the prompt (every layer's q[:P], k[:P], with the trace's RoPE bases)."""
-    from sim.layer_inputs import PromptLayers
+    from sim.replay.layer_inputs import PromptLayers
 
     return PromptLayers(trace, inputs, list(range(len(inputs))), trace.meta.n_prompt)
 
@@ -633,7 +633,7 @@ def fill(spec: Any, values: dict[str, Any]) -> Any:
 def declared_press(policy: Any, prompt_tokens: int, budget: int) -> dict[str, Any]:
     """What ``kvsim export --kvpress`` gives for ``policy`` at ``budget`` on this prompt: the counterpart (None when
     refused) and, for the JSON, the press and the least Jaccard index it promises, or the refusal's reason."""
-    from policies.kvpress_press import NoKvpressPress, export
+    from policies.core.kvpress_press import NoKvpressPress, export
 
     try:
         cp = policy.kvpress_press()
@@ -656,8 +656,8 @@ def export_holds(floor: float, measured: float) -> bool:
 
 def available(case: Case) -> str | None:
     """None if kvsim has what the case needs, else why not (the policies and combinators it names)."""
-    from policies.combinators import STAGES
-    from policies.registry import list_policies
+    from policies.core.combinators import STAGES
+    from policies.core.registry import list_policies
 
     names = set(list_policies()) | set(STAGES)
     missing = [r for r in case.requires if r not in names]
@@ -685,10 +685,10 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from benchmarks._util import RESULTS, machine
-    from sim.layer_inputs import layer_inputs
-    from sim.replay_plan import allocation, compressed_layers
-    from sim.specs import parse_policy
-    from sim.threads import limit_threads
+    from sim.replay.layer_inputs import layer_inputs
+    from sim.replay.plan import allocation, compressed_layers
+    from sim.experiments.specs import parse_policy
+    from sim.replay.threads import limit_threads
     from traces.format import atomic_write_text
     from traces.model import read_text
     from traces.models import resolve_model

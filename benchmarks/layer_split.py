@@ -49,9 +49,9 @@ def measure(trace_dir: str, budget: int) -> tuple[dict, ModelInfo]:
     """Time the load and the replay of layer 0 as the first group of a split into single layers (after loading
     the kernels); the record and the trace's geometry."""
     from policies import get_policy
-    from sim.layer_groups import layer_groups
-    from sim.layer_inputs import LayerLoader, load_layers
-    from sim.replay import replay, replay_budgets
+    from sim.replay.layer_groups import layer_groups
+    from sim.replay.layer_inputs import LayerLoader, load_layers
+    from sim.replay.policy_replay import replay, replay_budgets
     from traces.format import load_trace
     from traces.synthetic import make_synthetic_trace
 
@@ -77,7 +77,7 @@ def measure(trace_dir: str, budget: int) -> tuple[dict, ModelInfo]:
 
 def extrapolate(m: dict, small: ModelInfo) -> dict:
     """The 128 k-token Llama-3-8B figures from the measurement ``m`` on a trace of geometry ``small``."""
-    from sim.layer_inputs import layer_input_bytes
+    from sim.replay.layer_inputs import layer_input_bytes
 
     big = ModelInfo(**LLAMA)
     slots = slot_steps(m["n_tokens"], m["budget"])

@@ -97,9 +97,9 @@ def recordings(out: dict) -> None:
 
 def replays(out: dict, policies: list[str]) -> None:
     """Each policy x budget, and x prompt chunk for a policy that streams its prompt in chunks (for the others a
-    chunk changes nothing: ``sim.replay_plan.effective_chunk``)."""
+    chunk changes nothing: ``sim.replay.plan.effective_chunk``)."""
     from policies import get_policy
-    from sim.replay_plan import effective_chunk
+    from sim.replay.plan import effective_chunk
 
     done = {(r["model"], r["policy"], r["budget"], r["chunk"]) for r in out["replay"]}
     for model, t in TRACES.items():

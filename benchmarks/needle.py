@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
 
     from sim.cli import main as kvsim
-    from sim.threads import limit_threads
+    from sim.replay.threads import limit_threads
 
     limit_threads(1)   # one thread, through the API sweep workers use
     model = "smollm2-135m"

@@ -14,7 +14,7 @@ import argparse
 import pandas as pd
 
 from benchmarks._util import machine, write_result
-from sim.store import ResultStore
+from sim.experiments.store import ResultStore
 
 
 def table(df: pd.DataFrame) -> tuple[str, list[dict]]:

@@ -5,7 +5,7 @@ never saw against an exhaustive closed-loop grid there.
    x 4 hyperparameter values + TOVA, each family's own ``search_grid``) at every budget, closed loop, on
    ``--segments`` segments of each of two shipped texts (resumable store; a segment of each text per round, so a
    stopped run is balanced).
-2. ``--stage report``: the simulator on the same cells; `gpu_validate.recommend.recommend` run on the seen
+2. ``--stage report``: the simulator on the same cells; `gpu_validate.studies.recommendation.recommender.recommend` run on the seen
    segments of each split (benchmarks/recommend_report.py: random draws of ``seen`` segments, folds, cross-text;
    its simulations and its own closed-loop runs, the refined budgets between rungs included -- those are new runs,
    stored in the grid's store, and the configurations confirmed there also run on every segment so that the
@@ -50,9 +50,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--splits", type=int, default=None, help="random splits (default: the model's)")
     ap.add_argument("--verbose", action="store_true", help="the recommendations' own progress lines")
     ap.add_argument("--refine", type=float, default=None,
-                    help="report stage: the refinement ratio (default: gpu_validate.recommend.REFINE; 0: rungs only)")
+                    help="report stage: the refinement ratio (default: gpu_validate.studies.recommendation.recommender.REFINE; 0: rungs only)")
     ap.add_argument("--margin-z", type=float, default=None,
-                    help="report stage: the bound's level (default: gpu_validate.recommend.MARGIN_Z)")
+                    help="report stage: the bound's level (default: gpu_validate.studies.recommendation.recommender.MARGIN_Z)")
     ap.add_argument("--out", default=None, help="report stage: the JSON (default benchmarks/results/recommend_<model>"
                                                 ".json; another path for a variant)")
     args = ap.parse_args(argv)
@@ -68,7 +68,7 @@ def load(args):
     """(model, tokenizer, segments by text) of the benchmark's model and texts."""
     import torch
 
-    from gpu_validate.segments import make_segments
+    from gpu_validate.studies.fidelity.segments import make_segments
     from traces.model import read_text
     from traces.models import load_model
 
@@ -80,10 +80,10 @@ def load(args):
 
 
 def grid(args) -> int:
-    from gpu_validate.recommend_grid import budget_ladder, candidates
-    from gpu_validate.segments import closed_loop
-    from sim.store import ResultStore
-    from sim.threads import limit_threads
+    from gpu_validate.studies.recommendation.candidates import budget_ladder, candidates
+    from gpu_validate.studies.fidelity.segments import closed_loop
+    from sim.experiments.store import ResultStore
+    from sim.replay.threads import limit_threads
 
     import torch  # noqa: F401  (first, so limit_threads caps its pool)
 

@@ -60,7 +60,7 @@ def rank_stats(first: str, model: pd.Series, default_pick: str) -> dict[str, Any
 def within_family_rho(sim: pd.DataFrame, model: pd.DataFrame, family_of: dict[str, str]) -> dict[str, float]:
     """Per family of >= 3 configurations: Spearman rho of the simulated and the model's means over the family's
     hyperparameter values, averaged over budgets (``sim`` and ``model``: index label, columns budgets)."""
-    from gpu_validate.fidelity import spearman
+    from gpu_validate.studies.fidelity.rank_fidelity import spearman
 
     out = {}
     for fam in sorted(set(family_of.values())):
@@ -232,7 +232,7 @@ def threshold_scan(judged: Sequence[dict], thresholds: Sequence[float] = (1, 1.5
                    ) -> list[dict[str, Any]]:
     """The margin (``confidence.margin_t``) as a predictor of the outcome, threshold by threshold: of the answers
     that claimed the target, how many had at least that margin and the share of them that held out, and the same
-    below it. `gpu_validate.recommend.CONFIDENCE` was chosen from this scan on SmolLM2 and is judged on Gemma-3."""
+    below it. `gpu_validate.studies.recommendation.recommender.CONFIDENCE` was chosen from this scan on SmolLM2 and is judged on Gemma-3."""
     claimed = [j for j in judged if j["answer"]["met"]]
     out = []
     for t in thresholds:
@@ -275,13 +275,13 @@ def summarise(cells: Sequence[dict], judged: Sequence[dict], reliable_only: bool
 
 def report(args, load) -> int:
     from benchmarks._util import machine, write_result
-    from gpu_validate.fidelity import split_half_reliability
-    from gpu_validate.recommend import MARGIN_Z, REFINE, SIM_LOSS, SIM_LOSSES, Recommender
-    from gpu_validate.recommend_grid import Target, budget_ladder, candidates
-    from gpu_validate.segments import closed_loop, simulated
-    from sim.runinfo import kvsim_version, now
-    from sim.store import ResultStore
-    from sim.threads import limit_threads
+    from gpu_validate.studies.fidelity.rank_fidelity import split_half_reliability
+    from gpu_validate.studies.recommendation.recommender import MARGIN_Z, REFINE, SIM_LOSS, SIM_LOSSES, Recommender
+    from gpu_validate.studies.recommendation.candidates import Target, budget_ladder, candidates
+    from gpu_validate.studies.fidelity.segments import closed_loop, simulated
+    from sim.reports.runinfo import kvsim_version, now
+    from sim.experiments.store import ResultStore
+    from sim.replay.threads import limit_threads
     from traces.texts import SHIPPED_TEXTS
 
     import torch  # noqa: F401  (first, so limit_threads caps its pool)

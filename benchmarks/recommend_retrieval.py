@@ -3,11 +3,11 @@ on prompts they never saw against an exhaustive closed-loop grid there -- the re
 benchmarks/recommend.py, with its measures.
 
 1. ``--stage grid``: the full cache on every pass-key prompt laid into the two shipped texts
-   (`gpu_validate.recommend_retrieval.needle_units`: ``--seeds`` seeds per text at 5 depths), then every
+   (`gpu_validate.studies.recommendation.retrieval.needle_units`: ``--seeds`` seeds per text at 5 depths), then every
    configuration of `FAMILIES` at every budget of the model's ladder on each prompt the full cache answers
    (greedy decoding, closed loop; a resumable store, one prompt at a time, so ``--prompts a:b`` splits the work
    into pieces that each take the heavy lock).
-2. ``--stage report``: the simulator's features of the same cells; `gpu_validate.recommend_retrieval`'s
+2. ``--stage report``: the simulator's features of the same cells; `gpu_validate.studies.recommendation.retrieval`'s
    recommender run on random subsets of the solved prompts (``--seen`` of them) and judged on the rest: whether the
    failure share of its choice at its budget met the target there, the ratio of its budget to the smallest grid
    budget at which some configuration met the target there, its model runs, the coverage of its Clopper-Pearson
@@ -43,8 +43,8 @@ MODELS = {
 def grid_candidates() -> list:
     """`SPECS` as recommendation candidates, one configuration each (a bare name here is its paper default, not its
     family's search grid), each of the family of its policy."""
-    from gpu_validate.recommend_grid import Candidate
-    from sim.specs import parse_policy
+    from gpu_validate.studies.recommendation.candidates import Candidate
+    from sim.experiments.specs import parse_policy
 
     pols = [parse_policy(s) for s in SPECS]
     return [Candidate(p.name, p, p.params == type(p)().params) for p in pols]
@@ -69,8 +69,8 @@ def load(args):
     """(model, tokenizer, model id, every prompt, the prompts the full cache answers)."""
     import torch
 
-    from gpu_validate.recommend_retrieval import needle_units, solved_prompts
-    from sim.store import ResultStore
+    from gpu_validate.studies.recommendation.retrieval import needle_units, solved_prompts
+    from sim.experiments.store import ResultStore
     from traces.model import read_text
     from traces.models import load_model, model_id
 
@@ -84,10 +84,10 @@ def load(args):
 
 
 def grid(args) -> int:
-    from gpu_validate.needle import run_needle
-    from gpu_validate.recommend_grid import budget_ladder
-    from sim.store import ResultStore
-    from sim.threads import limit_threads
+    from gpu_validate.studies.needle.runs import run_needle
+    from gpu_validate.studies.recommendation.candidates import budget_ladder
+    from sim.experiments.store import ResultStore
+    from sim.replay.threads import limit_threads
 
     import torch  # noqa: F401  (first, so limit_threads caps its pool)
 

@@ -17,13 +17,13 @@ def report(args, load) -> int:
     from benchmarks.recommend_report import (confidence_calibration, coverage, judge, random_splits,
                                              signal_analysis, threshold_scan)
     from benchmarks.recommend_retrieval import grid_candidates
-    from gpu_validate.needle import config_key
-    from gpu_validate.recommend import MARGIN_Z
-    from gpu_validate.recommend_grid import Target, budget_ladder
-    from gpu_validate.recommend_retrieval import RetrievalRecommender, certifiable
-    from sim.runinfo import kvsim_version, now
-    from sim.store import ResultStore
-    from sim.threads import limit_threads
+    from gpu_validate.studies.needle.runs import config_key
+    from gpu_validate.studies.recommendation.recommender import MARGIN_Z
+    from gpu_validate.studies.recommendation.candidates import Target, budget_ladder
+    from gpu_validate.studies.recommendation.retrieval import RetrievalRecommender, certifiable
+    from sim.reports.runinfo import kvsim_version, now
+    from sim.experiments.store import ResultStore
+    from sim.replay.threads import limit_threads
 
     import torch  # noqa: F401  (first, so limit_threads caps its pool)
 

@@ -39,12 +39,12 @@ from numba import njit
 
 from benchmarks._util import RESULTS, cli_seconds, machine, write_result
 from policies import get_policy, list_policies
-from sim.engine import profile_attention, profile_parts
-from sim.metrics import N_METRICS
-from sim.layer_inputs import layer_memo, load_layers
-from sim.oracle_replay import replay_oracle
-from sim.replay import replay, replay_budgets
-from sim.threads import limit_threads
+from sim.replay.engine import profile_attention, profile_parts
+from sim.replay.metrics import N_METRICS
+from sim.replay.layer_inputs import layer_memo, load_layers
+from sim.replay.oracle_replay import replay_oracle
+from sim.replay.policy_replay import replay, replay_budgets
+from sim.replay.threads import limit_threads
 from traces.format import load_trace
 from traces.hf.forward import CachedForward, forward_in_chunks
 
@@ -124,9 +124,9 @@ def engine_profile(li, scale: float, start: int, n_slots: int, rounds: int = 200
 def policy_profile(trace, policy, inputs, budget: int, repeat: int = 2) -> dict:
     """Seconds of a replay spent in the policy's budget allocation and in its prefill kernel (all layers);
     the rest of ``replay`` is the engine streaming steps (attention, the step kernel, compaction)."""
-    from sim.contract import check_allocation
-    from sim.layer_inputs import PromptLayers
-    from sim.replay import initial_head_state
+    from sim.replay.contract import check_allocation
+    from sim.replay.layer_inputs import PromptLayers
+    from sim.replay.policy_replay import initial_head_state
 
     meta = trace.meta
     P, hkv = meta.n_prompt, meta.model.n_kv_heads
@@ -184,7 +184,7 @@ def hf_prefill_then_decode(model, ids: list[int], n_prompt: int) -> float:
 
 def closed_loop_runner(model, ids: list[int], n_prompt: int, n_decode: int) -> float:
     """Seconds for ``kvsim validate``'s CompressedRunner (h2o at BUDGET, torch backend) over the decode steps."""
-    from gpu_validate.runner import CompressedRunner
+    from gpu_validate.closedloop.runner import CompressedRunner
 
     runner = CompressedRunner(model, get_policy("h2o"), BUDGET, backend="torch")
     t0 = time.perf_counter()
@@ -195,7 +195,7 @@ def closed_loop_runner(model, ids: list[int], n_prompt: int, n_decode: int) -> f
 def ensure_trace(trace_dir: str, model_dir: str):
     """The trace at ``trace_dir``, recorded first (1024 prompt + 256 teacher-forced tokens, with the rereading pass
     KVzip scores from) when missing or recorded without that pass."""
-    from policies.base import reconstruction_chunk
+    from policies.core.base import reconstruction_chunk
 
     chunk = reconstruction_chunk([get_policy(n) for n in list_policies()])
     if not Path(trace_dir).exists() or (chunk and not load_trace(trace_dir, verify=False).has_reconstruction):

@@ -5,10 +5,10 @@
     python -m benchmarks.ruler --model gemma3-270m --bumblebee   # BumbleBee vs H2O and SnapKV at 5-30 % of the context
     python -m benchmarks.ruler --model smollm2-135m --leaderboard   # KVzip, Q-Filters, ... on the single needle at 4-8 k
 
-Per model this is the needle experiment (`gpu_validate.needle_experiment`, what `kvsim needle` runs) with tasks
+Per model this is the needle experiment (`gpu_validate.studies.needle.experiment`, what `kvsim needle` runs) with tasks
 single, multikey and vartrack, prompt chunk 0, minimum full-cache accuracy 0.9, solved prompts only and the
 prediction, on the grid in `GRIDS` (lengths, depths, seeds, budgets, needle repeats and task formats chosen from
-full-cache probes on this machine: gpu_validate/tasks.py), after the multi-value task at 1 024 tokens with the full
+full-cache probes on this machine: gpu_validate/studies/needle/tasks.py), after the multi-value task at 1 024 tokens with the full
 cache alone (`SHORT_ONLY`): every prompt goes through the model once, each policy compresses the cache once after
 the prompt (a prefill selector, or a policy without one taking the whole prompt as one chunk: SnapKV's and Ada-KV's
 needle setting), and greedy decoding is scored by the values it contains. (task, length) cells where the full cache
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gpu_validate.needle_experiment import NeedleSpec
+    from gpu_validate.studies.needle.experiment import NeedleSpec
 
 #: where the results go, relative to the repository root (`python -m benchmarks.ruler` runs from there), so the
 #: plot paths recorded in the JSON stay relative
@@ -55,7 +55,7 @@ GRIDS: dict[str, dict[str, Any]] = {
                     "budgets": [128, 512, 2048]},
 }
 #: tasks measured with the full cache at the shortest length only: neither model writes three values right
-#: (gpu_validate/tasks.py), so the longer lengths would spend an hour of full-cache runs on a dropped cell
+#: (gpu_validate/studies/needle/tasks.py), so the longer lengths would spend an hour of full-cache runs on a dropped cell
 SHORT_ONLY = {"tasks": {"multivalue": None}, "lengths": [1024]}
 #: BumbleBee against H2O and SnapKV at 5-30 % of the context (its paper's range), the single needle at one length per
 #: model: 4 k on Gemma-3 (three global layers: ~1.6 min of BumbleBee selections per prompt here), 1 k on SmolLM2 (its
@@ -79,7 +79,7 @@ def needle_spec(model: str, budgets: list[int], policies: str, args: argparse.Na
                 **grid: Any) -> "NeedleSpec":
     """The `NeedleSpec` every grid of ``model`` shares (its `GRIDS` prompts, one pass per prompt into the model's
     store, cells below `MIN_FULL` dropped), run where ``args`` say; tasks and lengths (``grid``) are the caller's."""
-    from gpu_validate.needle_experiment import NeedleSpec
+    from gpu_validate.studies.needle.experiment import NeedleSpec
 
     g = GRIDS[model]
     return NeedleSpec(model=model, text="default+idle", repeats=g["repeats"], depths=g["depths"], seeds=g["seeds"],
@@ -90,7 +90,7 @@ def needle_spec(model: str, budgets: list[int], policies: str, args: argparse.Na
 
 def run_model(model: str, args: argparse.Namespace) -> int:
     """The model's `GRIDS` experiment after its `SHORT_ONLY` cells, whose full-cache accuracies join the report."""
-    from gpu_validate.needle_experiment import run_needle_experiment, write_needle_report
+    from gpu_validate.studies.needle.experiment import run_needle_experiment, write_needle_report
 
     g = GRIDS[model]
     t0 = time.perf_counter()
@@ -116,7 +116,7 @@ def run_side_grid(model: str, name: str, budgets: list[int], grid: dict[str, Any
                   args: argparse.Namespace, **report: Any) -> int:
     """A grid beside the main one (`BUMBLEBEE`, `LEADERBOARD`: its policies and tasks): the needle experiment into
     the model's store, its own JSON ``ruler_<name>_<model>.json`` (no prediction), ``report`` added to it."""
-    from gpu_validate.needle_experiment import run_needle_experiment, write_needle_report
+    from gpu_validate.studies.needle.experiment import run_needle_experiment, write_needle_report
 
     t0 = time.perf_counter()
     result = run_needle_experiment(needle_spec(model, budgets, grid["policies"], args, tasks=grid["tasks"],
@@ -149,9 +149,9 @@ def transfer() -> int:
     import json
 
     from benchmarks._util import RESULTS, machine, write_result
-    from gpu_validate.needle_prediction import FEATURES, prediction_table
-    from gpu_validate.needle_report import split_report
-    from sim.store import ResultStore
+    from gpu_validate.studies.needle.prediction import FEATURES, prediction_table
+    from gpu_validate.studies.needle.scores import split_report
+    from sim.experiments.store import ResultStore
 
     tables = {}
     for model in GRIDS:
@@ -197,7 +197,7 @@ def transfer() -> int:
 def main(argv: list[str]) -> int:
     import torch  # noqa: F401  (loaded first, so the thread cap covers its pool too)
 
-    from gpu_validate.needle_experiment import NeedleSpec
+    from gpu_validate.studies.needle.experiment import NeedleSpec
     from sim.commands._common import add_device_options, add_quiet_option, add_threads_option, apply_threads
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

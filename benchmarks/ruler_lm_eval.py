@@ -21,15 +21,15 @@ step. One change to lm-eval's task settings: generation is capped at ``--max-gen
 CPU cost. A doc counts as retrieved when lm-eval's score is 1 (every expected value present).
 
 Prediction: per doc, the prompt and the expected answer recorded as one teacher-forced trace and each (policy,
-budget) replayed on it (`gpu_validate.needle_prediction.stored_features`, the needle prediction's features: the
+budget) replayed on it (`gpu_validate.studies.needle.prediction.stored_features`, the needle prediction's features: the
 share of the full-cache attention on the evidence tokens -- the positions of the expected values in the prompt --
 that the policy still holds while the answer is written). The predictor (feature and threshold) is fitted on the
-docs of index 0 of every task and judged on the others (`gpu_validate.needle_report.prediction_report`): agreement
+docs of index 0 of every task and judged on the others (`gpu_validate.studies.needle.scores.prediction_report`): agreement
 next to its base rate, balanced accuracy, MCC. Only docs the full cache retrieves are judged (the needle
 benchmark's ``solved_only``).
 
 Resumable: the closed-loop outcomes go to ``benchmarks/.ruler-lm-eval/<model>-<length>/closed.jsonl`` one config
-at a time, the simulator's features to a ``sim.store.ResultStore`` beside it. Result:
+at a time, the simulator's features to a ``sim.experiments.store.ResultStore`` beside it. Result:
 ``benchmarks/results/ruler_lm_eval_<model>.json`` (rewritten after every config, so a stopped run leaves what it
 measured), its page in docs/results/ruler_lm_eval.md (``python -m benchmarks.docs_tables``). Heavy: run under
 ``flock /work/heavy.lock``; one thread (``limit_threads(1)``).
@@ -89,15 +89,15 @@ def task_docs(tasks: dict[str, Any], n_docs: int) -> list[dict[str, Any]]:
 
 
 def closed_loop(lm: Any, req: dict[str, Any], configs: list[tuple[str, int | None]]) -> list[dict[str, Any]]:
-    """Every (policy, budget) on one lm-eval request in one batched closed loop (`gpu_validate.runner.run_batch`: the
+    """Every (policy, budget) on one lm-eval request in one batched closed loop (`gpu_validate.closedloop.runner.run_batch`: the
     prompt goes through the model once for all of them, then greedy decoding with eviction; the runner ``KVSimLM``
     drives one configuration at a time), each generation cut and scored as lm-eval's ``hf`` model and the task do
     it (``tok_decode``, the stop sequences, ``process_results``)."""
     from lm_eval.models.utils import handle_stop_sequences, postprocess_generated_text
 
-    from gpu_validate.jobs import BatchJob
-    from gpu_validate.runner import run_batch
-    from sim.specs import parse_policy
+    from gpu_validate.closedloop.jobs import BatchJob
+    from gpu_validate.closedloop.runner import run_batch
+    from sim.experiments.specs import parse_policy
 
     gen = dict(req["gen_kwargs"])
     max_gen = int(gen.get("max_gen_toks", lm.max_gen_toks))
@@ -130,7 +130,7 @@ def harness_full(lm: Any, tasks: dict[str, Any], n_docs: int) -> dict[tuple[str,
     """The full cache through lm-eval's own evaluation with the ``kvsim`` model (``simple_evaluate``): its
     generation per (task, doc), to check the batched closed loop against the harness path."""
     import lm_eval
-    from sim.specs import parse_policy
+    from sim.experiments.specs import parse_policy
 
     lm.kvsim_policy, lm.kvsim_spec, lm.kvsim_budget = parse_policy("full"), "full", None
     out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.values()), limit=n_docs, log_samples=True,
@@ -139,10 +139,10 @@ def harness_full(lm: Any, tasks: dict[str, Any], n_docs: int) -> dict[tuple[str,
 
 
 def needle_prompt(lm: Any, row: dict, length: int) -> Any:
-    """The doc as a `gpu_validate.needle_prompts.NeedlePrompt` for the simulator: lm-eval's prompt ids (``hf``'s
+    """The doc as a `gpu_validate.studies.needle.prompts.NeedlePrompt` for the simulator: lm-eval's prompt ids (``hf``'s
     encoding), the expected answer's ids (its values joined by spaces, after a space) and every prompt position
     whose token overlaps an occurrence of an expected value in the prompt (the evidence the answer is read from)."""
-    from gpu_validate.needle_prompts import NeedlePrompt
+    from gpu_validate.studies.needle.prompts import NeedlePrompt
 
     text = row["context"]
     ids = lm.tok_batch_encode([text])[0][0].tolist()
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks._util import machine, write_result
     from gpu_validate.lm_eval_model import KVSimLM
-    from sim.threads import limit_threads
+    from sim.replay.threads import limit_threads
     from traces.models import resolve_model
 
     limit_threads(1)
@@ -274,13 +274,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def simulate(lm: Any, full_rows: list[dict], configs: list, work: Path, length: int, model: str,
              stored_only: bool = False) -> tuple[Any, float]:
-    """The simulator's features (`gpu_validate.needle_prediction.stored_features`, resumable) of every lossy config
+    """The simulator's features (`gpu_validate.studies.needle.prediction.stored_features`, resumable) of every lossy config
     on the docs of ``full_rows`` (the full cache's rows), and the seconds it took; ``stored_only``: only the docs
     whose features are all in the store already (nothing is recorded)."""
-    from gpu_validate.needle import fits
-    from gpu_validate.needle_prediction import feature_key, stored_features
-    from sim.specs import parse_policy
-    from sim.store import ResultStore
+    from gpu_validate.studies.needle.runs import fits
+    from gpu_validate.studies.needle.prediction import feature_key, stored_features
+    from sim.experiments.specs import parse_policy
+    from sim.experiments.store import ResultStore
     from traces.models import model_id
 
     prompts = [p for p in (needle_prompt(lm, r, length) for r in full_rows) if p.key_positions]
@@ -301,8 +301,8 @@ def predict(lm: Any, rows: list[dict], configs: list, work: Path, length: int, m
     full cache retrieves: predictor and threshold fitted on docs `TRAIN_DOCS`, judged on the others."""
     import pandas as pd
 
-    from gpu_validate.needle_report import prediction_report
-    from sim.specs import parse_policy
+    from gpu_validate.studies.needle.scores import prediction_report
+    from sim.experiments.specs import parse_policy
 
     df = pd.DataFrame(rows)
     solved = [r for r in rows if r["policy"] == "full" and r["success"]]

@@ -18,8 +18,8 @@ import numba
 import numpy as np
 import simpy
 
-from policies.registry import get_policy
-from sim.threads import environment_record
+from policies.core.registry import get_policy
+from sim.replay.threads import environment_record
 from traces.format import atomic_write_text
 from sim.serving import (CostModel, SchedulerConfig, get_gpu, get_model, kv_pool_bytes, memory_tables,
                          poisson_workload, policy_footprint, simulate, summarize)

@@ -2,10 +2,10 @@
 run, one thread: on the real models, and projected to 8 B geometries.
 
 - ``models``: SmolLM2-135M on one 512 + 128 window and Gemma-3-270M on one 1 024 + 128 window of the shipped `idle`
-  text. ``simulate_seconds``: `gpu_validate.segments.simulated` for every `kvsim recommend` candidate at every rung
+  text. ``simulate_seconds``: `gpu_validate.studies.fidelity.segments.simulated` for every `kvsim recommend` candidate at every rung
   of its budget ladder, trace recording included, with the losses recommend asks for (the engine's; the error
   after W_O only when it ranks) -- and, beside it, with every loss (``simulate_seconds_all_losses``, what the
-  fidelity study asks for). ``closed_per_cell``: `gpu_validate.segments.closed_loop` for every candidate at the
+  fidelity study asks for). ``closed_per_cell``: `gpu_validate.studies.fidelity.segments.closed_loop` for every candidate at the
   ladder's middle rung, batched as recommend batches them, on the same window. ``ratio`` = closed / simulated per
   cell. ``--recommend`` also times ``kvsim recommend --segments 3 --target dnll=0.1`` end to end.
 - ``scale``: Llama-3-8B- and Qwen3-8B-shaped synthetic traces (layers, query / KV heads, head_dim) at 4 k and 32 k
@@ -71,10 +71,10 @@ def model_costs(name: str, recommend: bool) -> dict[str, Any]:
     """The ``models`` entry of one real model (see the module docstring)."""
     import torch
 
-    from gpu_validate.recommend import SIM_LOSS
-    from gpu_validate.recommend_grid import budget_ladder, candidates
-    from gpu_validate.segments import ENGINE_LOSSES, closed_loop, make_segments, simulated
-    from sim.store import ResultStore
+    from gpu_validate.studies.recommendation.recommender import SIM_LOSS
+    from gpu_validate.studies.recommendation.candidates import budget_ladder, candidates
+    from gpu_validate.studies.fidelity.segments import ENGINE_LOSSES, closed_loop, make_segments, simulated
+    from sim.experiments.store import ResultStore
     from traces.model import read_text
     from traces.models import load_model
 
@@ -126,11 +126,11 @@ def model_costs(name: str, recommend: bool) -> dict[str, Any]:
 
 def _record_and_families(model, seg, P: int, name: str, cands, configs) -> tuple[float, dict[str, Any]]:
     """Seconds to record the window's teacher-forced trace (the part of ``simulate_seconds`` that is the model's),
-    and on that trace each family's cells replayed in one pass (`sim.replay_cells`): seconds and cells, where the
+    and on that trace each family's cells replayed in one pass (`sim.replay.cells`): seconds and cells, where the
     simulate stage's time goes."""
-    from policies.base import reconstruction_chunk
-    from sim.layer_inputs import load_layers
-    from sim.replay_cells import replay_cells
+    from policies.core.base import reconstruction_chunk
+    from sim.replay.layer_inputs import load_layers
+    from sim.replay.cells import replay_cells
     from traces.format import load_trace
     from traces.recorder import record_trace
 
@@ -209,9 +209,9 @@ def replay_geometry(g: dict[str, int], P: int, budget: int, n_layers: int) -> di
     prompt: ``seconds`` the replay once its trace-only tables exist (a search's every
     later cell), ``trace_only_seconds`` what the first replay spends more (its tables). Peak RSS stated apart."""
     from benchmarks.recommend import FAMILIES
-    from sim.layer_inputs import load_layers
-    from sim.replay import replay
-    from sim.specs import parse_policy
+    from sim.replay.layer_inputs import load_layers
+    from sim.replay.policy_replay import replay
+    from sim.experiments.specs import parse_policy
     from traces.synthetic import make_synthetic_trace
 
     tiny = make_synthetic_trace("mixed", n_layers=1, n_tokens=96, n_prompt=64)
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--geometry", default=",".join(GEOMETRIES))
     ap.add_argument("--recommend", action="store_true", help="also time kvsim recommend end to end (minutes)")
     args = ap.parse_args(argv)
-    from sim.threads import limit_threads
+    from sim.replay.threads import limit_threads
 
     import torch  # noqa: F401  (first, so that limit_threads caps its pool)
 
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _save(out: dict[str, Any], path: Path, argv: list[str] | None) -> None:
-    from sim.runinfo import kvsim_version, now
+    from sim.reports.runinfo import kvsim_version, now
 
     out.update(benchmark="sim_cost", prices=PRICES, h100=H100, machine=machine(), kvsim=kvsim_version(), date=now(),
                command="python -m benchmarks.sim_cost " + " ".join(argv if argv is not None else sys.argv[1:]))

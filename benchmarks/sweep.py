@@ -11,9 +11,9 @@ import time
 
 from benchmarks._util import machine, write_result
 from policies import list_policies
-from sim.executors import TraceRef, default_workers
-from sim.store import ResultStore
-from sim.sweep import parse_policy_grid, plan, run_sweep
+from sim.experiments.executors import TraceRef, default_workers
+from sim.experiments.store import ResultStore
+from sim.experiments.sweep import parse_policy_grid, plan, run_sweep
 
 BUDGETS = [16, 32, 64, 128, 256, 512, 1024, 2048]
 

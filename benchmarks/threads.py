@@ -1,7 +1,7 @@
 """Does a user's plain shell get the speed of a hand-tuned one? The check that thread budgeting cannot drift.
 
 Runs the same kvsim commands from the CLI twice: in a plain user environment (no thread variable set, so only
-kvsim's own budgeting in ``sim/threads.py`` limits the pools) and with every thread variable forced to 1
+kvsim's own budgeting in ``sim/replay/threads.py`` limits the pools) and with every thread variable forced to 1
 (what benchmarks used to set by hand). Goal: plain / forced <= 1.1 for each command. Commands:
 
   - ``kvsim sweep TRACE --policies all --budgets 32,64,96,128,192,256,384,512 --workers 2``
@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 
 from benchmarks._util import cli_seconds, machine, user_env, write_result
-from sim.threads import thread_env
+from sim.replay.threads import thread_env
 
 print = partial(builtins.print, flush=True)
 DEFAULT_TRACE = "kvsim-out/smollm2-135m-1024-256"

@@ -7,7 +7,7 @@ truncation, stop sequences and answer extraction, unchanged) with the model's fo
   policy (its prefill selector, or streamed through its step), then greedy decoding with the policy evicting at every
   step, memory really held in kvsim's varlen cache;
 - log-likelihood tasks (``loglikelihood``, and ``loglikelihood_rolling`` through it) score the continuation after the
-  context was compressed: the closed loop's teacher forcing (`gpu_validate.runner.run_batch` with a continuation),
+  context was compressed: the closed loop's teacher forcing (`gpu_validate.closedloop.runner.run_batch` with a continuation),
   each continuation token predicted over the policy's cache as it evicts, so a policy's loss shows in the score.
 
 ``policy=full`` is the uncompressed reference and reproduces ``hf``'s numbers (tests/test_lm_eval_model.py).
@@ -39,7 +39,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from gpu_validate.jobs import ValidateError
+from gpu_validate.validate_error import ValidateError
 
 NAME = "kvsim"
 
@@ -51,7 +51,7 @@ class KVSimLM(HFLM):
     def __init__(self, model: str, policy: str = "full", budget: int | None = None, *, tokenizer: str | None = None,
                  prefill_chunk: int = 1, sliding: str = "keep", backend: str | None = None, device: str = "cpu",
                  dtype: str | None = None, **kwargs: Any) -> None:
-        from sim.specs import parse_policy
+        from sim.experiments.specs import parse_policy
         from traces.models import load_model
 
         spec = policy.replace(";", ",")
@@ -76,8 +76,8 @@ class KVSimLM(HFLM):
         """(sum of log-probabilities of the continuation, whether greedy decoding gives it) for each request
         ``((context, continuation), context_enc, continuation_enc)``, the context truncated on the left to
         ``max_length`` as ``hf`` does, scored closed loop over the policy's cache."""
-        from gpu_validate.jobs import BatchJob
-        from gpu_validate.runner import run_batch
+        from gpu_validate.closedloop.jobs import BatchJob
+        from gpu_validate.closedloop.runner import run_batch
 
         jobs, budget = [], self._budget_for
         for _, context_enc, continuation_enc in requests:

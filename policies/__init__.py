@@ -1,6 +1,6 @@
 """KV-cache eviction policies: one module per policy, a shared interface and a registry.
 
-The names below are imported when first used (PEP 562): ``import policies.errors`` (the CLI's error handling) stays
+The names below are imported when first used (PEP 562): ``import policies.core.errors`` (the CLI's error handling) stays
 free of numba, and a command imports the policy machinery only when it runs one.
 """
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"Guarantees": "policies.base", "Param": "policies.base", "Policy": "policies.base",
-            "PolicyError": "policies.errors", "param_indices": "policies.base", "get_policy": "policies.registry",
-            "list_policies": "policies.registry", "policy_class": "policies.registry", "register": "policies.registry"}
+_EXPORTS = {"Guarantees": "policies.core.base", "Param": "policies.core.base", "Policy": "policies.core.base",
+            "PolicyError": "policies.core.errors", "param_indices": "policies.core.base", "get_policy": "policies.core.registry",
+            "list_policies": "policies.core.registry", "policy_class": "policies.core.registry", "register": "policies.core.registry"}
 
 __all__ = list(_EXPORTS)
 

@@ -41,10 +41,10 @@ from numba import njit
 from policies._bumblebee_greedy import (COL_ROWS, FULL_MATRIX_MAX, _cos_from, _dots_to, concave, concave_from,
                                          greedy_select, greedy_select_keys, kernel_sim, self_sim, sim_columns,
                                          similarity_into, similarity_matrix, unit_keys_t)
-from policies.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, kernel, param_indices
-from policies.kernels import GROUP_REDUCE, group_score, prompt_attention, prompt_attention_table
-from policies.scorer import recent_slots
-from policies.registry import register
+from policies.core.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, kernel, param_indices
+from policies.core.shared_kernels import GROUP_REDUCE, group_score, prompt_attention, prompt_attention_table
+from policies.core.scorer import recent_slots
+from policies.core.registry import register
 
 CONCAVE = ("power", "log")
 SIMILARITY = ("relu_cos", "one_plus_cos", "abs_cos")
@@ -302,7 +302,7 @@ class BumbleBee(Policy):
                           n_prompt: int = 0) -> np.ndarray:
         """Every prompt key's importance [Hkv, n_prompt] (``prompt_attention``, O(P^2 G d), most of a replay's
         time): it depends on the trace and ``group_reduce`` only, so it is the trace table
-        ``policies.kernels.prompt_attention_table`` (computed once per trace, shared with BUZZ); the prefill reads it
+        ``policies.core.shared_kernels.prompt_attention_table`` (computed once per trace, shared with BUZZ); the prefill reads it
         (the same bits) instead of recomputing. The closed loop's head state has no columns, and its prefill
         computes the importance itself."""
         if n_prompt < 1:

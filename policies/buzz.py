@@ -14,10 +14,10 @@ from numba import njit
 from policies._buzz_model import CountRule, held_after_prefill, held_trajectory
 from typing import Any, Sequence
 
-from policies.base import (LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError, kernel,
+from policies.core.base import (LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError, kernel,
                            param_indices)
-from policies.kernels import GROUP_REDUCE, group_score, prompt_attention, prompt_attention_table
-from policies.registry import register
+from policies.core.shared_kernels import GROUP_REDUCE, group_score, prompt_attention, prompt_attention_table
+from policies.core.registry import register
 
 PREFILL = ("fit", "one_pass")
 SCHEMA = (
@@ -341,7 +341,7 @@ class Buzz(Policy):
                           n_prompt: int = 0) -> np.ndarray:
         """The head fields, then the attention every prompt key accumulates over the prompt [Hkv, n_prompt] (the
         prefill's hive scores, O(P^2 G d), most of a long replay): the trace table
-        ``policies.kernels.prompt_attention_table``, computed once per trace and shared with BumbleBee; the prefill
+        ``policies.core.shared_kernels.prompt_attention_table``, computed once per trace and shared with BumbleBee; the prefill
         reads it (the same bits) instead of recomputing. The closed loop's prefill computes it itself."""
         head = super().replay_head_state(n_kv_heads, head_dim, layer, memo, n_prompt)
         if n_prompt < 1:

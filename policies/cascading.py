@@ -71,9 +71,9 @@ import math
 import numpy as np
 from numba import njit
 
-from policies.base import (PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, compiled, kernel, param_indices,
+from policies.core.base import (PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, compiled, kernel, param_indices,
                            stream_prefill)
-from policies.registry import register
+from policies.core.registry import register
 
 HEAD_REDUCE = ("mean", "max", "median")
 WARMUP = ("keep_all", "algorithm1")

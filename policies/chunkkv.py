@@ -42,11 +42,11 @@ kernel_size=5,pooling=avg,window_pad=true`` (benchmarks/kvpress_parity.py); kvpr
 import numpy as np
 from numba import njit
 
-from policies.base import Param, PolicyError, kernel, param_indices
-from policies.kernels import group_rows_scores, group_score
-from policies.registry import register
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
-from policies.kvpress_press import KvpressPress, protected_extra, require
+from policies.core.base import Param, PolicyError, kernel, param_indices
+from policies.core.shared_kernels import group_rows_scores, group_score
+from policies.core.registry import register
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.core.kvpress_press import KvpressPress, protected_extra, require
 
 SCOPES = ("head", "layer")
 CHUNK_REDUCE = ("sum", "mean")

@@ -35,11 +35,11 @@ normalised k2 and v2; head_state [0] 1 once a window is open, [1] its index, [2]
 import numpy as np
 from numba import njit
 
-from policies.base import Param, kernel, param_indices
-from policies.kernels import hash_uniform
-from policies.registry import register
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
-from policies.kvpress_press import KvpressPress, protected_extra, require
+from policies.core.base import Param, kernel, param_indices
+from policies.core.shared_kernels import hash_uniform
+from policies.core.registry import register
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
+from policies.core.kvpress_press import KvpressPress, protected_extra, require
 
 LEVERAGE_TYPES = ("key", "value", "kv_avg", "kv_product")
 SCHEMA = (

@@ -67,10 +67,10 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from policies.base import (PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, compiled, kernel, param_indices,
+from policies.core.base import (PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, compiled, kernel, param_indices,
                            prompt_memo, stream_prefill)
-from policies.kernels import GROUP_REDUCE, evict_lowest, evict_lowest_sorted, group_rows_scores, group_score
-from policies.registry import register
+from policies.core.shared_kernels import GROUP_REDUCE, evict_lowest, evict_lowest_sorted, group_rows_scores, group_score
+from policies.core.registry import register
 
 MERGE_WEIGHTS = ("weighted", "average", "released")
 ALLOC = ("normalized", "literal")

@@ -42,11 +42,11 @@ from typing import Any, Sequence
 import numpy as np
 from numba import njit
 
-from policies.base import (FROM_MODEL, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError, kernel,
+from policies.core.base import (FROM_MODEL, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError, kernel,
                            param_indices, prompt_memo)
 from policies.expected_attention import rope_tables
-from policies.registry import register
-from policies.kvpress_press import KvpressPress, require
+from policies.core.registry import register
+from policies.core.kvpress_press import KvpressPress, require
 
 SCHEMA = (
     Param("head_compression_ratio", 0.5, "float", 0.0, 1.0,

@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from policies.base import FROM_MODEL, Param, PolicyError, kernel, param_indices
-from policies.kernels import l2_norm
-from policies.registry import register
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
-from policies.kvpress_press import KvpressPress, protected_extra, require
+from policies.core.base import FROM_MODEL, Param, PolicyError, kernel, param_indices
+from policies.core.shared_kernels import l2_norm
+from policies.core.registry import register
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.core.kvpress_press import KvpressPress, protected_extra, require
 
 MAX_G, MAX_D = 8, 256
 #: head-state column set to 1 when the prompt statistics are already in place (a replay's ``replay_head_state``,

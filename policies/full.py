@@ -1,7 +1,7 @@
 """Full cache: never evicts. The reference every other policy is measured against."""
 
-from policies.base import STEP_SIG, Policy, kernel
-from policies.registry import register
+from policies.core.base import STEP_SIG, Policy, kernel
+from policies.core.registry import register
 
 
 @kernel(STEP_SIG)
@@ -9,7 +9,7 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
           merge_w):
     """Keep every slot (the engine sizes the buffer for the whole trace).
 
-    Shapes (the engine's step contract, policies/base.py): budget, lengths [Hkv]; probs [Hkv, G, cap] the step's
+    Shapes (the engine's step contract, policies/core/base.py): budget, lengths [Hkv]; probs [Hkv, G, cap] the step's
     attention over the cached slots; keys, values [Hkv, cap, d]; positions [Hkv, cap]; slot_state [Hkv, cap, 0];
     head_state [Hkv, 0]; keep, merge_to, merge_w [Hkv, cap]; params [0] (no parameters).
     """

@@ -7,10 +7,10 @@ sums of the whole prompt's attention) is what ``ada(h2o)`` (``ada_h2o``) allocat
 """
 import numpy as np
 
-from policies.base import Param, kernel, param_indices
-from policies.kernels import GROUP_REDUCE, group_rows_scores, group_score
-from policies.registry import register
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
+from policies.core.base import Param, kernel, param_indices
+from policies.core.shared_kernels import GROUP_REDUCE, group_rows_scores, group_score
+from policies.core.registry import register
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
 
 SCHEMA = (
     Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as recent window"),

@@ -8,11 +8,11 @@ block-wise streaming uses the keys of the cache plus the incoming block; evicted
 import numpy as np
 from numba import njit
 
-from policies.base import kernel, param_indices
-from policies.kernels import l2_norm
-from policies.registry import register
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
-from policies.kvpress_press import KvpressPress, protected_extra
+from policies.core.base import kernel, param_indices
+from policies.core.shared_kernels import l2_norm
+from policies.core.registry import register
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.core.kvpress_press import KvpressPress, protected_extra
 
 SCHEMA = protection(n_sink=0, n_recent=1)
 P = param_indices(SCHEMA)

@@ -1,14 +1,14 @@
 """Knorm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression").
 
 Keys with a low L2 norm draw high attention, so the cache keeps the lowest-norm keys. A scorer on the
-base in policies/scorer.py: the score is ``-||k||``, prompt and decode alike.
+base in policies/core/scorer.py: the score is ``-||k||``, prompt and decode alike.
 """
 
-from policies.base import kernel, param_indices
-from policies.kernels import l2_norm
-from policies.registry import register
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
-from policies.kvpress_press import KvpressPress, protected_extra
+from policies.core.base import kernel, param_indices
+from policies.core.shared_kernels import l2_norm
+from policies.core.registry import register
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.core.kvpress_press import KvpressPress, protected_extra
 
 SCHEMA = protection(n_sink=0, n_recent=1)
 P = param_indices(SCHEMA)

@@ -8,7 +8,7 @@ largest attention it receives from any repeat token of its chunk, over the query
 ``min(n_sink, chunk start)`` tokens, the chunk's own tokens and the repeat tokens up to itself (kvpress's
 ``_compute_cross_attention``), at the layer's softmax scale (kvpress: 1/sqrt(d), the same for Llama-family models;
 kvpress refuses Gemma-3, where the scale differs). The pass is recorded into the trace (``kvsim record --kvzip``)
-and run in the model by the closed loop (``traces.hf.reconstruction``); a trace without it is an error naming the
+and run in the model by the closed loop (``traces.hf.reconstruction_pass``); a trace without it is an error naming the
 option. Scoring is trace-only work, in float32 GEMM blocks of ``ROWS`` repeat queries, once per prepared trace.
 
 Budgets (``layerwise``, kvpress's name and default False): every compressed layer's and KV head's prompt scores are
@@ -32,11 +32,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from policies.base import Param, PolicyError, kernel, param_indices, prompt_memo
-from policies.kernels import group_score
-from policies.registry import register
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
-from policies.kvpress_press import KvpressPress, protected_extra
+from policies.core.base import Param, PolicyError, kernel, param_indices, prompt_memo
+from policies.core.shared_kernels import group_score
+from policies.core.registry import register
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.core.kvpress_press import KvpressPress, protected_extra
 
 DECODE_RULES = ("keep_new", "max_attention")
 SCHEMA = protection(n_sink=4, n_recent=0) + (
@@ -185,7 +185,7 @@ class KVzip(ScorerPolicy):
             raise PolicyError(f"{self.label()}: this prompt view has no context-reconstruction pass")
         n_sink, size = int(self.params["n_sink"]), int(self.params["chunk_size"])
 
-        def compute() -> np.ndarray:        # one array: a recorded trace's replays keep it on disk (sim.trace_tables)
+        def compute() -> np.ndarray:        # one array: a recorded trace's replays keep it on disk (sim.replay.trace_tables)
             out = []
             for j in range(len(prompt_layers)):
                 plan, recon_q, recon_k, k, scale = read(j, size)

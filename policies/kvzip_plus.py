@@ -15,7 +15,7 @@ defaults.
 What a trace must hold: the reconstruction pass (``kvsim record --kvzip``, as KVzip) with the repeat tokens'
 hidden-state norms (``recon_h``, recorded with the pass since KVzip+ was added; an older trace is an error saying to
 record again) and W_O (recorded for Llama-family and Gemma-3 models). The closed loop reads the same from the model
-(``traces.hf.reconstruction``: a forward pre-hook on each attention module). On a synthetic trace (no model, no
+(``traces.hf.reconstruction_pass``: a forward pre-hook on each attention module). On a synthetic trace (no model, no
 hidden states, no W_O) the norms are taken as 1 and W_O as the identity: KVzip's score times ``||v_i||``, so the
 property tests exercise the rule.
 """
@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from policies.kvpress_press import KvpressPress, protected_extra
+from policies.core.kvpress_press import KvpressPress, protected_extra
 from policies.kvzip import KVzip
-from policies.registry import register
+from policies.core.registry import register
 
 
 def value_output_norms(v: np.ndarray, wo: np.ndarray | None, n_q_heads: int) -> np.ndarray:
@@ -77,7 +77,7 @@ class KVzipPlus(KVzip):
         if norms.shape != (recon_q.shape[0],) or not np.isfinite(norms).all() or (norms < 0).any():
             raise self._no_extras("the recorded pass (its hidden-state norms are missing or not finite)")
         if (norms == 0).any():
-            from policies.errors import PolicyError
+            from policies.core.errors import PolicyError
 
             t = int(np.flatnonzero(norms == 0)[0])
             raise PolicyError(f"{self.label()}: repeat token {t} of KVzip's pass reaches compressed layer {j}'s "
@@ -87,7 +87,7 @@ class KVzipPlus(KVzip):
         return (1.0 / norms).astype(np.float32), value_output_norms(np.asarray(v), wo, recon_q.shape[1])
 
     def _no_extras(self, where: str) -> Exception:
-        from policies.errors import PolicyError
+        from policies.core.errors import PolicyError
 
         return PolicyError(f"{self.label()}: {where} has no hidden-state norms of KVzip's reconstruction pass; "
                            "record the trace again with `kvsim record --kvzip`")

@@ -42,10 +42,10 @@ the reference would divide by zero there). kvpress's defaults are therefore
 import numpy as np
 from numba import njit
 
-from policies.base import Param, kernel, param_indices
-from policies.registry import register
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
-from policies.kvpress_press import KvpressPress, protected_extra, require
+from policies.core.base import Param, kernel, param_indices
+from policies.core.registry import register
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.core.kvpress_press import KvpressPress, protected_extra, require
 
 SCHEMA = protection(n_sink=4, n_recent=1) + (
     Param("lag_size", 128, "int", 2, 4096, doc="partition length; the next partition is the reference"),

@@ -7,7 +7,7 @@ KV head (kvpress: ``attentions.sum(2) / arange(n, 0, -1)``, then ``.view(..., G,
 unlike H2O's sum, does not favour old tokens for having been seen more often; it favours the last prompt tokens
 instead (token P-1 is scored by one query only).
 
-The prompt's attention is computed in blocks of query rows (``policies.kernels.causal_attention_scores``: SGEMM
+The prompt's attention is computed in blocks of query rows (``policies.core.shared_kernels.causal_attention_scores``: SGEMM
 tiles, O(G * 128 * P) memory, never the P x P matrix), at the trace's softmax scale.
 
 Decode (kvpress compresses the prompt only; here the budget holds at every step): ``decode_rule``
@@ -23,11 +23,11 @@ slot_state: [0] the attention summed over the queries that saw the slot, [1] how
 """
 import numpy as np
 
-from policies.base import Param, kernel, param_indices
-from policies.kernels import causal_attention_scores, group_score
-from policies.registry import register
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
-from policies.kvpress_press import KvpressPress, protected_extra
+from policies.core.base import Param, kernel, param_indices
+from policies.core.shared_kernels import causal_attention_scores, group_score
+from policies.core.registry import register
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.core.kvpress_press import KvpressPress, protected_extra
 
 DECODE_RULES = ("average", "accumulated", "frozen")
 SCHEMA = protection(n_sink=0, n_recent=1) + (

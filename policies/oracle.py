@@ -1,7 +1,7 @@
 """Future-attention oracle: at every step holds the budget's worth of past tokens the current query
 attends to most (it may recall tokens evicted earlier), an upper bound on retained attention mass."""
-from policies.base import Param, Policy
-from policies.registry import register
+from policies.core.base import Param, Policy
+from policies.core.registry import register
 
 
 @register
@@ -18,7 +18,7 @@ class Oracle(Policy):
     summary = "top-k of the true attention row (upper bound)"
     schema = (Param("scope", "head", "choice", choices=("head", "layer"), doc="budget per head or per layer"),)
     is_oracle = True
-    replay_strategy = "oracle"     # sim.replay's exact one-pass path; it has no step kernel
+    replay_strategy = "oracle"     # sim.replay.policy_replay's exact one-pass path; it has no step kernel
 
     def validate(self) -> None:
         # with scope='layer' the budget is shared by the heads of a layer, like Ada-KV's

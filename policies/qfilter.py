@@ -22,10 +22,10 @@ seen it). head_state: [0] 1 once calibrated, [1 : 1 + d] the filter (head_dim <=
 import numpy as np
 from numba import njit
 
-from policies.base import kernel, param_indices
-from policies.registry import register
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
-from policies.kvpress_press import KvpressPress, protected_extra
+from policies.core.base import kernel, param_indices
+from policies.core.registry import register
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.core.kvpress_press import KvpressPress, protected_extra
 
 MAX_D = 256
 SCHEMA = protection(n_sink=0, n_recent=1)

@@ -1,8 +1,8 @@
 """Random eviction: a floor any useful policy must beat."""
 
-from policies.base import STEP_SIG, Guarantees, Param, Policy, kernel, param_indices
-from policies.kernels import hash_uniform
-from policies.registry import register
+from policies.core.base import STEP_SIG, Guarantees, Param, Policy, kernel, param_indices
+from policies.core.shared_kernels import hash_uniform
+from policies.core.registry import register
 
 SCHEMA = (
     Param("seed", 0, "int", 0, 2**31 - 1, doc="random seed", searchable=False),
@@ -17,7 +17,7 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
     """Evict uniformly chosen slots older than the protected newest ones, as a pure function of
     (seed, layer, head, step, draw).
 
-    Shapes (the engine's step contract, policies/base.py): budget, lengths [Hkv]; probs [Hkv, G, cap] the step's
+    Shapes (the engine's step contract, policies/core/base.py): budget, lengths [Hkv]; probs [Hkv, G, cap] the step's
     attention over the cached slots; keys, values [Hkv, cap, d]; positions [Hkv, cap]; slot_state [Hkv, cap, 0];
     head_state [Hkv, 0]; keep, merge_to, merge_w [Hkv, cap]; params [2] read by name through ``P``.
     """

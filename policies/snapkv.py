@@ -18,7 +18,7 @@ at decode it ranks by the row max; the released code never evicts during decode)
 row's max over the group's heads. ``window_only``: at a budget <= the window keep only the last ``budget``
 tokens; the released Ada-KV code keeps only the window at budget = window and fails below it, so this is "as the
 released code" at B = window only. ``ada(snapkv)`` / ``ada(pyramidkv)`` (``ada_snapkv``, ``ada_pyramidkv``) are
-Ada-KV's head-wise allocation over these scores (policies/combinators.py).
+Ada-KV's head-wise allocation over these scores (policies/core/combinators.py).
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from policies.base import Param, PolicyError, kernel, param_indices
-from policies.kernels import group_rows_scores, group_score, pool_scores
-from policies.registry import register
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy, protected_window
-from policies.kvpress_press import KvpressPress, NoKvpressPress, require
+from policies.core.base import Param, PolicyError, kernel, param_indices
+from policies.core.shared_kernels import group_rows_scores, group_score, pool_scores
+from policies.core.registry import register
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy, protected_window
+from policies.core.kvpress_press import KvpressPress, NoKvpressPress, require
 
 POOLING = ("max", "avg")
 #: GQA reduction of the observation window; kernel modes (``group_rows_scores``): mean 0, sum 1, max 3, rowmax 2

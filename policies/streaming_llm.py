@@ -5,10 +5,10 @@ so the lowest-scored candidate is always the oldest non-sink token. The score is
 ``critical`` refuse it; ``decoding(streaming_llm)`` (compress to the window every N steps) is allowed.
 """
 
-from policies.base import Guarantees, Param, kernel, param_indices
-from policies.registry import register
-from policies.scorer import SCORE_STEP_SIG, Protection, ScorerPolicy
-from policies.kvpress_press import KvpressPress
+from policies.core.base import Guarantees, Param, kernel, param_indices
+from policies.core.registry import register
+from policies.core.scorer import SCORE_STEP_SIG, Protection, ScorerPolicy
+from policies.core.kvpress_press import KvpressPress
 
 SCHEMA = (Param("n_sinks", 4, "int", 0, 1024, doc="initial tokens always kept (attention sinks)"),)
 P = param_indices(SCHEMA)

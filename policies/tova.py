@@ -9,11 +9,11 @@ positions, so the layer score of a token sums the heads that still hold it.
 """
 import numpy as np
 
-from policies.base import Param, kernel, param_indices
-from policies.kernels import GROUP_REDUCE, causal_attention_scores, group_score
-from policies.registry import register
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
-from policies.kvpress_press import KvpressPress, NoKvpressPress, require
+from policies.core.base import Param, kernel, param_indices
+from policies.core.shared_kernels import GROUP_REDUCE, causal_attention_scores, group_score
+from policies.core.registry import register
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
+from policies.core.kvpress_press import KvpressPress, NoKvpressPress, require
 
 SCOPES = ("layer", "head")
 SCHEMA = (

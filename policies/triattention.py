@@ -66,11 +66,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from policies.base import (FROM_MODEL, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError, kernel,
+from policies.core.base import (FROM_MODEL, PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, PolicyError, kernel,
                            param_indices)
-from policies.kernels import evict_lowest_sorted
-from policies.kvpress_press import NoKvpressPress
-from policies.registry import register
+from policies.core.shared_kernels import evict_lowest_sorted
+from policies.core.kvpress_press import NoKvpressPress
+from policies.core.registry import register
 
 MAX_G, MAX_HALF = 8, 128
 STATS = 2                    # head_state: [0] prompt length, [1] calibrated, then the statistics from here

@@ -1,8 +1,8 @@
 """Sliding window: keep the most recent ``budget`` tokens."""
 
-from policies.base import STEP_SIG, Guarantees, Policy, kernel
-from policies.registry import register
-from policies.kvpress_press import KvpressPress
+from policies.core.base import STEP_SIG, Guarantees, Policy, kernel
+from policies.core.registry import register
+from policies.core.kvpress_press import KvpressPress
 
 
 @kernel(STEP_SIG)
@@ -10,7 +10,7 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
           merge_w):
     """Evict the oldest slots of each head beyond its budget (slots are in position order).
 
-    Shapes (the engine's step contract, policies/base.py): budget, lengths [Hkv]; probs [Hkv, G, cap] the step's
+    Shapes (the engine's step contract, policies/core/base.py): budget, lengths [Hkv]; probs [Hkv, G, cap] the step's
     attention over the cached slots; keys, values [Hkv, cap, d]; positions [Hkv, cap]; slot_state [Hkv, cap, 0];
     head_state [Hkv, 0]; keep, merge_to, merge_w [Hkv, cap]; params [0] (no parameters).
     """

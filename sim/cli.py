@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvsim`` console script; bad input exits with status 2 and a one-line error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from policies.errors import PolicyError    # after parsing: `kvsim --help` imports nothing a command runs
+    from policies.core.errors import PolicyError    # after parsing: `kvsim --help` imports nothing a command runs
     from traces.format import TraceError
 
     args.argv = argv                                        # the command line, for the header of result pages

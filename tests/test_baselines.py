@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from policies import PolicyError, get_policy
-from sim.replay import replay
-from sim.replay_plan import BudgetError
+from sim.replay.policy_replay import replay
+from sim.replay.plan import BudgetError
 from traces.synthetic import make_synthetic_trace
 
 

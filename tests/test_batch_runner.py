@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_validate.batch_runner import BatchRunner
-from gpu_validate.jobs import BatchJob, ValidateError
-from gpu_validate.runner import CompressedRunner, run_batch
-from policies.registry import get_policy, list_policies
-from sim.specs import parse_policy
+from gpu_validate.closedloop.batch_runner import BatchRunner
+from gpu_validate.closedloop.jobs import BatchJob
+from gpu_validate.validate_error import ValidateError
+from gpu_validate.closedloop.runner import CompressedRunner, run_batch
+from policies.core.registry import get_policy, list_policies
+from sim.experiments.specs import parse_policy
 from tests.random_models import random_gemma3, random_llama
 from tests.short_schedules import short_policy
 
@@ -109,8 +110,8 @@ def test_fast_forward_skips_the_model_until_the_first_eviction(llama, monkeypatc
 def test_torch_backend_matches_the_per_head_references():
     """The vectorized torch cache (all heads and rows in one padded matmul / one gather) gives the per-head
     reference results: outputs, per-slot probabilities, per-row logit scales, compaction with empty heads."""
-    from gpu_validate.backends import TorchVarlenKVCache
-    from gpu_validate.reference import ref_compact, ref_decode_attention
+    from gpu_validate.kvcache.backends import TorchVarlenKVCache
+    from gpu_validate.kvcache.kernel_reference import ref_compact, ref_decode_attention
 
     g = torch.Generator().manual_seed(0)
     cache = TorchVarlenKVCache(batch=2, n_kv_heads=2, n_q_heads=4, head_dim=8, capacity=[5, 3, 6, 4],
@@ -142,7 +143,7 @@ def test_torch_backend_matches_the_per_head_references():
 
 
 def test_batches_hold_budgets_of_one_tier_so_small_caches_are_not_padded_to_large_ones():
-    from gpu_validate.runner import _budget_tiers
+    from gpu_validate.closedloop.runner import _budget_tiers
 
     budgets = [128, 128, 200, 512, 600, 2048]
     assert _budget_tiers(list(range(6)), budgets, 48) == [[0, 1, 2], [3, 4], [5]]
@@ -179,7 +180,7 @@ def test_host_cache_equals_the_device_cache_path(llama, arch, monkeypatch):
 def test_prompt_captures_keep_a_kept_sliding_layers_window_and_are_reused(monkeypatch):
     """A prefilled batch keeps only the last window of a kept sliding layer's prompt k/v (and no q there); a streamed
     batch of the same prompt after it needs them all and captures again; both equal fresh runs."""
-    import gpu_validate.prompt_store as prompt_store
+    import gpu_validate.closedloop.prompt_store as prompt_store
 
     model = random_gemma3(GEMMA3_TINY)
     ids = _ids(8)
@@ -232,7 +233,7 @@ def test_steps_after_the_forward_equal_steps_per_layer(llama, arch, path, monkey
 def test_a_device_layers_mirror_is_its_cache(llama, monkeypatch):
     """The host's mirror of the device caches (lengths, positions) equals the caches after every step, merges
     (D2O) and windows included."""
-    from gpu_validate.decode_steps import DecodeSteps
+    from gpu_validate.closedloop.decode_steps import DecodeSteps
 
     monkeypatch.setattr(BatchRunner, "_host_cache", False)
     seen = []
@@ -286,7 +287,7 @@ def test_graph_bookkeeping_is_the_host_side_of_a_decode_forward(llama, monkeypat
 def test_a_failed_graph_capture_falls_back_to_the_eager_step(llama, monkeypatch):
     """A capture that fails is undone (the host state its Python touched restored) and the step runs eagerly, as
     every later one: the results are the eager run's, and the run info names the reason."""
-    from gpu_validate.decode_graph import DecodeGraph, GraphCaptureFailed
+    from gpu_validate.closedloop.decode_graph import DecodeGraph, GraphCaptureFailed
 
     monkeypatch.setattr(BatchRunner, "_host_cache", False)
     ids = _ids(14)

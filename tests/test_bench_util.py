@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks._util import add_real_trace_args, real_model_trace, result_name, trace_fields
-from sim.replay_plan import compressed_layers
+from sim.replay.plan import compressed_layers
 from traces.format import write_trace
 from traces.synthetic import make_synthetic_trace
 

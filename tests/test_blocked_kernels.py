@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.kernels import causal_attention_scores, causal_row, group_score, softmax_rows_inplace
-from sim.oracle import stable_smallest
+from policies.core.shared_kernels import causal_attention_scores, causal_row, group_score, softmax_rows_inplace
+from sim.replay.oracle_kernels import stable_smallest
 
 
 @settings(max_examples=60, deadline=None)

@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import get_policy
-from policies.base import Policy, PolicyError
+from policies.core.base import Policy, PolicyError
 from policies._bumblebee_greedy import (COL_W, FULL_MATRIX_MAX, concave, greedy_select, greedy_select_keys,
                                          sim_columns, similarity_into, similarity_matrix, unit_keys_t)
 from policies.bumblebee import CONCAVE, F_ACC, F_NN, F_NNPOS, F_NORM, SIMILARITY, _prefill, _step, objective
-from policies.kernels import causal_column_sums, prompt_attention
-from policies.scorer import recent_slots
-from sim.replay import replay
+from policies.core.shared_kernels import causal_column_sums, prompt_attention
+from policies.core.scorer import recent_slots
+from sim.replay.policy_replay import replay
 from traces.synthetic import make_synthetic_trace
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -414,7 +414,7 @@ def test_lazy_and_naive_policies_replay_identically():
 def test_replay_importance_table_is_computed_once_and_changes_nothing(group_reduce, monkeypatch):
     """A replay over prepared layers reads every prompt key's importance from a table computed once per layer and
     group reduction (``replay_head_state``); the prefill computing it itself gives the same bits, so the same run."""
-    from sim.layer_inputs import load_layers
+    from sim.replay.layer_inputs import load_layers
 
     trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=6, n_kv_heads=2, head_dim=16, n_tokens=80,
                                  n_prompt=50, seed=3)

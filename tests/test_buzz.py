@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from policies._buzz_model import (CountRule, held_trajectory, old_sequence, paper_recurrence, predicted_ratio,
                                   steady_old_fraction, theorem_ratio)
 from policies.buzz import _logn_scale, _prefill, _sample
-from policies.kernels import prompt_attention
-from policies.base import PolicyError
-from policies.registry import get_policy
-from sim.replay import replay
+from policies.core.shared_kernels import prompt_attention
+from policies.core.base import PolicyError
+from policies.core.registry import get_policy
+from sim.replay.policy_replay import replay
 from traces.synthetic import make_synthetic_trace
 
 # per-position attention credited once, when the token is created: accumulated score of position p == U[p]
@@ -428,9 +428,9 @@ def test_one_pass_prefill_counts_and_budget():
 def test_replay_reads_the_prompt_attention_table_and_changes_nothing(monkeypatch):
     """A replay hands BUZZ's prefill the trace's prompt attention (``replay_head_state``, shared with BumbleBee
     under one key); the prefill computing it itself gives the same kept sets and metrics."""
-    from policies.base import Policy
-    from sim.layer_inputs import load_layers
-    from sim.replay import replay
+    from policies.core.base import Policy
+    from sim.replay.layer_inputs import load_layers
+    from sim.replay.policy_replay import replay
     from traces.synthetic import make_synthetic_trace
 
     trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=120,

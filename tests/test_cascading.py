@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import get_policy
-from policies.base import PolicyError
+from policies.core.base import PolicyError
 from policies.cascading import _step, approximate_context_length, paper_gamma, pe_indices, sub_cache_sizes
-from sim.replay import replay
+from sim.replay.policy_replay import replay
 from traces.synthetic import make_synthetic_trace
 
 
@@ -252,8 +252,8 @@ def test_window_prefill_worked_example(warmup):
 @pytest.mark.parametrize("params", [{"prefill": "window"}, {"warmup": "algorithm1", "clock": "offers"},
                                     {"head_reduce": "median", "n_cascades": 3, "accept_base": 3}])
 def test_variants_match_numpy_reference_engine(params):
-    from sim.reference_replay import reference_replay_layer
-    from sim.layer_inputs import load_layers
+    from sim.replay.numpy_reference import reference_replay_layer
+    from sim.replay.layer_inputs import load_layers
 
     trace = make_synthetic_trace("mixed", n_layers=1, n_tokens=80, n_prompt=30, head_dim=16, seed=5)
     p = get_policy("cascading", **params)

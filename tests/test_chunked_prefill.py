@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_validate.evaluate import kept_set_agreement
+from gpu_validate.closedloop.model_metrics import kept_set_agreement
 from policies import PolicyError, get_policy, list_policies
-from sim.reference_replay import reference_replay_layer
-from sim.layer_inputs import load_layers
-from sim.replay import replay
-from sim.replay_plan import effective_chunk
+from sim.replay.numpy_reference import reference_replay_layer
+from sim.replay.layer_inputs import load_layers
+from sim.replay.policy_replay import replay
+from sim.replay.plan import effective_chunk
 from traces.format import load_trace
 from traces.recorder import record_trace
 from traces.synthetic import make_synthetic_trace
@@ -98,9 +98,9 @@ def test_closed_loop_chunks_keep_the_simulators_sets(model_and_trace, policy, ch
 def test_runner_prompt_forward_in_chunks_is_the_model(model_and_trace, monkeypatch):
     """The closed loop's own prompt forward goes PROMPT_CHUNK tokens at a time through the model's cache: with
     chunks of 7 the full cache still gives the unmodified model's logits, sliding layers included."""
-    import gpu_validate.prompt_store as prompt_store
-    from gpu_validate.chunked_forward import full_model_logits
-    from gpu_validate.runner import CompressedRunner
+    import gpu_validate.closedloop.prompt_store as prompt_store
+    from gpu_validate.closedloop.chunked_forward import full_model_logits
+    from gpu_validate.closedloop.runner import CompressedRunner
 
     model, trace = model_and_trace
     ids = trace.tokens.token_id.tolist()
@@ -110,7 +110,7 @@ def test_runner_prompt_forward_in_chunks_is_the_model(model_and_trace, monkeypat
 
 
 def test_whole_prompt_chunk_sums_are_computed_once_per_prepared_layer(monkeypatch):
-    import sim.replay as sr
+    import sim.replay.policy_replay as sr
 
     trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=56,
                                  n_prompt=40, seed=9)

@@ -39,7 +39,7 @@ def test_help_imports_no_numba_torch_or_pandas():
 def test_listing_policies_compiles_no_kernel_and_imports_no_torch():
     """`kvsim policies` reads every policy's schema (combinators included) and compiles nothing."""
     code = ("import contextlib, io\nfrom sim.cli import main\nwith contextlib.redirect_stdout(io.StringIO()): "
-            "main(['policies'])\nfrom policies import list_policies, policy_class\nfrom policies.base import Kernel\n"
+            "main(['policies'])\nfrom policies import list_policies, policy_class\nfrom policies.core.base import Kernel\n"
             "ks = [f for n in list_policies() for f in (policy_class(n).step_fn, policy_class(n).prefill_fn) "
             "if isinstance(f, Kernel)]\nassert ks and all(k._dispatcher is None for k in ks), 'compiled at listing'")
     assert "torch" not in _modules_after(code)

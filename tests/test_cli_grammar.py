@@ -16,8 +16,8 @@ import pytest
 from policies import PolicyError
 from sim.cli import build_parser, main
 from sim.commands._common import DefaultsHelpFormatter
-from sim.executors import Job, TraceRef, execute
-from sim.specs import open_trace, parse_policy_list, split_policy_list
+from sim.experiments.executors import Job, TraceRef, execute
+from sim.experiments.specs import open_trace, parse_policy_list, split_policy_list
 from traces.format import TraceError
 from traces.synthetic import make_synthetic_trace
 
@@ -227,7 +227,7 @@ def test_search_cli_takes_a_full_spec_and_holds_its_params(tmp_path, capsys):
 
 
 def test_search_cli_takes_a_wrapper_spec(tmp_path, capsys):
-    from sim.search import split_search_spec
+    from sim.experiments.search import split_search_spec
 
     assert split_search_spec("ada(knorm:n_sink=2, floor_alpha=0.3)") == ("ada(knorm)", {"n_sink": 2, "floor_alpha": 0.3})
     assert main(["search", "synthetic:zipf", *SMALL, "--policy", "ada(knorm, floor_alpha=0.3)", "--budgets", "16",
@@ -274,13 +274,13 @@ def test_serve_sim_cli_full_specs(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("cmd", ["validate", "fidelity"])
 def test_model_commands_parse_the_same_specs(cmd, monkeypatch):
     """validate/fidelity need a model to run; here: their options parse full specs and lists like the others."""
-    import sim.specs
+    import sim.experiments.specs
 
     argv = ([cmd, "--policy", FULL_SPEC, "--budget", "16"] if cmd == "validate"
             else [cmd, "--policies", f"{FULL_SPEC};tova;oracle", "--budgets", "8,16"])
     args = build_parser().parse_args(argv)
     if cmd == "validate":
-        assert sim.specs.parse_policy(args.policy).params["group_reduce"] == "max"
+        assert sim.experiments.specs.parse_policy(args.policy).params["group_reduce"] == "max"
     else:
         assert args.prompt == 128 and args.budgets == [8, 16]
         labels = [p.label() for p in parse_policy_list(args.policies, exclude=("oracle",))]

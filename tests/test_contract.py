@@ -1,4 +1,4 @@
-"""The step contract (sim/contract.py) is one set of checks: the engine, the numpy reference and the closed-loop
+"""The step contract (sim/replay/contract.py) is one set of checks: the engine, the numpy reference and the closed-loop
 runner reject the same broken policies with the same PolicyContractError and message."""
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import pytest
 import torch
 from numba import njit
 
-from gpu_validate.runner import CompressedRunner
-from policies.base import LOGIT_SCALE_SIG, STEP_SIG, Policy, PolicyError
-from policies.registry import get_policy
-from sim.contract import (BAD_MERGE, BAD_SCALE, OK, OVER_BUDGET, PolicyContractError, check_allocation, check_kept,
+from gpu_validate.closedloop.runner import CompressedRunner
+from policies.core.base import LOGIT_SCALE_SIG, STEP_SIG, Policy, PolicyError
+from policies.core.registry import get_policy
+from sim.replay.contract import (BAD_MERGE, BAD_SCALE, OK, OVER_BUDGET, PolicyContractError, check_allocation, check_kept,
                           check_merges, check_scale, check_step, contract_error, slot_capacity)
-from sim.reference_replay import reference_replay_layer
-from sim.layer_inputs import load_layers
-from sim.replay import replay
+from sim.replay.numpy_reference import reference_replay_layer
+from sim.replay.layer_inputs import load_layers
+from sim.replay.policy_replay import replay
 from traces.synthetic import make_synthetic_trace
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from policies import get_policy
 from policies.d2o import _step, allocate_layers, layer_variances, merge_weights, split_budget
-from sim.replay import replay
+from sim.replay.policy_replay import replay
 from traces.synthetic import make_synthetic_trace
 
 
@@ -255,7 +255,7 @@ def test_reference_several_merges_into_one_slot():
 
 
 def test_prompt_column_sums_blocked_matches_rows():
-    from policies.kernels import causal_column_sums
+    from policies.core.shared_kernels import causal_column_sums
     from policies.d2o import prompt_column_sums
     rng = np.random.default_rng(3)
     q = rng.normal(size=(45, 4, 8)).astype(np.float32)
@@ -333,8 +333,8 @@ def test_layer_variances_are_computed_once_per_prepared_inputs(monkeypatch):
     """D2O's prompt statistics do not depend on the budget: the replays of several budgets (and a sweep worker's
     jobs) on the same prepared inputs compute them once, with the same results as computing them each time."""
     import policies.d2o as d2o_module
-    from sim.layer_inputs import load_layers
-    from sim.replay import replay_budgets
+    from sim.replay.layer_inputs import load_layers
+    from sim.replay.policy_replay import replay_budgets
     from traces.synthetic import make_synthetic_trace
 
     trace = make_synthetic_trace("mixed", n_layers=3, n_tokens=96, n_prompt=64, seed=2)

@@ -7,9 +7,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from policies import get_policy, list_policies
-from sim.reference_replay import reference_head_state, reference_replay_layer
-from sim.layer_inputs import load_layers
-from sim.replay import replay
+from sim.replay.numpy_reference import reference_head_state, reference_replay_layer
+from sim.replay.layer_inputs import load_layers
+from sim.replay.policy_replay import replay
 from tests.short_schedules import short_policy
 from traces.synthetic import make_synthetic_trace
 
@@ -63,9 +63,9 @@ def test_skipping_unread_attention_changes_nothing(name):
 
 def test_profiling_hooks_time_the_engine_parts():
     """benchmarks/replay.py times the engine through these public hooks; they run the engine's own kernels."""
-    from sim.engine import profile_attention, profile_parts
-    from sim.metrics import N_METRICS
-    from sim.layer_inputs import load_layers
+    from sim.replay.engine import profile_attention, profile_parts
+    from sim.replay.metrics import N_METRICS
+    from sim.replay.layer_inputs import load_layers
 
     trace = make_synthetic_trace("mixed", n_tokens=80, n_prompt=40, n_layers=1, head_dim=16)
     li = load_layers(trace)[0]

@@ -8,8 +8,8 @@ import pytest
 from numba import njit
 
 from policies import Policy, list_policies
-from policies.base import STEP_SIG
-from sim.fuzz import fuzz_policy
+from policies.core.base import STEP_SIG
+from sim.experiments.fuzz import fuzz_policy
 from traces.format import load_trace
 
 TOTAL_CASES = int(os.environ.get("KVSIM_FUZZ_CASES", "10000"))
@@ -53,4 +53,4 @@ def test_plugin_fixture(pytester):
             kvsim_fuzz("h2o", max_examples=20)
     """)
     # "-p no:kvsim" skips the installed entry point so the explicit load works installed or not
-    pytester.runpytest("-p", "no:kvsim", "-p", "sim.pytest_plugin").assert_outcomes(passed=1)
+    pytester.runpytest("-p", "no:kvsim", "-p", "sim.experiments.pytest_plugin").assert_outcomes(passed=1)

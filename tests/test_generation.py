@@ -11,13 +11,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (as
 import pytest
 import torch
 
-from gpu_validate.evaluate import compare_kept
+from gpu_validate.closedloop.model_metrics import compare_kept
 from gpu_validate.generation import KVSimCache, generate, kvsim_cache
-from gpu_validate.jobs import ValidateError
-from gpu_validate.runner import CompressedRunner
+from gpu_validate.validate_error import ValidateError
+from gpu_validate.closedloop.runner import CompressedRunner
 from sim.cli import main
-from sim.replay import replay
-from sim.specs import parse_policy
+from sim.replay.policy_replay import replay
+from sim.experiments.specs import parse_policy
 from traces.format import load_trace
 from traces.hf.forward import cache_keyword
 from traces.recorder import record_trace

@@ -12,11 +12,11 @@ import pytest
 
 from policies import PolicyError, get_policy, list_policies
 from tests.short_schedules import short_policy
-from sim.reference_replay import reference_head_state, reference_replay_layer
-from sim.layer_inputs import load_layers
-from sim.oracle_replay import replay_oracle
-from sim.replay import replay
-from sim.replay_plan import compressed_layers
+from sim.replay.numpy_reference import reference_head_state, reference_replay_layer
+from sim.replay.layer_inputs import load_layers
+from sim.replay.oracle_replay import replay_oracle
+from sim.replay.policy_replay import replay
+from sim.replay.plan import compressed_layers
 from traces.format import LayerAttention, TraceError, load_trace
 from traces.reference import full_attention_reference
 from traces.synthetic import make_synthetic_trace

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_validate.evaluate import kept_set_agreement
-from gpu_validate.jobs import BatchJob
-from gpu_validate.runner import CompressedRunner, run_batch
-from policies.registry import get_policy, list_policies
-from sim.replay import replay
+from gpu_validate.closedloop.model_metrics import kept_set_agreement
+from gpu_validate.closedloop.jobs import BatchJob
+from gpu_validate.closedloop.runner import CompressedRunner, run_batch
+from policies.core.registry import get_policy, list_policies
+from sim.replay.policy_replay import replay
 from traces.format import load_trace
 from traces.recorder import record_trace
 from tests.random_models import random_gemma3
@@ -88,7 +88,7 @@ def test_gemma3_open_loop_kept_sets_equal_simulator(gemma, gemma_trace, policy, 
 
 def test_gemma3_closed_loop_full_cache_is_the_model(gemma, ids):
     """The full cache closed loop (sliding layers keeping their window) gives the unmodified model's logits."""
-    from gpu_validate.chunked_forward import full_model_logits
+    from gpu_validate.closedloop.chunked_forward import full_model_logits
 
     res = CompressedRunner(gemma, get_policy("full"), 8, keep_logits=True).run(ids[:12], continuation=ids[12:40])
     np.testing.assert_allclose(res.logits, full_model_logits(gemma, ids)[11:39], rtol=1e-4, atol=1e-4)
@@ -97,7 +97,7 @@ def test_gemma3_closed_loop_full_cache_is_the_model(gemma, ids):
 def test_gemma3_full_logits_in_chunks_cross_the_window(gemma, ids):
     """Chunks shorter than the sliding window, over more tokens than it, through the model's own (sliding) cache:
     the same logits as one forward."""
-    from gpu_validate.chunked_forward import full_model_logits
+    from gpu_validate.closedloop.chunked_forward import full_model_logits
 
     one = full_model_logits(gemma, ids)
     np.testing.assert_allclose(full_model_logits(gemma, ids, start=5, chunk=WINDOW - 1), one[5:], rtol=1e-4, atol=1e-4)

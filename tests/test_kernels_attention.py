@@ -9,9 +9,9 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from gpu_validate.kernels.attention import varlen_decode_attention  # noqa: E402
-from gpu_validate.kernels.errors import KernelInputError  # noqa: E402
-from gpu_validate.reference import ref_decode_attention  # noqa: E402
+from gpu_validate.kvcache.kernels.attention import varlen_decode_attention  # noqa: E402
+from gpu_validate.kvcache.kernels.kernel_errors import KernelInputError  # noqa: E402
+from gpu_validate.kvcache.kernel_reference import ref_decode_attention  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" and torch.cuda.is_available() else "cpu"
 # one rounding of the output dtype (p is rounded to the value dtype before P@V, as in flash attention)

@@ -7,8 +7,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from gpu_validate.cache import VarlenKVCache  # noqa: E402
-from gpu_validate.kernels.errors import CacheCapacityError, KernelInputError  # noqa: E402
+from gpu_validate.kvcache.varlen_cache import VarlenKVCache  # noqa: E402
+from gpu_validate.kvcache.kernels.kernel_errors import CacheCapacityError, KernelInputError  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" and torch.cuda.is_available() else "cpu"
 

@@ -9,9 +9,9 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from gpu_validate.kernels.compaction import slot_heads, varlen_compact  # noqa: E402
-from gpu_validate.kernels.errors import CacheCapacityError, KernelInputError  # noqa: E402
-from gpu_validate.reference import ref_compact  # noqa: E402
+from gpu_validate.kvcache.kernels.compaction import slot_heads, varlen_compact  # noqa: E402
+from gpu_validate.kvcache.kernels.kernel_errors import CacheCapacityError, KernelInputError  # noqa: E402
+from gpu_validate.kvcache.kernel_reference import ref_compact  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" and torch.cuda.is_available() else "cpu"
 # merged rows are rounded once from fp32; allow one unit in the last place of the cache dtype

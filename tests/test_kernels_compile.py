@@ -23,7 +23,7 @@ def test_every_kernel_compiles_for_sm90_with_vector_loads(tmp_path):
     # a subprocess: this test session may have TRITON_INTERPRET=1 set, which turns kernels into interpreted ones
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-m", "gpu_validate.kernels.compile_check", "--arch", "90", "--quick"],
+    proc = subprocess.run([sys.executable, "-m", "gpu_validate.kvcache.kernels.compile_check", "--arch", "90", "--quick"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.kvpress_press import MIN_JACCARD, KvpressPress, NoKvpressPress, compression_ratio, export, n_kept
-from policies.registry import list_policies
+from policies.core.kvpress_press import MIN_JACCARD, KvpressPress, NoKvpressPress, compression_ratio, export, n_kept
+from policies.core.registry import list_policies
 from sim.cli import main
-from sim.specs import parse_policy
+from sim.experiments.specs import parse_policy
 
 
 @settings(max_examples=300, deadline=None)
@@ -114,7 +114,7 @@ def test_export_refuses_with_status_2(capsys):
 
 def test_the_recommendation_line():
     """What `kvsim recommend` prints and stores beside its `kvsim generate` line."""
-    from policies.kvpress_press import export_summary, summary_line
+    from policies.core.kvpress_press import export_summary, summary_line
 
     ok = export_summary(parse_policy("keydiff:n_recent=0"), 128, 512, "keydiff:n_recent=0")
     assert ok["compression_ratio"] == 0.75 and json.loads(json.dumps(ok)) == ok

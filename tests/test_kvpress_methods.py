@@ -15,8 +15,8 @@ import pytest
 from policies import PolicyError, get_policy, list_policies, policy_class
 from policies import combinators as comb
 from policies.cur import projection
-from sim.replay import replay
-from sim.specs import parse_policy, policy_spec
+from sim.replay.policy_replay import replay
+from sim.experiments.specs import parse_policy, policy_spec
 from traces.format import InMemoryTrace, LayerArrays, LayerAttention, ModelInfo, TraceMeta
 from traces.reference import full_attention_reference
 from traces.synthetic import random_output_projection

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from policies.lagkv import lag_scores
-from sim.replay import replay
-from sim.specs import parse_policy
+from sim.replay.policy_replay import replay
+from sim.experiments.specs import parse_policy
 from traces.synthetic import make_synthetic_trace
 
 KVPRESS_CHUNKKV = "chunkkv:n_sink=0,n_recent=0,scope=layer,chunk_reduce=mean,kernel_size={ks},pooling=avg,window_pad=true"

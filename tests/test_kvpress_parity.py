@@ -10,9 +10,9 @@ import pytest
 
 from benchmarks.kvpress_parity import (CASES, available, diagnosis, file_tag, fill, jaccard, kept_mask, kvsim_kept,
                                        n_kept, press_repr, summarize)
-from policies.kvpress_press import MIN_JACCARD, NoKvpressPress, export
-from sim.replay import layer_inputs
-from sim.specs import parse_policy
+from policies.core.kvpress_press import MIN_JACCARD, NoKvpressPress, export
+from sim.replay.policy_replay import layer_inputs
+from sim.experiments.specs import parse_policy
 from traces.synthetic import make_synthetic_trace
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from policies.kvzip import _floor, _share, reconstruction_scores
-from sim.layer_inputs import PromptLayers, load_layers
-from sim.replay import replay
-from sim.specs import parse_policy
+from sim.replay.layer_inputs import PromptLayers, load_layers
+from sim.replay.policy_replay import replay
+from sim.experiments.specs import parse_policy
 from traces.format import InMemoryTrace, LayerArrays, ModelInfo, TraceError, TraceMeta, load_trace, write_trace
 from traces.reconstruction import ReconstructionError, make_plan, synthetic_reconstruction
 from traces.synthetic import make_synthetic_trace
@@ -151,7 +151,7 @@ def test_chunked_pass_closed_loop_equals_simulator(tmp_path):
     chunks): the open-loop kept sets equal the simulator's."""
     import torch
 
-    from gpu_validate.evaluate import kept_set_agreement
+    from gpu_validate.closedloop.model_metrics import kept_set_agreement
     from tests.random_models import random_llama
     from traces.recorder import record_trace
 

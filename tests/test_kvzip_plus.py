@@ -8,7 +8,7 @@ import pytest
 
 from policies.kvzip import reconstruction_scores
 from policies.kvzip_plus import value_output_norms
-from sim.specs import parse_policy
+from sim.experiments.specs import parse_policy
 from traces.format import TraceError, load_trace
 from traces.reconstruction import make_plan
 
@@ -102,14 +102,14 @@ def test_a_trace_without_the_norms_says_how_to_record_them(recorded, tmp_path):
 def test_closed_loop_equals_simulator(recorded):
     """The recorder's norms and the closed loop's (a pre-hook on each attention module) give the same scores: the
     open-loop kept sets equal the simulator's."""
-    from gpu_validate.evaluate import kept_set_agreement
+    from gpu_validate.closedloop.model_metrics import kept_set_agreement
 
     model, trace = recorded
     for spec in ("kvzip_plus:chunk_size=8", "kvzip_plus:chunk_size=8,layerwise=true"):
         out = kept_set_agreement(model, trace, parse_policy(spec), 10, 12)
         assert out["kept_agreement"] == 1.0, spec
     # and the normalisation matters on this model: KVzip keeps other tokens somewhere
-    from sim.replay import replay
+    from sim.replay.policy_replay import replay
 
     plus = replay(trace, parse_policy("kvzip_plus:chunk_size=8"), 10, record_kept=(24, 1)).kept
     plain = replay(trace, parse_policy("kvzip:chunk_size=8"), 10, record_kept=(24, 1)).kept
@@ -119,8 +119,8 @@ def test_closed_loop_equals_simulator(recorded):
 def test_a_zero_hidden_state_is_refused_with_the_reason():
     """Gemma-3's padding token (id 0) has a zero embedding: reread in the pass it reaches the first layer's attention
     as a zero hidden state, on which KVzip+'s 1 / ||h_t|| is undefined; the closed loop says so."""
-    from gpu_validate.jobs import BatchJob
-    from gpu_validate.runner import run_batch
+    from gpu_validate.closedloop.jobs import BatchJob
+    from gpu_validate.closedloop.runner import run_batch
     from policies import get_policy
     from tests.random_models import random_gemma3
 

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from policies import PolicyError
 from sim.cli import main
-from sim.executors import Job, TraceRef, execute, replay_split
-from sim.layer_groups import layer_groups, merge_layer_groups
-from sim.layer_inputs import load_layers
-from sim.replay import replay, replay_budgets
-from sim.replay_plan import effective_chunk
-from sim.specs import parse_policy
+from sim.experiments.executors import Job, TraceRef, execute, replay_split
+from sim.replay.layer_groups import layer_groups, merge_layer_groups
+from sim.replay.layer_inputs import load_layers
+from sim.replay.policy_replay import replay, replay_budgets
+from sim.replay.plan import effective_chunk
+from sim.experiments.specs import parse_policy
 from traces.synthetic import make_synthetic_trace
 
 #: policies with per-layer budgets (pyramidkv, d2o), head-wise ones (ada), plain ones and the oracle; small windows

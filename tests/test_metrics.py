@@ -1,13 +1,13 @@
-"""The metric table (sim/metrics.py): one measurement for every executor, summary columns that match it."""
+"""The metric table (sim/replay/metrics.py): one measurement for every executor, summary columns that match it."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from policies import get_policy
-from sim.metrics import COLUMNS, METRICS, M, N_METRICS, NAMES, column, measure, metric
-from sim.oracle_replay import replay_oracle
-from sim.replay import replay
+from sim.replay.metrics import COLUMNS, METRICS, M, N_METRICS, NAMES, column, measure, metric
+from sim.replay.oracle_replay import replay_oracle
+from sim.replay.policy_replay import replay
 from traces.synthetic import make_synthetic_trace
 
 

@@ -126,7 +126,7 @@ def test_smollm2_fetch_convert_record_replay(smollm2_cache, tmp_path, monkeypatc
     import json
 
     from policies import get_policy
-    from sim.replay import replay
+    from sim.replay.policy_replay import replay
     from traces.format import load_trace
     from traces.model import record_default_trace
 
@@ -215,9 +215,9 @@ def test_gemma3_fetch_convert_record_replay_closed_loop(gemma3_cache, tmp_path, 
     keeping exactly the simulator's sets on the global layers."""
     import json
 
-    from gpu_validate.evaluate import kept_set_agreement
+    from gpu_validate.closedloop.model_metrics import kept_set_agreement
     from policies import get_policy
-    from sim.replay import replay
+    from sim.replay.policy_replay import replay
     from traces.format import load_trace
     from traces.model import default_text
     from traces.models import load_model

@@ -8,15 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_validate import needle_prediction
-from gpu_validate.needle import run_needle
-from gpu_validate.needle_prediction import DIAGNOSTICS, FEATURES, needle_features, stored_features
-from gpu_validate.needle_prompts import make_grid, make_prompt
-from gpu_validate.needle_report import (FIT_OBJECTIVES, binary_scores, confusion_scores, fit_threshold, plot_needle,
+from gpu_validate.studies.needle import prediction as needle_prediction
+from gpu_validate.studies.needle.runs import run_needle
+from gpu_validate.studies.needle.prediction import DIAGNOSTICS, FEATURES, needle_features, stored_features
+from gpu_validate.studies.needle.prompts import make_grid, make_prompt
+from gpu_validate.studies.needle.scores import (FIT_OBJECTIVES, binary_scores, confusion_scores, fit_threshold, plot_needle,
                                         prediction_report, summarize)
-from gpu_validate.jobs import ValidateError
-from policies.registry import get_policy
-from sim.store import ResultStore
+from gpu_validate.validate_error import ValidateError
+from policies.core.registry import get_policy
+from sim.experiments.store import ResultStore
 from tests.random_models import random_llama
 
 torch.set_num_threads(1)
@@ -260,7 +260,7 @@ def test_feature_store_resumes_and_recomputes_only_missing_cells(monkeypatch, tm
 
 
 def test_cli_fit_objectives_match_the_library():
-    from gpu_validate.commands import needle_cmd
+    from gpu_validate.model_commands import needle_cmd
 
     assert needle_cmd.FIT_OBJECTIVES == FIT_OBJECTIVES
 
@@ -281,7 +281,7 @@ def _save_local_model(llama, tmp_path) -> None:
 
 
 def test_pick_device_prefers_cuda_and_triton(monkeypatch):
-    from gpu_validate.backends import pick_device
+    from gpu_validate.kvcache.backends import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert pick_device() == ("cuda", "triton")
@@ -293,7 +293,7 @@ def test_pick_device_prefers_cuda_and_triton(monkeypatch):
 def test_needle_cli_hands_device_and_backend_to_the_experiment(monkeypatch, tmp_path):
     """`kvsim needle` is the experiment's API with the parsed options: --device/--backend reach it (None: the
     experiment picks CUDA and Triton when a GPU is present)."""
-    from gpu_validate import needle_experiment
+    from gpu_validate.studies.needle import experiment as needle_experiment
     from sim.cli import main
 
     seen = []
@@ -317,7 +317,7 @@ def test_needle_experiment_api_returns_the_report(llama, tmp_path):
     backend it ran with), a caller's fields join it before the one atomic write."""
     import json
 
-    from gpu_validate.needle_experiment import NeedleSpec, run_needle_experiment, write_needle_report
+    from gpu_validate.studies.needle.experiment import NeedleSpec, run_needle_experiment, write_needle_report
 
     _save_local_model(llama, tmp_path)
     spec = NeedleSpec(model=str(tmp_path / "m"), text=str(tmp_path / "text.txt"), lengths=[260], depths=[0.0, 1.0],

@@ -1,6 +1,6 @@
 """Every result page, rendered from small synthetic results, has the structure a reader relies on: the header's
 facts, one embedded image per plot, the table's columns (a column per budget and the mean), references and paper
-policies marked, the best per budget, the legend from sim.metrics, and nothing fetched from the network. The terminal
+policies marked, the best per budget, the legend from sim.replay.metrics, and nothing fetched from the network. The terminal
 prints the same numbers. (A real browser looks at the pages in tests/test_pages_browser.py when one is installed.)"""
 from __future__ import annotations
 
@@ -13,19 +13,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gpu_validate.fidelity import MODEL_COLUMNS, pair_agreement, token_reliability
-from gpu_validate.needle_report import prediction_report, seed_reliability, summarize
-from gpu_validate.pages import fidelity_page, needle_page, segments_page
-from gpu_validate.segments import fidelity_by_text
+from gpu_validate.studies.fidelity.rank_fidelity import MODEL_COLUMNS, pair_agreement, token_reliability
+from gpu_validate.studies.needle.scores import prediction_report, seed_reliability, summarize
+from gpu_validate.studies.study_pages import fidelity_page, needle_page, segments_page
+from gpu_validate.studies.fidelity.segments import fidelity_by_text
 from policies import get_policy
-from sim.metrics import column
-from sim.pages import sweep_page
-from sim.report import occupancy_figure, plot_budget_curves, plot_pareto, split_sliding
-from sim.runinfo import load_trace_facts, save_trace_facts, trace_facts
-from sim.specs import trace_id
-from sim.store import ResultStore
-from sim.sweep import run_sweep, with_oracle_gap
-from sim.table import fmt3, print_tables, ranked_tables
+from sim.replay.metrics import column
+from sim.reports.sweep_page import sweep_page
+from sim.reports.report import occupancy_figure, plot_budget_curves, plot_pareto, split_sliding
+from sim.reports.runinfo import load_trace_facts, save_trace_facts, trace_facts
+from sim.experiments.specs import trace_id
+from sim.experiments.store import ResultStore
+from sim.experiments.sweep import run_sweep, with_oracle_gap
+from sim.reports.table import fmt3, print_tables, ranked_tables
 from traces.synthetic import make_synthetic_trace
 
 HEADER = ("model", "budgets", "policies", "version", "date", "machine")
@@ -128,7 +128,7 @@ def sweep(tmp_path_factory):
     """A small real sweep: references, a paper policy and baselines on a synthetic trace, with its plots."""
     out = tmp_path_factory.mktemp("sweep")
     trace = make_synthetic_trace("mixed", n_tokens=96, n_prompt=24, n_layers=2)
-    from sim.executors import TraceRef
+    from sim.experiments.executors import TraceRef
 
     ref = TraceRef("synthetic:mixed", 96, 24, 2)
     store = ResultStore(out / "res")
@@ -168,7 +168,7 @@ def test_sweep_page_has_the_header_plots_table_and_legend(sweep):
     # numbers to 3 significant digits, as the frame has them
     h2o = next(r for r in main["rows"] if r[1] == "h2o")
     assert h2o[2] == fmt3(df[(df.label == "h2o") & (df.budget == 8)].err_mean.iloc[0])
-    # the legend is sim.metrics' definition of each column shown
+    # the legend is sim.replay.metrics' definition of each column shown
     html = path.read_text(encoding="utf-8")
     for key in ("err_mean", "mass_mean", "err_gap", "slots_mean"):
         assert column(key).doc in html.replace("&#x27;", "'"), key
@@ -227,7 +227,7 @@ def _fidelity_report(n_tokens: int = 64) -> dict:
                          "miss_mass": harm / 4, "delta_nll": float(tok.mean()),
                          "delta_ppl": float(np.expm1(tok.mean())),
                          "top1_disagreement": harm / 3, "kept_agreement": 1.0, "nll_per_token": tok.tolist()})
-    from gpu_validate.fidelity import correlations, within_budget_correlations
+    from gpu_validate.studies.fidelity.rank_fidelity import correlations, within_budget_correlations
 
     rho = correlations(rows)
     return {"model": "tiny-test", "backend": "torch", "device": "cpu", "n_prompt": 32, "n_decode": n_tokens + 1,
@@ -257,7 +257,7 @@ def test_reliability_and_pair_agreement_measure_what_they_say():
 
 
 def test_fidelity_page(tmp_path):
-    from sim.plotting import agg_pyplot, save_figure
+    from sim.reports.plotting import agg_pyplot, save_figure
 
     plt = agg_pyplot()
     png = save_figure(plt.subplots()[0], tmp_path / "f.png")
@@ -350,7 +350,7 @@ def test_needle_prediction_has_its_base_rate_and_per_configuration_numbers():
 
 
 def test_needle_page(tmp_path):
-    from gpu_validate.needle_report import plot_needle
+    from gpu_validate.studies.needle.scores import plot_needle
 
     rep, df = _needle_report()
     png = plot_needle(df, tmp_path / "n.png")
@@ -376,7 +376,7 @@ def test_needle_page(tmp_path):
 def test_needle_page_of_a_result_stored_before_balanced_accuracy(tmp_path):
     """Results stored before the prediction carried balanced accuracy and MCC still render: the overall scores from
     the confusion, the per-policy base rate from the accuracy, the rest left blank."""
-    from gpu_validate.needle_report import confusion_scores
+    from gpu_validate.studies.needle.scores import confusion_scores
 
     rep, _ = _needle_report()
     pred = rep["prediction"]

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from benchmarks.pages import check_in_browser, find_browser, passed, screenshot
-from sim.pages import sweep_page
-from sim.report import plot_budget_curves
+from sim.reports.sweep_page import sweep_page
+from sim.reports.report import plot_budget_curves
 
 BROWSER = find_browser()
 pytestmark = pytest.mark.skipif(BROWSER is None, reason="no Chromium/Chrome installed (apt-get install chromium)")

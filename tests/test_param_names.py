@@ -13,9 +13,9 @@ import pytest
 
 from policies import PolicyError, get_policy, policy_class
 from policies import registry
-from policies.base import Param, Policy, param_indices
-from policies.registry import register
-from sim.replay import replay
+from policies.core.base import Param, Policy, param_indices
+from policies.core.registry import register
+from sim.replay.policy_replay import replay
 from traces.synthetic import make_synthetic_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def test_converted_kernels_read_no_bare_positions(name):
 
 
 def test_one_recent_window_for_h2o_and_bumblebee():
-    from policies.scorer import recent_slots
+    from policies.core.scorer import recent_slots
 
     for budget in (1, 2, 3, 7, 64):
         for ratio in (0.0, 0.1, 0.25, 0.5, 0.99, 1.0):

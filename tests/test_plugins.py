@@ -20,8 +20,8 @@ POLICY = '''"""A plug-in scorer: keep the tokens with the largest value norm."""
 from numba import njit
 
 from policies import param_indices, register
-from policies.kernels import l2_norm
-from policies.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.core.shared_kernels import l2_norm
+from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
 
 SCHEMA = protection(n_sink=1, n_recent=2)
 P = param_indices(SCHEMA)

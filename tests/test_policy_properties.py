@@ -7,8 +7,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from policies import get_policy, list_policies
-from sim.oracle_replay import replay_oracle
-from sim.replay import replay
+from sim.replay.oracle_replay import replay_oracle
+from sim.replay.policy_replay import replay
 from traces.synthetic import KINDS, make_synthetic_trace
 
 ALL = list_policies()

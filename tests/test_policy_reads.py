@@ -1,7 +1,7 @@
 """What a policy declares it reads is what it reads: a policy with ``reads_keys = False`` keeps the same slots when
 the cached keys change without changing any attention logit, one with ``reads_values = False`` when the values
 change. The GPU closed loop relies on it: it copies a layer's keys / values to the host for the policy steps only
-when some row's policy reads them (`gpu_validate.batch_runner`).
+when some row's policy reads them (`gpu_validate.closedloop.batch_runner`).
 
 Keys change without changing a logit: the queries are zero in the second half of the head dimension, and the two
 traces' keys differ only there, so every q.k (a float32 sum of the same products plus exact zeros) is bitwise the
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import get_policy, list_policies
-from sim.replay import replay
+from sim.replay.policy_replay import replay
 from tests.short_schedules import short_policy
 from traces.format import InMemoryTrace, LayerArrays, ModelInfo, TraceMeta
 from traces.reference import full_attention_reference

@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from policies.registry import get_policy
-from sim.projected_error import projected_errors
-from sim.layer_inputs import load_layers
-from sim.replay import replay
+from policies.core.registry import get_policy
+from sim.replay.projected_error import projected_errors
+from sim.replay.layer_inputs import load_layers
+from sim.replay.policy_replay import replay
 from traces.synthetic import make_synthetic_trace
 
 

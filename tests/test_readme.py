@@ -5,8 +5,8 @@ import re
 from pathlib import Path
 
 from policies import get_policy
-from sim.fuzz import fuzz_policy
-from sim.replay import replay
+from sim.experiments.fuzz import fuzz_policy
+from sim.replay.policy_replay import replay
 from traces.synthetic import make_synthetic_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def _section(title: str, text: str = PYTHON_API) -> str:
 
 
 def test_what_is_measured_names_every_metric_of_the_table():
-    from sim.metrics import METRICS
+    from sim.replay.metrics import METRICS
 
     text = " ".join(_section("## What is measured").split())
     for m in METRICS:
@@ -66,7 +66,7 @@ def test_what_is_measured_names_every_metric_of_the_table():
 
 
 def test_adding_a_metric_is_one_row_and_one_formula():
-    """The README's worked example, applied to sim/metrics.py, gives a measured, summarised, ranked metric."""
+    """The README's worked example, applied to sim/replay/metrics.py, gives a measured, summarised, ranked metric."""
     import importlib.util
     import sys
     import types
@@ -75,7 +75,7 @@ def test_adding_a_metric_is_one_row_and_one_formula():
 
     text = _section("## What is measured")
     row, formula = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    spec = importlib.util.find_spec("sim.metrics")
+    spec = importlib.util.find_spec("sim.replay.metrics")
     src = Path(spec.origin).read_text(encoding="utf-8").replace("cache=True", "cache=False")
     table_end = "\n)\nNAMES: tuple"
     assert src.count(table_end) == 1 and src.count("    out[M.l1_bound] = ") == 1
@@ -85,7 +85,7 @@ def test_adding_a_metric_is_one_row_and_one_formula():
     mod = types.ModuleType("readme_metrics")
     sys.modules[mod.__name__] = mod       # dataclasses look their module up
     try:
-        exec(compile(src, "sim/metrics.py (README example)", "exec"), mod.__dict__)
+        exec(compile(src, "sim/replay/metrics.py (README example)", "exec"), mod.__dict__)
     finally:
         del sys.modules[mod.__name__]
     assert mod.NAMES[-1] == "err_abs" and mod.N_METRICS == len(mod.METRICS)

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_validate.jobs import ValidateError
-from gpu_validate.recommend import (CONFIDENCE, REFINE, Calibration, Recommender, confidence_level, conformal_rank,
+from gpu_validate.validate_error import ValidateError
+from gpu_validate.studies.recommendation.recommender import (CONFIDENCE, REFINE, Calibration, Recommender, confidence_level, conformal_rank,
                                     default_alpha, fit_calibration, refine_points, shortlist)
-from gpu_validate.recommend_grid import COMBINATORS, Target, budget_ladder, candidates, families
+from gpu_validate.studies.recommendation.candidates import COMBINATORS, Target, budget_ladder, candidates, families
 from policies import get_policy
-from policies.errors import PolicyError
+from policies.core.errors import PolicyError
 
 
 def test_target_parse_and_errors():
@@ -36,7 +36,7 @@ def test_target_parse_and_errors():
 def test_every_registered_policy_and_the_combinators_are_candidates():
     """``all`` is every registered policy but the full cache and the oracle, and ada(·) / critical(·) over every
     scorer they accept, each expanded from its own ``search_grid`` with the paper default first."""
-    from policies.registry import list_policies, policy_class
+    from policies.core.registry import list_policies, policy_class
 
     names = families()
     plain = [n for n in list_policies(combinators=False)
@@ -70,8 +70,8 @@ def test_every_registered_policy_and_the_combinators_are_candidates():
 
 def test_a_new_policy_is_a_candidate_from_its_own_declaration():
     """A policy registered anywhere (a plug-in) is searched over the grid it declares, with no edit in kvsim."""
-    from policies.base import Param, param_indices
-    from policies.registry import _REGISTRY, register
+    from policies.core.base import Param, param_indices
+    from policies.core.registry import _REGISTRY, register
     from policies.window import SlidingWindow as Window
 
     class Declared(Window):
@@ -91,7 +91,7 @@ def test_a_new_policy_is_a_candidate_from_its_own_declaration():
 @pytest.mark.parametrize("grid,word", [({"nope": (1,)}, "not a searchable"), ({"slack": (0, 2)}, "paper default"),
                                        ({"slack": (2, 9)}, "above the maximum"), ({"slack": (2, 2)}, "twice")])
 def test_a_bad_search_grid_is_refused_naming_the_policy(grid, word):
-    from policies.base import Param
+    from policies.core.base import Param
     from policies.window import SlidingWindow as Window
 
     bad = type("Bad", (Window,), {"name": "bad_grid", "schema": (Param("slack", 2, "int", 0, 8),),
@@ -175,7 +175,7 @@ class _TableRecommender(Recommender):
     with the budget), its simulated loss that times a per-configuration noise factor."""
 
     def __init__(self, n_cfg: int, n_units: int, budgets, target: float, k: int, tmp_path, seed: int, **kw) -> None:
-        from gpu_validate.recommend_grid import Candidate
+        from gpu_validate.studies.recommendation.candidates import Candidate
 
         rng = np.random.default_rng(seed)
         cands = [Candidate(f"f{i % 3}", get_policy("h2o", recent_ratio=(i + 1) / (n_cfg + 2)), i < 3)
@@ -283,7 +283,7 @@ def test_guarantee_certifies_where_k_units_meet_the_target_from_the_top_down(n_c
 def tiny_segments():
     import torch
 
-    from gpu_validate.segments import make_segments
+    from gpu_validate.studies.fidelity.segments import make_segments
     from traces.model import read_text
     from traces.models import load_model
 
@@ -294,8 +294,8 @@ def tiny_segments():
 
 
 def test_recommend_on_the_tiny_model_resumes_without_model_runs(tiny_segments, tmp_path, monkeypatch):
-    from gpu_validate import segments as seg_mod
-    from gpu_validate.recommend import recommend
+    from gpu_validate.studies.fidelity import segments as seg_mod
+    from gpu_validate.studies.recommendation.recommender import recommend
 
     model, segs = tiny_segments
     kw = dict(n_prompt=64, model_id="tiny", out=tmp_path, validate=2, progress=False, log=lambda s: None)
@@ -328,9 +328,9 @@ def test_closed_loop_on_ray_workers_equals_in_process(tiny_segments, tmp_path):
     """``--ray``: every batch a Ray task on a worker that loads the model itself; the same rows as in this
     process (a local Ray cluster stands in for a remote one)."""
     ray = pytest.importorskip("ray")
-    from gpu_validate.segments import RayTarget, closed_loop
+    from gpu_validate.studies.fidelity.segments import RayTarget, closed_loop
     from policies import get_policy
-    from sim.store import ResultStore
+    from sim.experiments.store import ResultStore
 
     model, segs = tiny_segments
     configs = [(get_policy("h2o"), 16), (get_policy("tova"), 32), (get_policy("streaming_llm", n_sinks=2), 16)]
@@ -349,7 +349,7 @@ def test_closed_loop_on_ray_workers_equals_in_process(tiny_segments, tmp_path):
 
 def test_recommend_cli_writes_json_page_and_plot(tmp_path, capsys):
     from sim.cli import main
-    from sim.webpage import esc
+    from sim.reports.webpage import esc
 
     out = tmp_path / "rec"
     rc = main(["recommend", "--model", "tiny", "--prompt-tokens", "64", "--decode-tokens", "32", "--segments", "1",

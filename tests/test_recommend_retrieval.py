@@ -1,4 +1,4 @@
-"""``kvsim recommend --target retrieval=X`` (gpu_validate.recommend_retrieval): the target, the binomial bound, the
+"""``kvsim recommend --target retrieval=X`` (gpu_validate.studies.recommendation.retrieval): the target, the binomial bound, the
 full-cache gate, and the search on the tiny model with a stand-in for the model's retrieval outcomes (the shipped
 tiny model answers no pass key, which the CLI test checks)."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import pandas as pd
 import pytest
 
-from gpu_validate.jobs import ValidateError
-from gpu_validate.recommend_grid import Target, candidates
-from gpu_validate.recommend_retrieval import certifiable, failure_upper_limit
+from gpu_validate.validate_error import ValidateError
+from gpu_validate.studies.recommendation.candidates import Target, candidates
+from gpu_validate.studies.recommendation.retrieval import certifiable, failure_upper_limit
 
 
 def test_retrieval_target_is_a_share_of_pass_keys():
@@ -34,8 +34,8 @@ def test_clopper_pearson_bound_and_what_n_prompts_can_certify():
 
 def _fake_run_needle(rule):
     """A stand-in for the closed loop: every (prompt, config) cell's success from ``rule(prompt, policy, budget)``,
-    keyed as `gpu_validate.needle.run_needle` keys them."""
-    from gpu_validate.needle import config_key
+    keyed as `gpu_validate.studies.needle.runs.run_needle` keys them."""
+    from gpu_validate.studies.needle.runs import config_key
 
     calls = []
 
@@ -50,8 +50,8 @@ def _fake_run_needle(rule):
 def test_retrieval_recommendation_gates_on_the_full_cache_and_bounds_the_failures(tmp_path, monkeypatch):
     import torch
 
-    from gpu_validate import needle
-    from gpu_validate.recommend_retrieval import recommend_retrieval
+    from gpu_validate.studies.needle import runs as needle
+    from gpu_validate.studies.recommendation.retrieval import recommend_retrieval
     from traces.model import read_text
     from traces.models import load_model
 

@@ -1,4 +1,4 @@
-"""The simulate stage's replay of many cells at once (`sim.replay_cells`) gives every registered policy exactly the
+"""The simulate stage's replay of many cells at once (`sim.replay.cells`) gives every registered policy exactly the
 results of replaying each (policy, budget) on its own: metrics, slots, allocations and kept sets, bit for bit."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from policies import get_policy, list_policies
-from sim.layer_inputs import load_layers
-from sim.replay import replay
-from sim.replay_cells import replay_cells
-from sim.replay_plan import effective_chunk
+from sim.replay.layer_inputs import load_layers
+from sim.replay.policy_replay import replay
+from sim.replay.cells import replay_cells
+from sim.replay.plan import effective_chunk
 from traces.synthetic import make_synthetic_trace
 
 ALL = list_policies()
@@ -71,7 +71,7 @@ def test_small_batches_threads_and_chunks(trace):
 
 
 def test_bad_cell_fails_before_any_replay(trace):
-    from sim.replay_plan import BudgetError
+    from sim.replay.plan import BudgetError
 
     cells = [(get_policy("h2o"), 8), (get_policy("h2o"), trace.meta.n_tokens + 1)]
     with pytest.raises(BudgetError):
@@ -79,7 +79,7 @@ def test_bad_cell_fails_before_any_replay(trace):
 
 
 def test_replay_budgets_of_every_step_policy_in_one_pass(trace):
-    from sim.replay import replay_budgets, strategy_of
+    from sim.replay.policy_replay import replay_budgets, strategy_of
 
     P, T = trace.meta.n_prompt, trace.meta.n_tokens
     for name in ALL:
@@ -93,8 +93,8 @@ def test_replay_budgets_of_every_step_policy_in_one_pass(trace):
 
 
 def test_an_in_process_sweep_hands_a_policys_budgets_over_together():
-    from sim.executors import TraceRef, coalesce
-    from sim.sweep import parse_policy_grid, plan
+    from sim.experiments.executors import TraceRef, coalesce
+    from sim.experiments.sweep import parse_policy_grid, plan
 
     ref = TraceRef("synthetic:mixed", n_tokens=64, n_prompt=16, n_layers=1, seed=1)
     jobs = plan([ref], parse_policy_grid("h2o;oracle;window"), [8, 16, 32])
@@ -105,11 +105,11 @@ def test_an_in_process_sweep_hands_a_policys_budgets_over_together():
 
 
 def test_engine_entry_points_are_keyed_by_everything_typeof_reads():
-    """`sim.engine.call_replay_layer` skips numba's per-call typing by keying compiled entry points on the arguments'
+    """`sim.replay.engine.call_replay_layer` skips numba's per-call typing by keying compiled entry points on the arguments'
     fingerprint: arrays that numba types differently must never share one."""
     from collections import namedtuple
 
-    from sim.engine import _fingerprint
+    from sim.replay.engine import _fingerprint
 
     a = np.zeros((4, 3), np.float32)
     ro = a.copy()

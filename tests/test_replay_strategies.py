@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from policies import PolicyError, get_policy
-from policies.base import Policy
-from sim.layer_inputs import load_layers
-from sim.oracle_replay import replay_oracle
-from sim.replay import STRATEGIES, replay, replay_budgets, strategy_of
+from policies.core.base import Policy
+from sim.replay.layer_inputs import load_layers
+from sim.replay.oracle_replay import replay_oracle
+from sim.replay.policy_replay import STRATEGIES, replay, replay_budgets, strategy_of
 from traces.synthetic import make_synthetic_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,18 +90,18 @@ def test_an_unknown_strategy_is_a_named_error(trace):
 
 
 def test_callers_no_longer_special_case_the_oracle():
-    for rel in ("sim/executors.py", "sim/sweep.py", "sim/commands/report_cmd.py"):
+    for rel in ("sim/experiments/executors.py", "sim/experiments/sweep.py", "sim/commands/report_cmd.py"):
         text = (ROOT / rel).read_text()
         assert "is_oracle" not in text and '"scope"' not in text, rel
-    assert '"scope"' not in (ROOT / "sim/replay.py").read_text()
-    oracle_src = (ROOT / "sim/oracle_replay.py").read_text()
+    assert '"scope"' not in (ROOT / "sim/replay/policy_replay.py").read_text()
+    oracle_src = (ROOT / "sim/replay/oracle_replay.py").read_text()
     assert oracle_src.count('params["scope"]') == 1          # read once, by the oracle strategy
 
 
 def test_long_traces_replay_a_layer_at_a_time(monkeypatch):
     """Above EAGER_INPUT_BYTES the engine inputs are read layer by layer from the trace (LayerLoader), with the
     same results as the inputs prepared whole."""
-    import sim.layer_inputs as sl
+    import sim.replay.layer_inputs as sl
 
     trace = make_synthetic_trace("mixed", n_layers=3, n_tokens=96, n_prompt=64, seed=4)
     eager = replay(trace, get_policy("d2o"), 16, inputs=sl.load_layers(trace))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from sim.report import _highlighted, plot_budget_curves
+from sim.reports.report import _highlighted, plot_budget_curves
 
 
 def _frame() -> pd.DataFrame:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from benchmarks.ruler_lm_eval import DOWNLOADING_TASKS, OFFLINE_TASKS, POLICIES, needle_prompt
-from sim.specs import parse_policy
+from sim.experiments.specs import parse_policy
 
 
 class _LM:

@@ -66,8 +66,8 @@ def tiny_trace(tmp: Path):
 def digest(trace, spec: str, budget: int) -> str | None:
     """SHA-256 of the kept positions at every step and the slots held (None: the policy refuses the budget)."""
     from policies import PolicyError
-    from sim.replay import replay
-    from sim.specs import parse_policy
+    from sim.replay.policy_replay import replay
+    from sim.experiments.specs import parse_policy
 
     policy = parse_policy(spec)
     try:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from policies import PolicyError, get_policy
-from policies.combinators import ada, decoding
-from policies.scorer import ScorerPolicy
-from sim.replay import replay
-from sim.specs import parse_policy, policy_spec
+from policies.core.combinators import ada, decoding
+from policies.core.scorer import ScorerPolicy
+from sim.replay.policy_replay import replay
+from sim.experiments.specs import parse_policy, policy_spec
 from traces.synthetic import make_synthetic_trace
 
 SCORERS = ["knorm", "keydiff", "lagkv:lag_size=8", "chunkkv:chunk_length=4,window_size=8"]
@@ -236,7 +236,7 @@ def test_expected_attention_prompt_matches_numpy_reference(seed):
 # ----- critical(): CriticalKV's W_O rescaling -----
 
 def test_critical_projected_norm_and_two_stages_worked_example():
-    from policies.stages import critical_stages, wo_l1
+    from policies.core.stages import critical_stages, wo_l1
 
     pol = parse_policy("critical(knorm)")
     # one KV head, two query heads, d = 2, hidden = 2: W_O^(0) = I, W_O^(1) = [[2, 0], [0, 0]]

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-pytest.importorskip("policies.registry")
+pytest.importorskip("policies.core.registry")
 
 from policies import PolicyError  # noqa: E402
 from sim.commands import serve_sim_cmd as serve_sim  # noqa: E402

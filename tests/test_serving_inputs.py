@@ -147,10 +147,10 @@ def test_footprint_validation():
 
 
 def test_policy_registry_footprints():
-    pytest.importorskip("policies.registry")
+    pytest.importorskip("policies.core.registry")
     from sim.serving.footprint import policy_footprint
 
-    from policies.registry import get_policy
+    from policies.core.registry import get_policy
 
     fp, label, budget = policy_footprint(get_policy("full"), 128)
     assert budget is None and fp(1000) == 1000
@@ -172,7 +172,7 @@ def test_quality_join_on_policy_and_budget(tmp_path):
 
 
 def test_quality_join_reads_a_sweep_store_by_label_with_oracle_gap(tmp_path):
-    from sim.store import ResultStore
+    from sim.experiments.store import ResultStore
 
     rows = [dict(key=f"k{i}", trace_id="t", policy=p, label=lab, budget=64, err_mean=e, mass_mean=m)
             for i, (p, lab, e, m) in enumerate([("h2o", "h2o", 0.3, 0.8), ("h2o", "h2o(recent_ratio=0.2)", 0.5, 0.7),

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from sim.serving import (CostModel, ModelMemory, SchedulerConfig, Workload, memory_tables, poisson_workload,
                          simulate, summarize)
-from sim.serving.metrics import latencies
+from sim.serving.run_summary import latencies
 
 # 1 layer, 1 KV head, head_dim 1, 1-byte dtype: one slot = 2 bytes (K and V), so byte counts are easy by hand.
 TINY = ModelMemory("tiny", n_layers=1, n_q_heads=1, n_kv_heads=1, head_dim=1, n_params=1.0, dtype_bytes=1)

@@ -1,4 +1,4 @@
-"""The simulate stage of a search (`gpu_validate.segments.simulated`): its rows are those of replaying every cell on
+"""The simulate stage of a search (`gpu_validate.studies.fidelity.segments.simulated`): its rows are those of replaying every cell on
 its own and measuring the error after W_O from its kept sets, bit for bit; it measures W_O only when asked; its
 store gives back what was asked; its progress counts configurations."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pandas as pd
 import pytest
 import torch
 
-from gpu_validate.jobs import ValidateError
-from gpu_validate.segments import ENGINE_LOSSES, cell_key, make_segments, simulated
+from gpu_validate.validate_error import ValidateError
+from gpu_validate.studies.fidelity.segments import ENGINE_LOSSES, cell_key, make_segments, simulated
 from policies import get_policy
-from sim.store import ResultStore
+from sim.experiments.store import ResultStore
 from tests.random_models import random_gemma3, random_llama
 
 torch.set_num_threads(1)
@@ -29,9 +29,9 @@ CONFIGS = [(get_policy("h2o"), 6), (get_policy("h2o"), 9), (get_policy("snapkv",
 def one_by_one(model, seg, configs, n_prompt, tmp_path):
     """What `simulated` computed before it replayed the cells in one pass: each cell replayed alone, its error after
     W_O from its own kept sets."""
-    from sim.layer_inputs import load_layers
-    from sim.projected_error import projected_errors
-    from sim.replay import replay
+    from sim.replay.layer_inputs import load_layers
+    from sim.replay.projected_error import projected_errors
+    from sim.replay.policy_replay import replay
     from traces.format import load_trace
     from traces.recorder import record_trace
 

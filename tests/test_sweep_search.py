@@ -14,10 +14,10 @@ import pytest
 
 from policies import PolicyError
 from sim.cli import main
-from sim.executors import Job, TraceRef, execute
-from sim.search import run_search
-from sim.store import ResultStore
-from sim.sweep import expand_grid, parse_policy_grid, plan, run_sweep
+from sim.experiments.executors import Job, TraceRef, execute
+from sim.experiments.search import run_search
+from sim.experiments.store import ResultStore
+from sim.experiments.sweep import expand_grid, parse_policy_grid, plan, run_sweep
 
 REF = TraceRef("synthetic:mixed", n_tokens=96, n_prompt=16, n_layers=2, seed=1)
 COLUMNS = ["key", "label", "budget", "mass_mean", "err_mean", "kl_mean", "slots_mean"]
@@ -69,9 +69,9 @@ def test_resume_skips_finished_rows(tmp_path):
 
 _KILL_SCRIPT = """
 import sys
-from sim.executors import TraceRef
-from sim.store import ResultStore
-from sim.sweep import parse_policy_grid, run_sweep
+from sim.experiments.executors import TraceRef
+from sim.experiments.store import ResultStore
+from sim.experiments.sweep import parse_policy_grid, run_sweep
 ref = TraceRef("synthetic:mixed", n_tokens=160, n_prompt=16, n_layers=2, seed=2)
 run_sweep([ref], parse_policy_grid("h2o:recent_ratio=0.1|0.3|0.5|0.7;window;tova;random;streaming_llm"),
           [8, 16, 32, 48], ResultStore(sys.argv[1]), workers=1, progress=False)
@@ -140,7 +140,7 @@ def _trace_without_pass(tmp_path: Path) -> str:
 
 
 def test_all_skips_what_a_trace_cannot_serve_and_explicit_names_fail_early(tmp_path, capsys):
-    from sim.sweep import implicit_labels
+    from sim.experiments.sweep import implicit_labels
 
     assert "kvzip" in implicit_labels("all") and "kvzip" not in implicit_labels("all;kvzip")
     assert implicit_labels("h2o;kvzip") == frozenset()

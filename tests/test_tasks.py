@@ -8,13 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_validate.jobs import BatchJob, ValidateError
-from gpu_validate.needle import run_needle
-from gpu_validate.needle_prompts import make_grid, make_prompt
-from gpu_validate.runner import run_batch
-from gpu_validate.tasks import TASKS, build_task, retrieved
-from policies.registry import get_policy
-from sim.store import ResultStore
+from gpu_validate.closedloop.jobs import BatchJob
+from gpu_validate.validate_error import ValidateError
+from gpu_validate.studies.needle.runs import run_needle
+from gpu_validate.studies.needle.prompts import make_grid, make_prompt
+from gpu_validate.closedloop.runner import run_batch
+from gpu_validate.studies.needle.tasks import TASKS, build_task, retrieved
+from policies.core.registry import get_policy
+from sim.experiments.store import ResultStore
 from tests.test_needle import TEXT, CharTok
 
 
@@ -86,7 +87,7 @@ def test_multivalue_success_reads_the_decoded_generation(llama, tmp_path):
 
 
 def test_a_prompt_goes_through_the_model_once_for_streamed_and_prefilled_rows(llama, monkeypatch):
-    import gpu_validate.prompt_store as prompt_store
+    import gpu_validate.closedloop.prompt_store as prompt_store
 
     tok = CharTok()
     p = make_prompt(tok, tok.encode(TEXT), 400, 0.5, 0)
@@ -109,8 +110,8 @@ def test_a_prompt_goes_through_the_model_once_for_streamed_and_prefilled_rows(ll
 
 
 def test_solved_only_runs_a_prompts_policies_only_where_the_full_cache_retrieves(llama, monkeypatch, tmp_path):
-    import gpu_validate.prompt_store as prompt_store
-    from gpu_validate.needle_prompts import NeedlePrompt
+    import gpu_validate.closedloop.prompt_store as prompt_store
+    from gpu_validate.studies.needle.prompts import NeedlePrompt
 
     tok = CharTok()
     prompts = make_grid(tok, TEXT, [400], [0.5], [1, 2], tasks=["single"])
@@ -197,7 +198,7 @@ def test_needle_cli_runs_several_tasks_and_drops_cells_the_full_cache_fails(llam
 def test_held_reads_replayed_layers_kept_windows_and_the_prompt_forward():
     from types import SimpleNamespace
 
-    from gpu_validate.needle_prediction import _held
+    from gpu_validate.studies.needle.prediction import _held
 
     P, A, key = 20, 3, np.array([5, 17])
     kept = np.full((1, A, 1, 4), -1, np.int32)          # the one replayed layer (stored layer 1), one KV head

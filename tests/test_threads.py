@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from sim.executors import Executor, Job, TraceRef
-from sim.threads import ThreadPlan, plan_threads, thread_counts
+from sim.experiments.executors import Executor, Job, TraceRef
+from sim.replay.threads import ThreadPlan, plan_threads, thread_counts
 
 JOB = Job(TraceRef("synthetic:mixed", n_tokens=64, n_prompt=16, n_layers=1), "window", (), (8,), ("k",))
 

@@ -1,14 +1,14 @@
-"""Trace-only tables on disk (``sim.trace_tables``): a later process reads what an earlier replay computed, never
+"""Trace-only tables on disk (``sim.replay.trace_tables``): a later process reads what an earlier replay computed, never
 a stale or tampered table, and the replay's results do not depend on where the table came from."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-import policies.kernels as kernels
+import policies.core.shared_kernels as kernels
 from policies import get_policy
-from sim.layer_inputs import layer_memo, load_layers
-from sim.replay import replay
+from sim.replay.layer_inputs import layer_memo, load_layers
+from sim.replay.policy_replay import replay
 from traces.format import load_trace
 from traces.synthetic import make_synthetic_trace
 

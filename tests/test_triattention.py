@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from policies import get_policy
-from policies.kvpress_press import NoKvpressPress, export
+from policies.core.kvpress_press import NoKvpressPress, export
 from policies.triattention import BLOCK, MAX_HALF, STATS, calibrate, frequencies, head_scores, raw_scores
-from sim.fuzz import fuzz_policy
-from sim.replay import replay
+from sim.experiments.fuzz import fuzz_policy
+from sim.replay.policy_replay import replay
 from traces.format import InMemoryTrace, LayerArrays, LayerAttention, ModelInfo, TraceMeta
 from traces.reference import full_attention_reference
 
@@ -294,7 +294,7 @@ def test_survives_fuzzing_on_small_schedules(params):
 def test_closed_loop_kept_sets_equal_the_simulator(tmp_path):
     import torch
 
-    from gpu_validate.evaluate import kept_set_agreement
+    from gpu_validate.closedloop.model_metrics import kept_set_agreement
     from tests.random_models import random_llama
     from traces.format import load_trace
     from traces.recorder import record_trace

@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_validate.chunked_forward import full_model_logits
-from gpu_validate.evaluate import kept_set_agreement, passkey_prompt, text_metrics
-from gpu_validate.fidelity import plot_fidelity, run_fidelity, spearman
-from gpu_validate.jobs import ValidateError
-from gpu_validate.runner import CompressedRunner
+from gpu_validate.closedloop.chunked_forward import full_model_logits
+from gpu_validate.closedloop.model_metrics import kept_set_agreement, passkey_prompt, text_metrics
+from gpu_validate.studies.fidelity.rank_fidelity import plot_fidelity, run_fidelity, spearman
+from gpu_validate.validate_error import ValidateError
+from gpu_validate.closedloop.runner import CompressedRunner
 from numba import njit
 
-from policies.base import LOGIT_SCALE_SIG, STEP_SIG, Policy, PolicyError
+from policies.core.base import LOGIT_SCALE_SIG, STEP_SIG, Policy, PolicyError
 from policies.full import FullCache
 from policies.h2o import H2O
-from policies.registry import get_policy, list_policies
+from policies.core.registry import get_policy, list_policies
 from sim.cli import main
 from traces.format import load_trace
 from traces.recorder import record_trace
@@ -283,9 +283,9 @@ def test_validate_cli_on_tiny_local_model(llama, tmp_path, capsys):
 def test_segment_study_closed_loop_resumes_and_joins_the_simulator(llama, ids, tmp_path):
     import pandas as pd
 
-    from gpu_validate.fidelity import split_half_reliability
-    from gpu_validate.segments import closed_loop, fidelity_by_text, make_segments, simulated
-    from sim.store import ResultStore
+    from gpu_validate.studies.fidelity.rank_fidelity import split_half_reliability
+    from gpu_validate.studies.fidelity.segments import closed_loop, fidelity_by_text, make_segments, simulated
+    from sim.experiments.store import ResultStore
 
     segs = make_segments({"a": ids[:48], "b": ids[::-1][:48]}, 3, 16)
     assert [s.name for s in segs] == ["a@0", "a@16", "a@32", "b@0", "b@16", "b@32"]

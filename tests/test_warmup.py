@@ -1,8 +1,8 @@
-"""Compiling ahead of use (sim.warmup): what the demo runs on spare cores while it records."""
+"""Compiling ahead of use (sim.replay.warmup): what the demo runs on spare cores while it records."""
 from __future__ import annotations
 
 from policies import get_policy
-from sim.warmup import background_compile, compile_policies, wait_all
+from sim.replay.warmup import background_compile, compile_policies, wait_all
 
 
 def test_compile_policies_leaves_every_kernel_compiled():

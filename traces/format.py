@@ -486,7 +486,7 @@ class Trace:
 
     def layer_digest(self, i: int) -> str | None:
         """A SHA-256 over the manifest's checksums of every array of the i-th stored layer: names the layer's
-        content (tables derived from it are cached under it, ``sim.trace_tables``); None for a trace in memory."""
+        content (tables derived from it are cached under it, ``sim.replay.trace_tables``); None for a trace in memory."""
         prefix = array_path(i, "")[:-len(".npy")]
         digests = sorted((rel, e["sha256"]) for rel, e in self._entries.items() if rel.startswith(prefix))
         if not digests:

@@ -7,7 +7,7 @@ again, a chunk at a time, each chunk over the prompt's cache alone (the repeat t
 before the next; kvpress ``KVzipPress``). A trace recorded with ``kvsim record --kvzip`` stores, per layer, the
 post-RoPE queries ``recon_q`` [R, Hq, d] and keys ``recon_k`` [R, Hkv, d] of those R repeat tokens (all chunks,
 in order), and this plan in its manifest; ``policies.kvzip`` computes its scores from them in replay, and the closed
-loop runs the same pass in the model (``traces.hf.reconstruction``).
+loop runs the same pass in the model (``traces.hf.reconstruction_pass``).
 
 Repeat tokens of chunk c (kvpress ``KVzipPress.prepare``): the instruction (``FIRST_INSTRUCTION`` for the first
 chunk; ``NEXT_INSTRUCTION`` plus the last ``PREV_POSTFIX`` tokens of the previous chunk for the others), the

@@ -30,7 +30,7 @@ from traces.faithful import LayerFaithfulness, assert_faithful, default_toleranc
 from traces.format import LayerArrays, ModelInfo, TraceMeta, TraceWriter
 from traces.hf.forward import DEFAULT_CHUNK, CachedForward
 from traces.hf.geometry import layer_attention, model_shape, output_projection
-from traces.hf.reconstruction import plan_for, run_reconstruction
+from traces.hf.reconstruction_pass import plan_for, run_reconstruction
 
 
 class RecordError(ValueError):

@@ -9,7 +9,7 @@ on -- is refused up front, by name, instead of failing or drifting somewhere ins
 """
 from __future__ import annotations
 
-from gpu_validate.jobs import ValidateError
+from gpu_validate.validate_error import ValidateError
 from traces.hf.geometry import text_config
 
 #: ``config.model_type`` of the decoders the generation cache supports

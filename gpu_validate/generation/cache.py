@@ -12,7 +12,7 @@ numba ``step`` -- the very function the simulator replays -- which evicts (and f
 and ``get_mask_sizes`` report the tokens seen, so ``generate`` computes positions and masks as for its own cache.
 
 The work is the evaluation runner's, not a copy of it: each prompt length's rows are one
-`gpu_validate.batch_runner.BatchRunner`, whose prompt phase (`BatchRunner.start`: its own prompt forward, the
+`gpu_validate.closedloop.batch_runner.BatchRunner`, whose prompt phase (`BatchRunner.start`: its own prompt forward, the
 policy's prefill selector or the streamed prompt, ``prefill_chunk`` tokens per step) gives the first prediction,
 and whose routed attention serves every decode step. Greedy decoding through ``generate`` therefore gives the
 runner's closed loop token for token, and the `full` policy the model's own ``generate``. Backends as the runner:
@@ -35,9 +35,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from gpu_validate.batch_runner import BatchRunner
-from gpu_validate.jobs import BatchJob, ValidateError, check_run_args
-from policies.base import Policy
+from gpu_validate.closedloop.batch_runner import BatchRunner
+from gpu_validate.closedloop.jobs import BatchJob, check_run_args
+from gpu_validate.validate_error import ValidateError
+from policies.core.base import Policy
 from traces.hf.geometry import model_shape
 
 UNSUPPORTED = ("beam search, assisted decoding, several sequences per prompt and cache reuse need to copy, "
@@ -105,7 +106,7 @@ class KVSimCache(Cache):
                  cache_dtype: torch.dtype | None = None, open_loop: bool = False,
                  record_kept: tuple[int, int] | None = None, cuda_graphs: bool = True,
                  steps_after_forward: bool = True) -> None:
-        from sim.specs import parse_policy
+        from sim.experiments.specs import parse_policy
 
         self.model = model
         self.policy = parse_policy(policy) if isinstance(policy, str) else policy
@@ -248,7 +249,7 @@ class KVSimCache(Cache):
 
     def kv_bytes_full_cache(self) -> list[int]:
         """K+V bytes an uncompressed cache would hold for each row's tokens: every token in every layer (as
-        `gpu_validate.evaluate.full_cache_bytes`), at the same dtype."""
+        `gpu_validate.closedloop.model_metrics.full_cache_bytes`), at the same dtype."""
         out = [0] * sum(len(g.rows) for g in self.groups)
         for b, g, _ in self._rows():
             out[b] = (g.prompt_len + self.steps) * self.n_layers * self.n_kv * 2 * self.head_dim * _elem(g)
@@ -260,7 +261,7 @@ class KVSimCache(Cache):
 
     def kept(self, b: int):
         """Row b's kept positions after the steps of ``record_kept`` ([L, n, Hkv, W], -1 padded), as
-        `gpu_validate.jobs.RunResult.kept`."""
+        `gpu_validate.closedloop.jobs.RunResult.kept`."""
         return next(row.kept for r, _, row in self._rows() if r == b)
 
 

@@ -9,8 +9,8 @@ from typing import Any, Sequence
 import torch
 
 from gpu_validate.generation.hooks import kvsim_cache
-from gpu_validate.jobs import ValidateError
-from policies.base import Policy
+from gpu_validate.validate_error import ValidateError
+from policies.core.base import Policy
 
 
 @dataclass

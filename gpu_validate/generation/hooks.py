@@ -25,8 +25,8 @@ import torch
 
 from gpu_validate.generation.architectures import check_architecture
 from gpu_validate.generation.cache import KVSimCache, model_output
-from gpu_validate.jobs import ValidateError
-from policies.base import Policy
+from gpu_validate.validate_error import ValidateError
+from policies.core.base import Policy
 from traces.hf.routing import routed
 
 

@@ -2,7 +2,7 @@
 
 Every command that takes a policy takes ``--policy SPEC`` (one full spec, e.g. ``h2o:recent_ratio=0.3`` or
 ``ada(snapkv)``); every command that takes several takes ``--policies LIST`` (full specs separated by ``;``
-at the top level, see ``sim.specs.split_policy_list``). ``--layers`` is always a COUNT of layers (of a
+at the top level, see ``sim.experiments.specs.split_policy_list``). ``--layers`` is always a COUNT of layers (of a
 generated trace); layer indices are ``--keep-layers``.
 """
 from __future__ import annotations
@@ -138,7 +138,7 @@ def add_out_option(p: argparse.ArgumentParser, default: Path | str | None, what:
 
 def add_executor_options(p: argparse.ArgumentParser) -> None:
     """``--workers N``, ``--threads N`` and ``--ray ADDRESS``: where the replays run, with how many threads."""
-    from sim.threads import available_cores
+    from sim.replay.threads import available_cores
 
     p.add_argument("--workers", type=positive_int, default=available_cores(),
                    help="local worker processes (one per core on this machine)")
@@ -170,14 +170,14 @@ def add_threads_option(p: argparse.ArgumentParser) -> None:
 def apply_threads(args: argparse.Namespace) -> None:
     """Cap this process's pools at ``args.threads`` (`add_threads_option`) when it is given."""
     if getattr(args, "threads", None):
-        from sim.threads import limit_threads
+        from sim.replay.threads import limit_threads
 
         limit_threads(args.threads)
 
 
 def add_device_options(p: argparse.ArgumentParser, *, backend: bool = True) -> None:
     """``--device`` and (with ``backend``) ``--backend``: where a model command runs the model and its cache
-    (``gpu_validate.backends.pick_device`` fills in what is not given)."""
+    (``gpu_validate.kvcache.backends.pick_device`` fills in what is not given)."""
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     if backend:
         p.add_argument("--backend", choices=("torch", "triton"), default=None,
@@ -191,7 +191,7 @@ def add_quiet_option(p: argparse.ArgumentParser) -> None:
 
 def trace_ref(args: argparse.Namespace, spec: str):
     """One TRACE argument as a reference every worker process can reopen (with the command's --no-verify)."""
-    from sim.executors import TraceRef
+    from sim.experiments.executors import TraceRef
 
     return TraceRef(spec, args.tokens, args.prompt, args.layers, args.seed, verify=not args.no_verify,
                     sliding=args.sliding, chunk=args.chunk)
@@ -204,7 +204,7 @@ def trace_refs(args: argparse.Namespace) -> list:
 
 def load(args: argparse.Namespace, spec: str) -> Trace:
     """Open one TRACE argument in this process with the command's synthetic sizes and --no-verify."""
-    from sim.specs import open_trace
+    from sim.experiments.specs import open_trace
 
     return open_trace(spec, n_tokens=args.tokens, n_prompt=args.prompt, n_layers=args.layers, seed=args.seed,
                       verify=not args.no_verify)

@@ -69,7 +69,7 @@ def demo_trace(args: argparse.Namespace, before_slow_work: Callable[[], None] = 
     KVzip's context-reconstruction pass in chunks of that size (a reused trace without it is recorded again)."""
     import json
 
-    from sim.executors import TraceRef
+    from sim.experiments.executors import TraceRef
     from traces.format import TraceError, load_trace
     from traces.model import record_default_trace
     from traces.models import entry, is_cached, model_id, resolve_model
@@ -104,7 +104,7 @@ def demo_trace(args: argparse.Namespace, before_slow_work: Callable[[], None] = 
 
 def describe_replayed(trace) -> str:
     """Which of the trace's layers the policies compress, and what the others keep (hybrid models)."""
-    from sim.replay_plan import compressed_layers
+    from sim.replay.plan import compressed_layers
 
     ids = trace.meta.model.layer_ids
     comp = compressed_layers(trace)
@@ -135,17 +135,17 @@ def _fits(policy, budget: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from policies import get_policy, list_policies
-    from policies.base import reconstruction_chunk
+    from policies.core.base import reconstruction_chunk
     from sim.commands._common import command_line
-    from sim.executors import default_workers
-    from sim.pages import sweep_page
-    from sim.report import occupancy_figure, plot_budget_curves, plot_pareto, print_ranked
-    from sim.runinfo import save_trace_facts, trace_facts
-    from sim.specs import trace_id
-    from sim.store import ResultStore
-    from sim.sweep import run_sweep, with_oracle_gap
-    from sim.threads import available_cores
-    from sim.warmup import background_compile, wait_all
+    from sim.experiments.executors import default_workers
+    from sim.reports.sweep_page import sweep_page
+    from sim.reports.report import occupancy_figure, plot_budget_curves, plot_pareto, print_ranked
+    from sim.reports.runinfo import save_trace_facts, trace_facts
+    from sim.experiments.specs import trace_id
+    from sim.experiments.store import ResultStore
+    from sim.experiments.sweep import run_sweep, with_oracle_gap
+    from sim.replay.threads import available_cores
+    from sim.replay.warmup import background_compile, wait_all
 
     args.out.mkdir(parents=True, exist_ok=True)
     names = list_policies(combinators=False)

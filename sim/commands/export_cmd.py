@@ -1,6 +1,6 @@
 """``kvsim export --kvpress``: a policy spec out as the NVIDIA kvpress press that keeps the same tokens.
 
-The press comes from the policy's own declaration (``Policy.kvpress_press``, ``policies/kvpress_press.py``), checked
+The press comes from the policy's own declaration (``Policy.kvpress_press``, ``policies/core/kvpress_press.py``), checked
 by ``benchmarks/kvpress_parity.py`` inside kvpress; a policy kvpress cannot express is refused with the reason (exit
 status 2). Needs neither kvpress nor a model: it prints Python to run where kvpress is installed.
 """
@@ -30,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from policies.kvpress_press import export
-    from sim.specs import parse_policy
+    from policies.core.kvpress_press import export
+    from sim.experiments.specs import parse_policy
 
     out = export(parse_policy(args.kvpress), args.budget, args.prompt_tokens, spec=args.kvpress)
     print(json.dumps(out.to_json(), indent=1) if args.json else out.python())

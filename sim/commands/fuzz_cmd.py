@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="policy specs as positionals (the same as --policies, kept for existing scripts)")
     add_policies_option(p, default="all", extra="; positional SPECs, when given, replace it")
     p.add_argument("--profile", choices=("ci", "deep", "quick"), default="ci",
-                   help="cases per policy: quick, ci (default) or deep (numbers in sim.fuzz.PROFILES)")
+                   help="cases per policy: quick, ci (default) or deep (numbers in sim.experiments.fuzz.PROFILES)")
     p.add_argument("--examples", type=int, default=None, help="cases per policy (overrides --profile)")
     p.add_argument("--save-failures", type=Path, default=Path("kvsim-out/fuzz-failures"),
                    help="directory where shrunk failing traces are written")
@@ -36,10 +36,10 @@ def run(args: argparse.Namespace) -> int:
     from policies import list_policies
 
     try:  # hypothesis is a test extra: the CLI must start without it (README command 1 installs no extras)
-        from sim.fuzz import PROFILES, fuzz_policy
+        from sim.experiments.fuzz import PROFILES, fuzz_policy
     except ModuleNotFoundError as e:
         raise ValueError(f"kvsim fuzz needs {e.name}: pip install 'kvsim[test]'") from None
-    from sim.specs import parse_policy, split_policy_list
+    from sim.experiments.specs import parse_policy, split_policy_list
 
     for mod in args.plugin:
         importlib.import_module(mod)

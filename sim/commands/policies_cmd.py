@@ -5,7 +5,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from policies.base import Param
+    from policies.core.base import Param
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -27,9 +27,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from sim.executors import replay_split
-    from sim.replay import replay
-    from sim.specs import parse_policy
+    from sim.experiments.executors import replay_split
+    from sim.replay.policy_replay import replay
+    from sim.experiments.specs import parse_policy
 
     policy = parse_policy(args.policy)
     if args.split_layers > 1 or args.ray:

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("results", type=Path, help="results store directory (from kvsim sweep / search / demo)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: RESULTS/../report)")
     p.add_argument("--metric", default="err_mean",
-                   help="summary column to rank by (sim.metrics: err_mean, err_p95, mass_mean, kl_mean, err_gap, ...)")
+                   help="summary column to rank by (sim.replay.metrics: err_mean, err_p95, mass_mean, kl_mean, err_gap, ...)")
     p.add_argument("--occupancy", metavar="TRACE", default=None,
                    help="trace directory or synthetic:KIND for occupancy maps")
     g = p.add_argument_group("occupancy maps (--occupancy)")
@@ -32,11 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sim.commands._common import command_line
-    from sim.pages import sweep_page
-    from sim.report import plot_budget_curves, plot_pareto, print_ranked, split_sliding
-    from sim.runinfo import load_trace_facts
-    from sim.store import ResultStore
-    from sim.sweep import with_oracle_gap
+    from sim.reports.sweep_page import sweep_page
+    from sim.reports.report import plot_budget_curves, plot_pareto, print_ranked, split_sliding
+    from sim.reports.runinfo import load_trace_facts
+    from sim.experiments.store import ResultStore
+    from sim.experiments.sweep import with_oracle_gap
 
     if not args.results.is_dir():
         raise FileNotFoundError(f"{args.results}: no results store here (run kvsim sweep first)")
@@ -67,10 +67,10 @@ def _occupancy(args: argparse.Namespace, out: Path, facts: dict) -> Path:
     """The occupancy maps of ``--policies`` on ``--occupancy TRACE`` at ``--budget`` (with ``all``, the policies
     the trace cannot serve or the budget cannot hold are left out, as a sweep leaves them); the trace's facts join
     ``facts`` when the store did not have them."""
-    from sim.report import occupancy_figure
-    from sim.runinfo import trace_facts
-    from sim.specs import parse_policy_list
-    from sim.sweep import implicit_labels, servable
+    from sim.reports.report import occupancy_figure
+    from sim.reports.runinfo import trace_facts
+    from sim.experiments.specs import parse_policy_list
+    from sim.experiments.sweep import implicit_labels, servable
 
     trace = load(args, args.occupancy)
     f = trace_facts(trace)

@@ -9,7 +9,7 @@ from sim.commands._common import (add_budgets_option, add_executor_options, add_
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from sim.metrics import OBJECTIVES, objectives_help
+    from sim.replay.metrics import OBJECTIVES, objectives_help
 
     p = sub.add_parser("search", help="search a policy's hyperparameters with optuna (TPE, Pareto front)",
                        description="Search the hyperparameters a policy's schema declares searchable. With "
@@ -35,11 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from sim.report import plot_search
-    from sim.search import run_search
-    from sim.store import ResultStore
+    from sim.reports.report import plot_search
+    from sim.experiments.search import run_search
+    from sim.experiments.store import ResultStore
 
-    from sim.runinfo import save_ref_facts
+    from sim.reports.runinfo import save_ref_facts
 
     ref = trace_ref(args, args.trace)
     save_ref_facts(args.out, ref)                    # what `kvsim report` says about the trace

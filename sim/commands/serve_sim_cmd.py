@@ -67,7 +67,7 @@ def build_cases(policies: str, budgets: list[int]) -> list:
     from sim.serving.footprint import policy_footprint
     from sim.serving.grid import ServingCase
     from sim.serving.hardware import ServingConfigError
-    from sim.specs import parse_policy, split_policy_list
+    from sim.experiments.specs import parse_policy, split_policy_list
 
     cases = []
     for spec in split_policy_list(policies):

@@ -26,10 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.report import default_budgets, plot_budget_curves, print_ranked, split_sliding
-    from sim.runinfo import save_ref_facts
-    from sim.store import ResultStore
-    from sim.sweep import implicit_labels, parse_policy_grid, run_sweep, with_oracle_gap
+    from sim.reports.report import default_budgets, plot_budget_curves, print_ranked, split_sliding
+    from sim.reports.runinfo import save_ref_facts
+    from sim.experiments.store import ResultStore
+    from sim.experiments.sweep import implicit_labels, parse_policy_grid, run_sweep, with_oracle_gap
 
     refs = trace_refs(args)
     budgets = args.budgets or default_budgets(min(r.open()[0].meta.n_tokens for r in refs))

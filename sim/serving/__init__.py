@@ -14,7 +14,7 @@ _WHERE = {
     **dict.fromkeys(("MemoryTables", "memory_tables", "policy_footprint", "tabulate_footprint"), "footprint"),
     **dict.fromkeys(("GPUS", "MODELS", "GPUProfile", "ModelMemory", "ServingConfigError", "get_gpu", "get_model"),
                     "hardware"),
-    **dict.fromkeys(("latencies", "summarize"), "metrics"),
+    **dict.fromkeys(("latencies", "summarize"), "run_summary"),
     **dict.fromkeys(("SchedulerConfig", "ServingResult", "kv_pool_bytes", "simulate"), "scheduler"),
     **dict.fromkeys(("Workload", "WorkloadError", "bursty_workload", "load_csv_workload", "poisson_workload"),
                     "workload"),

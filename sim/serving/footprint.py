@@ -71,7 +71,7 @@ def memory_tables(footprint: Callable[[int], int], model: ModelMemory, max_token
 
 
 def policy_footprint(policy: Any, budget: int | None) -> tuple[Callable[[int], int], str, int | None]:
-    """``(footprint(n), label, budget)`` of a ``policies.base.Policy`` at ``budget``.
+    """``(footprint(n), label, budget)`` of a ``policies.core.base.Policy`` at ``budget``.
 
     Unbounded policies (the full cache) ignore the budget and report ``None``; others must accept it.
     """

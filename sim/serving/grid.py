@@ -10,7 +10,7 @@ import pandas as pd
 from sim.serving.costs import CostModel
 from sim.serving.footprint import memory_tables
 from sim.serving.hardware import ModelMemory
-from sim.serving.metrics import latencies, summarize
+from sim.serving.run_summary import latencies, summarize
 from sim.serving.scheduler import SchedulerConfig, simulate
 from sim.serving.workload import Workload
 

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from sim.metrics import column  # noqa: E402
+from sim.replay.metrics import column  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from sim.metrics import COLUMNS, METRICS
+from sim.replay.metrics import COLUMNS, METRICS
 from sim.serving.hardware import ServingConfigError
 
 #: loss/quality columns looked for in a sweep results store, in display order (the first present is plotted): every
-#: metric's mean, losses (lower is better) first, then the gaps to the oracle and the percentiles (sim.metrics)
+#: metric's mean, losses (lower is better) first, then the gaps to the oracle and the percentiles (sim.replay.metrics)
 QUALITY_COLUMNS = tuple([f"{m.name}_mean" for m in sorted(METRICS, key=lambda m: m.direction == "higher")]
                         + [k for k in COLUMNS if k.endswith("_gap")]
                         + [f"{m.name}_p{p}" for m in METRICS for p in m.percentiles])
@@ -17,7 +17,7 @@ QUALITY_COLUMNS = tuple([f"{m.name}_mean" for m in sorted(METRICS, key=lambda m:
 
 def _read(path: Path) -> pd.DataFrame:
     if path.is_dir():
-        from sim.store import ResultStore
+        from sim.experiments.store import ResultStore
         df = ResultStore(path).load()
         if df.empty:
             raise ServingConfigError(f"{path}: results store has no rows")
@@ -43,7 +43,7 @@ def load_quality(path: str | Path) -> pd.DataFrame:
     if missing:
         raise ServingConfigError(f"{path}: missing column(s) {missing}; need policy, budget and loss columns")
     if {"label", "trace_id", "err_mean", "mass_mean"} <= set(df.columns) and (df["policy"] == "oracle").any():
-        from sim.sweep import with_oracle_gap
+        from sim.experiments.sweep import with_oracle_gap
         df = with_oracle_gap(df)
     cols = [c for c in QUALITY_COLUMNS if c in df.columns]
     if not cols:

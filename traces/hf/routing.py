@@ -9,7 +9,7 @@ KV-cache update (a sliding layer's cache hands over only its window).
 
 The recorder's handler (`traces.capture.capturing`) and the closed-loop runner's prompt phase run the model's own
 attention (`model_attention`) and keep what they need of q/k/v; the runner's decode steps and the generation
-cache (`gpu_validate.batch_runner`, `gpu_validate.generation`) replace it with attention over kvsim's compressed
+cache (`gpu_validate.closedloop.batch_runner`, `gpu_validate.generation`) replace it with attention over kvsim's compressed
 caches. `attention_call` reads what a call says about its layer (index, softmax scale, sliding window).
 """
 from __future__ import annotations

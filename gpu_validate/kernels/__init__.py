@@ -1,5 +1,0 @@
-"""Triton kernels over a per-head variable-length KV cache (Ada-KV flat layout)."""
-
-from gpu_validate.kernels.errors import CacheCapacityError, KernelInputError
-
-__all__ = ["CacheCapacityError", "KernelInputError"]

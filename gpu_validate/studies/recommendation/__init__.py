@@ -1,0 +1,1 @@
+"""``kvsim recommend``: the candidates, the search, the guarantee and the page."""
