@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from policies import PolicyError, get_policy, list_policies, policy_class
-from policies import combinators as comb
+from policies.core import combinators as comb
 from policies.cur import projection
 from sim.replay.policy_replay import replay
 from sim.experiments.specs import parse_policy, policy_spec

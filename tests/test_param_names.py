@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from policies import PolicyError, get_policy, policy_class
-from policies import registry
+from policies.core import registry
 from policies.core.base import Param, Policy, param_indices
 from policies.core.registry import register
 from sim.replay.policy_replay import replay
