@@ -83,9 +83,11 @@ def result_name(base: str, trace: Any, real_only: bool) -> str:
 
 
 def real_model_trace(args: Any, tmp: Path, *, n_prompt: int = 512, n_decode: int = 512):
-    """The real-model trace the evaluations use: ``args.trace`` (restricted to ``args.layers``), or SmolLM2-135M
-    recorded through the model registry (fetched and converted on first use) on the shipped held-out text."""
-    from traces.format import InMemoryTrace, load_trace
+    """The real-model trace the evaluations use: ``args.trace`` (restricted to ``args.layers`` by
+    `traces.layer_subset.select_layers`), or SmolLM2-135M recorded through the model registry (fetched and converted
+    on first use) on the shipped held-out text."""
+    from traces.format import load_trace
+    from traces.layer_subset import select_layers
 
     if args.trace is None:
         from traces.model import record_default_trace
@@ -96,18 +98,7 @@ def real_model_trace(args: Any, tmp: Path, *, n_prompt: int = 512, n_decode: int
     trace = load_trace(args.trace)
     if args.layers == "all":
         return trace
-    ids = list(trace.meta.model.layer_ids)
-    wanted = [int(x) for x in args.layers.split(",")]
-    missing = [w for w in wanted if w not in ids]
-    if missing:
-        raise ValueError(f"--layers {missing} not in the trace {args.trace} (it has layers {ids})")
-    import dataclasses
-
-    attn = trace.meta.model.attention
-    model = dataclasses.replace(trace.meta.model, layer_ids=tuple(wanted),
-                                attention=tuple(attn[ids.index(w)] for w in wanted))
-    meta = dataclasses.replace(trace.meta, model=model, source={**trace.meta.source, "layers_evaluated": wanted})
-    return InMemoryTrace(meta, [trace.layer(ids.index(w)) for w in wanted], trace.tokens)
+    return select_layers(trace, [int(x) for x in args.layers.split(",")])
 
 
 def kvsim_command() -> list[str]:

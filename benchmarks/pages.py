@@ -1,9 +1,9 @@
 """Open every result page in a real browser (headless Chromium), offline, as a person would, and screenshot it.
 
-For each page: Chromium loads it with every host name unresolvable (so anything fetched from the network would be
-missing), and a check script appended to a copy of the page reports what the browser saw: script errors, images
-decoded (naturalWidth > 0), tables, and whether clicking a sortable header sorts its rows by that column in both
-directions. Then a screenshot of the top of the page. The pages:
+For each page: `sim.reports.browser_check.check_in_browser` (Chromium loads it with every host name unresolvable,
+so anything fetched from the network would be missing, and a check script appended to a copy of the page reports
+what the browser saw: script errors, images decoded, tables, and whether clicking a sortable header sorts its rows
+by that column in both directions), then a screenshot of the top of the page. The pages:
 
 - demo: ``kvsim-out/demo.html`` from ``kvsim demo`` (``--demo DIR``; default: run ``kvsim demo --synthetic mixed``
   into a temporary folder);
@@ -21,106 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from sim.reports.browser_check import check_in_browser, find_browser, passed, run_browser, screenshot
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
-
-#: appended to a copy of the page: runs after the page's own script, writes its findings into the DOM
-CHECK_SCRIPT = r"""
-<script>
-(function () {
-  var out = {errors: window.__kvsimErrors || [], images: [], tables: 0, sorted: null};
-  document.querySelectorAll("img").forEach(function (im) {
-    out.images.push({ok: im.complete && im.naturalWidth > 0, width: im.naturalWidth});
-  });
-  out.tables = document.querySelectorAll("table").length;
-  var t = document.querySelector("table.sortable.ranked") || document.querySelector("table.sortable");
-  if (t) {
-    var th = Array.prototype.slice.call(t.querySelectorAll("th[data-col]")).filter(function (h) {
-      return /mean/.test(h.textContent); })[0] || t.querySelector("th[data-col]");
-    var col = +th.dataset.col;
-    var values = function () {
-      return Array.prototype.slice.call(t.tBodies[0].rows).filter(function (r) {
-        return !r.classList.contains("ref"); }).map(function (r) {
-        return parseFloat(r.cells[col].dataset.v); }).filter(function (v) { return !isNaN(v); });
-    };
-    var mono = function (v, up) { for (var i = 1; i < v.length; i++) {
-      if (up ? v[i] < v[i - 1] : v[i] > v[i - 1]) { return false; } } return true; };
-    th.click(); var a = values(); th.click(); var d = values();
-    out.sorted = {column: th.textContent.trim(), ascending: mono(a, true), descending: mono(d, false),
-                  rows: a.length, refs_on_top: t.tBodies[0].rows[0].classList.contains("ref") ||
-                                              !t.querySelector("tr.ref")};
-  }
-  var pre = document.createElement("pre");
-  pre.id = "kvsim-check";
-  pre.textContent = JSON.stringify(out);
-  document.body.appendChild(pre);
-})();
-</script>
-"""
-ERRORS_HOOK = "<script>window.__kvsimErrors=[];window.addEventListener('error',function(e){" \
-              "window.__kvsimErrors.push(String(e.message||e));});</script>"
-OFFLINE = ["--host-resolver-rules=MAP * ~NOTFOUND", "--disable-background-networking"]
-
-
-def find_browser() -> str | None:
-    """Chromium or Chrome: ``KVSIM_BROWSER``, else the first of `BROWSERS` on the PATH."""
-    env = os.environ.get("KVSIM_BROWSER")
-    if env:
-        return env
-    return next((p for p in map(shutil.which, BROWSERS) if p), None)
-
-
-def _run(browser: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-             "--disable-dev-shm-usage", *OFFLINE]
-    with tempfile.TemporaryDirectory(prefix="kvsim-browser-") as profile:
-        return subprocess.run([browser, *flags, f"--user-data-dir={profile}", *args], capture_output=True,
-                              text=True, timeout=timeout)
-
-
-def check_in_browser(page: str | os.PathLike, browser: str) -> dict[str, Any]:
-    """What the browser saw on the page (see `CHECK_SCRIPT`), offline."""
-    html = Path(page).read_text(encoding="utf-8")
-    probe = html.replace("<head>", "<head>" + ERRORS_HOOK, 1).replace("</body>", CHECK_SCRIPT + "</body>", 1)
-    with tempfile.TemporaryDirectory(prefix="kvsim-page-") as tmp:
-        copy = Path(tmp) / Path(page).name
-        copy.write_text(probe, encoding="utf-8")
-        res = _run(browser, "--virtual-time-budget=5000", "--dump-dom", copy.as_uri())
-    m = re.search(r'<pre id="kvsim-check">(.*?)</pre>', res.stdout, re.S)
-    if not m:
-        raise RuntimeError(f"{page}: the browser did not run the check (exit {res.returncode}): {res.stderr[-800:]}")
-    out = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">"))
-    out["console_errors"] = [line for line in res.stderr.splitlines() if "Uncaught" in line]
-    return out
-
-
-def screenshot(page: str | os.PathLike, png: str | os.PathLike, browser: str, *, width: int = 1280,
-               height: int = 2000) -> Path:
-    """A screenshot of the top ``height`` pixels of the page at ``width``, offline."""
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    res = _run(browser, f"--window-size={width},{height}", f"--screenshot={png}", "--virtual-time-budget=5000",
-               Path(page).resolve().as_uri())
-    if not png.is_file() or png.stat().st_size == 0:
-        raise RuntimeError(f"{page}: no screenshot (exit {res.returncode}): {res.stderr[-800:]}")
-    return png
-
-
-def passed(check: dict[str, Any]) -> bool:
-    """No script error, every image decoded, and clicking a header sorted the table both ways."""
-    s = check.get("sorted") or {}
-    return (not check["errors"] and not check["console_errors"] and all(i["ok"] for i in check["images"])
-            and bool(s) and s["ascending"] and s["descending"] and s["refs_on_top"])
 
 
 def build_pages(demo: Path, work: Path) -> dict[str, Path]:
@@ -159,7 +69,7 @@ def main(argv: list[str]) -> int:
     if browser is None:
         print("no browser: apt-get install chromium, or set KVSIM_BROWSER", file=sys.stderr)
         return 2
-    version = _run(browser, "--version").stdout.strip()
+    version = run_browser(browser, "--version").stdout.strip()
     with tempfile.TemporaryDirectory(prefix="kvsim-pages-") as tmp:
         work = Path(tmp)
         demo = args.demo

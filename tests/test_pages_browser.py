@@ -1,12 +1,12 @@
 """A result page in a real browser (headless Chromium), offline: no script error, every image decoded, a click on a
 header sorts the table both ways with the references kept on top, and a screenshot is drawn. Skipped where no
-browser is installed (CI); ``python benchmarks/pages.py`` does the same for every page."""
+browser is installed (CI); ``python -m benchmarks.pages`` does the same for every committed page."""
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from benchmarks.pages import check_in_browser, find_browser, passed, screenshot
+from sim.reports.browser_check import check_in_browser, find_browser, passed, screenshot
 from sim.reports.sweep_page import sweep_page
 from sim.reports.report import plot_budget_curves
 

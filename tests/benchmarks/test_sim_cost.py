@@ -1,13 +1,11 @@
 """The simulator's cost model (`benchmarks/sim_cost.py`): the model side read from the last GPU check, the
-comparison's arithmetic, its page section, and the shortcut its long synthetic traces take (the reference of the
-measured rows only)."""
+comparison's arithmetic and its page section. The shortcut its long synthetic traces take (the reference of the
+measured rows only, ``full_attention_reference(start=...)``) is a library test: tests/test_full_attention_reference.py."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from benchmarks import docs_tables, sim_cost
-from traces.reference import full_attention_reference
 
 
 def test_closed_loop_of_an_8b_geometry_comes_from_the_gpu_check():
@@ -43,13 +41,3 @@ def test_speed_page_section(monkeypatch):
     assert "| smollm2-135m | 512 + 128 | 203 |" in text
     assert "Where simulating first does not pay" in text and "h2o at 4096 + 256" in text
     assert "$2.99 per GPU-hour" in text
-
-
-def test_reference_of_the_measured_rows_only():
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((40, h, 8)).astype(np.float32) for h in (4, 2, 2))
-    lse, o = full_attention_reference(q, k, v, 0.3)
-    lse2, o2 = full_attention_reference(q, k, v, 0.3, start=25)
-    np.testing.assert_allclose(lse2[25:], lse[25:], rtol=1e-6)
-    np.testing.assert_allclose(o2[25:], o[25:], rtol=1e-6, atol=1e-7)
-    assert not lse2[:25].any() and not o2[:25].any()
