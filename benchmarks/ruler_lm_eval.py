@@ -20,7 +20,8 @@ step. One change to lm-eval's task settings: generation is capped at ``--max-gen
 30-128; every expected answer here fits in 48 of SmolLM2's or Gemma-3's tokens), because decoding dominates the
 CPU cost. A doc counts as retrieved when lm-eval's score is 1 (every expected value present).
 
-Prediction: per doc, the prompt and the expected answer recorded as one teacher-forced trace and each (policy,
+Prediction: per doc, the prompt (`gpu_validate.studies.needle.lm_eval_docs.needle_prompt_from_doc`: lm-eval's prompt
+ids, the evidence positions) and the expected answer recorded as one teacher-forced trace and each (policy,
 budget) replayed on it (`gpu_validate.studies.needle.prediction.stored_features`, the needle prediction's features: the
 share of the full-cache attention on the evidence tokens -- the positions of the expected values in the prompt --
 that the policy still holds while the answer is written). The predictor (feature and threshold) is fitted on the
@@ -39,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -136,29 +136,6 @@ def harness_full(lm: Any, tasks: dict[str, Any], n_docs: int) -> dict[tuple[str,
     out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.values()), limit=n_docs, log_samples=True,
                                   bootstrap_iters=0, verbosity="WARNING")
     return {(t, int(s["doc_id"])): s["filtered_resps"][0] for t, samples in out["samples"].items() for s in samples}
-
-
-def needle_prompt(lm: Any, row: dict, length: int) -> Any:
-    """The doc as a `gpu_validate.studies.needle.prompts.NeedlePrompt` for the simulator: lm-eval's prompt ids (``hf``'s
-    encoding), the expected answer's ids (its values joined by spaces, after a space) and every prompt position
-    whose token overlaps an occurrence of an expected value in the prompt (the evidence the answer is read from)."""
-    from gpu_validate.studies.needle.prompts import NeedlePrompt
-
-    text = row["context"]
-    ids = lm.tok_batch_encode([text])[0][0].tolist()
-    tok = lm.tokenizer
-    for special in (False, True):
-        enc = tok(text, add_special_tokens=special, return_offsets_mapping=True, verbose=False)
-        if enc["input_ids"] == ids:
-            break
-    else:
-        raise ValueError(f"{row['task']} doc {row['doc']}: cannot map lm-eval's prompt ids to character offsets")
-    spans = [(m.start(), m.end()) for v in row["outputs"] for m in re.finditer(re.escape(v), text)]
-    key = sorted({i for i, (a, b) in enumerate(enc["offset_mapping"]) for s, e in spans if a < e and b > s})
-    answer = tok(" " + " ".join(row["outputs"]), add_special_tokens=False)["input_ids"]
-    return NeedlePrompt(length=length, depth=0.0, seed=int(row["doc"]), key=row["task"], ids=tuple(ids),
-                        answer=tuple(answer), key_positions=tuple(key), task=row["task"],
-                        values=tuple(row["outputs"]), n_generate=len(answer))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,13 +254,14 @@ def simulate(lm: Any, full_rows: list[dict], configs: list, work: Path, length: 
     """The simulator's features (`gpu_validate.studies.needle.prediction.stored_features`, resumable) of every lossy config
     on the docs of ``full_rows`` (the full cache's rows), and the seconds it took; ``stored_only``: only the docs
     whose features are all in the store already (nothing is recorded)."""
-    from gpu_validate.studies.needle.runs import fits
+    from gpu_validate.studies.needle.lm_eval_docs import needle_prompt_from_doc
     from gpu_validate.studies.needle.prediction import feature_key, stored_features
+    from gpu_validate.studies.needle.runs import fits
     from sim.experiments.specs import parse_policy
     from sim.experiments.store import ResultStore
     from traces.models import model_id
 
-    prompts = [p for p in (needle_prompt(lm, r, length) for r in full_rows) if p.key_positions]
+    prompts = [p for p in (needle_prompt_from_doc(lm, r, length) for r in full_rows) if p.key_positions]
     lossy = [(parse_policy(p), int(b)) for p, b in configs if b is not None]
     if stored_only:
         have = ResultStore(work / "sim").keys()

@@ -1,16 +1,15 @@
-"""benchmarks/ruler_lm_eval.py's parts that need no model run: which RULER tasks it names offline, and a doc turned
-into the simulator's prompt (lm-eval's prompt ids, the answer's ids, the evidence positions of every expected value)."""
+"""`gpu_validate.studies.needle.lm_eval_docs`: an lm-eval RULER doc turned into the simulator's needle prompt
+(lm-eval's prompt ids, the answer's ids, the evidence positions of every expected value), and a doc whose prompt
+ids cannot be mapped to character offsets refused."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from benchmarks.ruler_lm_eval import DOWNLOADING_TASKS, OFFLINE_TASKS, POLICIES, needle_prompt
-from sim.experiments.specs import parse_policy
+from gpu_validate.studies.needle.lm_eval_docs import needle_prompt_from_doc
 
 
 class _LM:
-    """The two things `needle_prompt` reads of lm-eval's ``hf`` model: its tokenizer and its batch encoding."""
+    """The two things `needle_prompt_from_doc` reads of lm-eval's ``hf`` model: its tokenizer and its batch encoding."""
 
     def __init__(self, tok):
         self.tokenizer = tok
@@ -21,14 +20,6 @@ class _LM:
         return torch.tensor([self.tokenizer(texts[0], add_special_tokens=False)["input_ids"]]), None
 
 
-def test_task_lists_are_disjoint_and_policies_parse():
-    assert not set(OFFLINE_TASKS) & set(DOWNLOADING_TASKS)
-    assert {"niah_single_1", "ruler_vt", "ruler_cwe"} <= set(OFFLINE_TASKS)
-    assert len(POLICIES) >= 6
-    for spec in POLICIES:
-        parse_policy(spec)
-
-
 def test_a_doc_becomes_a_needle_prompt():
     from traces.models import load_model
 
@@ -37,7 +28,7 @@ def test_a_doc_becomes_a_needle_prompt():
             "The grass is green. What is the special magic number for quiet-fox mentioned in the provided text? "
             "The special magic number for quiet-fox mentioned in the provided text is")
     row = {"task": "niah_single_1", "doc": 3, "context": text, "outputs": ["4817263"]}
-    p = needle_prompt(_LM(tok), row, 4096)
+    p = needle_prompt_from_doc(_LM(tok), row, 4096)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert list(p.ids) == ids and p.seed == 3 and p.task == "niah_single_1"
     assert p.prompt_id.startswith("niah_single_1-L4096") and p.prompt_id.endswith("-s3")
@@ -57,4 +48,4 @@ def test_a_doc_whose_prompt_ids_cannot_be_mapped_is_refused():
             return ids[:, 1:], None                     # not what the tokenizer gives: offsets unknown
 
     with pytest.raises(ValueError, match="cannot map"):
-        needle_prompt(Shifted(tok), {"task": "ruler_vt", "doc": 0, "context": "VAR X = 1", "outputs": ["X"]}, 4096)
+        needle_prompt_from_doc(Shifted(tok), {"task": "ruler_vt", "doc": 0, "context": "VAR X = 1", "outputs": ["X"]}, 4096)
