@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Callable
 
 from sim.commands._common import add_budgets_option, add_model_option, add_out_option, positive_int
