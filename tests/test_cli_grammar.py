@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -195,6 +196,22 @@ def test_help_shows_the_real_defaults():
                 assert not re.search(r"\(default \w", a.help), f"kvsim {name} {a.option_strings[0]}: {a.help}"
     fid = " ".join(_subparsers()["fidelity"].format_help().split())
     assert "prompt tokens (default: 128)" in fid and "256" not in fid
+
+
+def test_outputs_default_to_the_working_directory():
+    """No command reads or writes a repository path by default (``benchmarks/results`` means nothing after
+    ``pip install``): every path default is relative, so it lands under the directory kvsim runs in."""
+    from gpu_validate.model_commands.fidelity_cmd import default_out
+
+    for name, p in _subparsers().items():
+        for a in p._actions:
+            for value in (a.default if isinstance(a.default, (list, tuple)) else [a.default]):
+                if isinstance(value, (str, Path)) and ("/" in str(value) or isinstance(value, Path)):
+                    assert not Path(value).is_absolute() and "benchmarks" not in str(value), \
+                        f"kvsim {name} {a.option_strings}: {value}"
+    assert _subparsers()["needle"].get_default("out") == Path("kvsim-out/needle.json")
+    assert default_out("cuda:1") == Path("kvsim-out/fidelity_cuda.json") and default_out("cpu").name == "fidelity_cpu.json"
+    assert _subparsers()["serve-sim"].get_default("kernel_timings") is None     # measured timings only when named
 
 
 # --- a CLI run per command with full specs and the shared options ---------------------------------------------

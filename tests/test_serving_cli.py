@@ -73,10 +73,18 @@ def test_serve_sim_is_discovered_by_the_kvsim_cli(tmp_path, monkeypatch, capsys)
     assert pd.read_csv(tmp_path / "o" / "serving.csv")["rejected"].tolist() == [5]
     assert main(["serve-sim", "--gpu", "a100-80gb", "--memory-utilization", "0.1", "--out", "o", "--quiet"]) == 2
     assert "leave no KV memory" in capsys.readouterr().err
-    # an unusable default kernel file is reported and the profile kept; an explicit one is an error
+    # kernel timings are read only when named: a file where a checkout keeps them changes nothing without
+    # --kernel-timings (the --gpu preset's costs, wherever kvsim runs); a named file that is unusable or missing
+    # is an error that names it
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     (tmp_path / "benchmarks" / "results" / "kernels.json").write_text("[]")
     assert main(["serve-sim", "--policies", "full", "--requests", "5", "--out", "o", "--quiet"]) == 0
-    assert "not using benchmarks/results/kernels.json" in capsys.readouterr().err
+    assert "kernels.json" not in capsys.readouterr().err
+    meta = json.loads((tmp_path / "o" / "serving.json").read_text())
+    assert meta["kernel_fit"] is None and "fit" not in meta["cost_model"]
     assert main(["serve-sim", "--policies", "full", "--requests", "5", "--out", "o", "--quiet",
                  "--kernel-timings", "benchmarks/results/kernels.json"]) == 2
+    assert "benchmarks/results/kernels.json" in capsys.readouterr().err
+    assert main(["serve-sim", "--policies", "full", "--requests", "5", "--out", "o", "--quiet",
+                 "--kernel-timings", "nowhere.json"]) == 2
+    assert "nowhere.json: no such kernel timing file" in capsys.readouterr().err

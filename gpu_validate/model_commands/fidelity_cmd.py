@@ -22,9 +22,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_budgets_option(p, default=[16, 32, 64])
     p.add_argument("--open-steps", type=int, default=16, help="decode steps compared in open loop")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default benchmarks/results/fidelity_<device>.json; the PNG and the HTML page go "
-                        "beside it)")
+                   help="JSON path (default: kvsim-out/fidelity_<device>.json in the working directory, device cpu "
+                        "or cuda; the PNG and the HTML page go beside it)")
     p.set_defaults(func=run)
+
+
+def default_out(device: str) -> Path:
+    """Where ``kvsim fidelity`` writes without ``--out``: ``kvsim-out/fidelity_<device>.json`` under the working
+    directory (``cuda:1`` counts as ``cuda``), beside the other commands' outputs."""
+    return Path("kvsim-out") / f"fidelity_{device.split(':')[0]}.json"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     report = run_fidelity(model, ids[:args.prompt + args.decode], policies, args.budgets, n_prompt=args.prompt,
                           n_open_steps=args.open_steps, backend=backend, model_id=model_id(args.model),
                           sliding=args.sliding, chunk=args.chunk)
-    out = Path(args.out or f"benchmarks/results/fidelity_{device.split(':')[0]}.json")
+    out = Path(args.out or default_out(device))
     out.parent.mkdir(parents=True, exist_ok=True)
     png = plot_fidelity(report, out.with_suffix(".png"))
     report.update(plot=str(png), text=read_text(args.text)[1], command=command_line(args), **run_info(),

@@ -79,7 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_policies_option(p, default=DEFAULTS.policies)
     add_budgets_option(p, default=DEFAULTS.budgets)
     p.add_argument("--store", default=DEFAULTS.store, help="Parquet results store (resumable)")
-    add_out_option(p, "benchmarks/results/needle.json", "summary JSON (the PNG and the HTML page go beside it)")
+    add_out_option(p, "kvsim-out/needle.json", "summary JSON (the PNG and the HTML page go beside it), relative to the "
+                   "working directory")
     p.add_argument("--predict", action="store_true", help="also the simulator's prediction (records one trace per prompt, once: "
                         "the features are stored in --sim-store)")
     p.add_argument("--train-seeds", type=int_list, default=None,

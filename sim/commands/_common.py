@@ -8,6 +8,7 @@ generated trace); layer indices are ``--keep-layers``.
 from __future__ import annotations
 
 import argparse
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -16,7 +17,11 @@ if TYPE_CHECKING:                 # this module builds parsers: `kvsim --help` m
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Appends each option's real default to its help, so the help cannot disagree with the parser."""
+    """Appends each option's real default to its help, so the help cannot disagree with the parser; lines break
+    at spaces only, so a path or a spec with a hyphen (``kvsim-out/needle.json``) stays whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

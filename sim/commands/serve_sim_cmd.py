@@ -3,14 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from sim.commands._common import (DefaultsHelpFormatter, add_budgets_option, add_out_option, add_policies_option,
                                   add_quiet_option)
-
-DEFAULT_KERNEL_TIMINGS = Path("benchmarks/results/kernels.json")
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -46,8 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--memory-utilization", type=float, default=0.9,
                    help="share of GPU memory for weights + KV pool (vLLM convention)")
     p.add_argument("--pool-gb", type=float, help="KV pool in GB (overrides memory-utilization)")
-    p.add_argument("--kernel-timings", type=Path, default=None,
-                   help=f"kernel timing JSON to fit attention costs ({DEFAULT_KERNEL_TIMINGS} if present)")
+    p.add_argument("--kernel-timings", type=Path, default=None, metavar="FILE",
+                   help="fit the attention costs to measured kernel timings: a JSON of records (device, bytes, "
+                        "time_s) or the output of `python -m benchmarks.kernels` on your GPU (in a kvsim checkout: "
+                        "benchmarks/results/kernels.json, measured on an H200). Without it the costs are the "
+                        "--gpu preset's datasheet bandwidth and peak")
     p.add_argument("--kernel-device", default=None, help="use only timings of this device")
     p.add_argument("--kernel-variant", default="scores", choices=sorted(KERNEL_VARIANTS),
                    help="which kernel of a benchmarks/kernels.py file to fit")
@@ -83,21 +83,18 @@ def build_cases(policies: str, budgets: list[int]) -> list:
 
 
 def _kernel_costs(args: argparse.Namespace, cost, n_layers: int) -> tuple[Any, dict | None]:
-    """Fit attention costs to measured kernel timings: an explicit file must be usable; the default file, when
-    present but unusable (e.g. no timings for ``--kernel-device``), is reported and the profile is kept."""
+    """The cost model with its attention terms fitted to ``--kernel-timings`` (a missing or unusable file is a
+    `KernelTimingError` naming it), or unchanged without that option."""
     from sim.serving.fit import KernelTimingError, fit_kernel_timings, load_kernel_timings
 
-    explicit = args.kernel_timings is not None
-    timings = args.kernel_timings if explicit else DEFAULT_KERNEL_TIMINGS
-    if not explicit and not timings.exists():
+    if args.kernel_timings is None:
         return cost, None
+    timings = args.kernel_timings
+    records = load_kernel_timings(timings, args.kernel_variant)      # its errors name the file
     try:
-        fit = fit_kernel_timings(load_kernel_timings(timings, args.kernel_variant), device=args.kernel_device)
+        fit = fit_kernel_timings(records, device=args.kernel_device)
     except KernelTimingError as e:
-        if explicit:
-            raise
-        print(f"serve-sim: not using {timings} ({e}); default profile costs", file=sys.stderr)
-        return cost, None
+        raise KernelTimingError(f"{timings}: {e}") from None
     cost = cost.with_kernel_fit(fit, calls_per_step=args.kernel_calls_per_step or n_layers)
     return cost, {"file": str(timings), "variant": args.kernel_variant, "intercept_s": fit.intercept_s,
                   "bandwidth_Bps": fit.bandwidth, "r2": fit.r2, "records": fit.n_records}
