@@ -88,6 +88,30 @@ class RefCache(NamedTuple):
     length: torch.Tensor
 
 
+def _ref_merge_head(k: torch.Tensor, v: torch.Tensor, head: int, slots: slice, kp: torch.Tensor,
+                    merge_to: torch.Tensor, merge_w: torch.Tensor) -> None:
+    """Step 1 of `ref_compact` for one head's ``slots`` (``kp`` its kept mask), in place on the CPU copies ``k``,
+    ``v``: each kept slot becomes its weighted sum with the evicted slots merging into it, in fp32, rounded once."""
+    n = slots.stop - slots.start
+    mt = merge_to[slots].detach().cpu().long()
+    mw = merge_w[slots].detach().cpu().float()
+    kf, vf = k[slots].float(), v[slots].float()
+    k_out, v_out = kf.clone(), vf.clone()
+    sources: dict[int, list[int]] = {}
+    for e in torch.nonzero(~kp & (mt >= 0)).flatten().tolist():
+        j = int(mt[e])
+        if j >= n or not kp[j]:
+            raise KernelInputError(f"head {head}: evicted slot {e} merges into evicted/out-of-range slot {j}")
+        sources.setdefault(j, []).append(e)
+    for j, srcs in sources.items():
+        kj, vj = mw[j] * kf[j], mw[j] * vf[j]
+        for e in srcs:
+            kj = kj + mw[e] * kf[e]
+            vj = vj + mw[e] * vf[e]
+        k_out[j], v_out[j] = kj, vj
+    k[slots], v[slots] = k_out.to(k.dtype), v_out.to(v.dtype)
+
+
 def ref_compact(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -133,23 +157,7 @@ def ref_compact(
         s0, n, cap = int(start[i]), int(length[i]), int(capacity[i])
         kp = torch.ones(n, dtype=torch.bool) if keep is None else keep[s0 : s0 + n].detach().cpu().bool()
         if merge_to is not None:
-            mt = merge_to[s0 : s0 + n].detach().cpu().long()
-            mw = merge_w[s0 : s0 + n].detach().cpu().float()
-            kf, vf = k[s0 : s0 + n].float(), v[s0 : s0 + n].float()
-            k_out, v_out = kf.clone(), vf.clone()
-            sources: dict[int, list[int]] = {}
-            for e in torch.nonzero(~kp & (mt >= 0)).flatten().tolist():
-                j = int(mt[e])
-                if j >= n or not kp[j]:
-                    raise KernelInputError(f"head {i}: evicted slot {e} merges into evicted/out-of-range slot {j}")
-                sources.setdefault(j, []).append(e)
-            for j, srcs in sources.items():
-                kj, vj = mw[j] * kf[j], mw[j] * vf[j]
-                for e in srcs:
-                    kj = kj + mw[e] * kf[e]
-                    vj = vj + mw[e] * vf[e]
-                k_out[j], v_out[j] = kj, vj
-            k[s0 : s0 + n], v[s0 : s0 + n] = k_out.to(k.dtype), v_out.to(v.dtype)
+            _ref_merge_head(k, v, i, slice(s0, s0 + n), kp, merge_to, merge_w)
         idx = torch.nonzero(kp).flatten() + s0
         kept = idx.numel()
         if kept + n_new > cap:

@@ -202,6 +202,57 @@ def _check(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...
         raise KernelInputError(f"{name} is on {t.device}, expected {device}")
 
 
+def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
+                            length: torch.Tensor, acc: torch.Tensor | None,
+                            ema: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """(B, Hq, d, Hkv) of a decode call, after checking every input's rank, dtype, device, shape and layout (a
+    `KernelInputError` naming the first that is wrong)."""
+    if q.ndim != 3:
+        raise KernelInputError(f"q must be [B, Hq, d], got shape {tuple(q.shape)}")
+    dev = q.device
+    _check("q", q, 3, tuple(_DOT_MODES), dev)
+    _check("k_cache", k_cache, 2, (q.dtype,), dev)
+    _check("v_cache", v_cache, 2, (q.dtype,), dev)
+    _check("start", start, 1, (torch.int32,), dev)
+    _check("length", length, 1, (torch.int32,), dev)
+    bsz, n_q, d = q.shape
+    n_heads = start.numel()
+    if length.numel() != n_heads or n_heads % bsz:
+        raise KernelInputError(f"start/length must have B*Hkv entries (B={bsz}), got {n_heads}/{length.numel()}")
+    n_kv = n_heads // bsz
+    if n_q % n_kv:
+        raise KernelInputError(f"Hq={n_q} is not a multiple of Hkv={n_kv}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[1] != d:
+        raise KernelInputError(f"k_cache/v_cache must be [total_capacity, {d}], got {tuple(k_cache.shape)}")
+    if k_cache.stride(1) != 1 or v_cache.stride(1) != 1 or q.stride(2) != 1:
+        raise KernelInputError("q, k_cache and v_cache need a contiguous last dimension")
+    total = k_cache.shape[0]
+    for name, t in (("acc", acc), ("ema", ema)):
+        if t is not None:
+            _check(name, t, 1, (torch.float32,), dev)
+            if t.numel() != total or not t.is_contiguous():
+                raise KernelInputError(f"{name} must be a contiguous [{total}] float32 tensor")
+    return bsz, n_q, d, n_kv
+
+
+def _split_plan(length: torch.Tensor, max_len: int | None, num_splits: int | None, block_n: int) -> tuple[int, int]:
+    """(split-K chunks, slots per chunk): ``num_splits`` (else `choose_splits`) chunks of a whole number of
+    ``block_n`` tiles covering ``max_len`` slots (read from ``length`` when not given: one device sync), fewer
+    when the last would be empty."""
+    if block_n < 16 or block_n & (block_n - 1):
+        raise KernelInputError(f"block_n must be a power of two >= 16, got {block_n}")
+    if num_splits is not None and num_splits < 1:
+        raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
+    n_heads = length.numel()
+    if max_len is None:
+        max_len = int(length.max().item()) if n_heads else 0
+    max_len = max(int(max_len), 1)
+    if num_splits is None:
+        num_splits = choose_splits(n_heads, max_len, block_n, length.device)
+    chunk = -(-max(-(-max_len // num_splits), 1) // block_n) * block_n
+    return -(-max_len // chunk), chunk
+
+
 def varlen_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -230,34 +281,12 @@ def varlen_decode_attention(
     scratch) is allocated when None and scores are needed; it is returned only when `want_probs`, and without
     it pass 2 reads the logits but does not write probabilities back (statistics only).
     """
-    if q.ndim != 3:
-        raise KernelInputError(f"q must be [B, Hq, d], got shape {tuple(q.shape)}")
+    bsz, n_q, d, n_kv = _check_attention_inputs(q, k_cache, v_cache, start, length, acc, ema)
     dev = q.device
-    dtypes = tuple(_DOT_MODES)
-    _check("q", q, 3, dtypes, dev)
-    _check("k_cache", k_cache, 2, (q.dtype,), dev)
-    _check("v_cache", v_cache, 2, (q.dtype,), dev)
-    _check("start", start, 1, (torch.int32,), dev)
-    _check("length", length, 1, (torch.int32,), dev)
-    bsz, n_q, d = q.shape
     n_heads = start.numel()
-    if length.numel() != n_heads or n_heads % bsz:
-        raise KernelInputError(f"start/length must have B*Hkv entries (B={bsz}), got {n_heads}/{length.numel()}")
-    n_kv = n_heads // bsz
-    if n_q % n_kv:
-        raise KernelInputError(f"Hq={n_q} is not a multiple of Hkv={n_kv}")
-    if k_cache.shape != v_cache.shape or k_cache.shape[1] != d:
-        raise KernelInputError(f"k_cache/v_cache must be [total_capacity, {d}], got {tuple(k_cache.shape)}")
-    if k_cache.stride(1) != 1 or v_cache.stride(1) != 1 or q.stride(2) != 1:
-        raise KernelInputError("q, k_cache and v_cache need a contiguous last dimension")
     g = n_q // n_kv
     total = k_cache.shape[0]
     scores = want_probs or acc is not None or ema is not None
-    for name, t in (("acc", acc), ("ema", ema)):
-        if t is not None:
-            _check(name, t, 1, (torch.float32,), dev)
-            if t.numel() != total or not t.is_contiguous():
-                raise KernelInputError(f"{name} must be a contiguous [{total}] float32 tensor")
     if scores:
         if probs is None:
             probs = torch.empty(total, g, dtype=torch.float32, device=dev)
@@ -266,17 +295,7 @@ def varlen_decode_attention(
             raise KernelInputError(f"probs must be a contiguous [{total}, {g}] float32 tensor")
     if not 0.0 <= ema_gamma <= 1.0:
         raise KernelInputError(f"ema_gamma must be in [0, 1], got {ema_gamma}")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise KernelInputError(f"block_n must be a power of two >= 16, got {block_n}")
-    if num_splits is not None and num_splits < 1:
-        raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
-    if max_len is None:
-        max_len = int(length.max().item()) if n_heads else 0
-    max_len = max(int(max_len), 1)
-    if num_splits is None:
-        num_splits = choose_splits(n_heads, max_len, block_n, dev)
-    chunk = -(-max(-(-max_len // num_splits), 1) // block_n) * block_n
-    num_splits = -(-max_len // chunk)
+    num_splits, chunk = _split_plan(length, max_len, num_splits, block_n)
     scale = (d**-0.5 if softmax_scale is None else float(softmax_scale)) * float(logit_scale)
     block_g = max(16, triton.next_power_of_2(g))
     block_d = max(16, triton.next_power_of_2(d))

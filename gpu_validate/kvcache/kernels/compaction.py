@@ -168,6 +168,70 @@ def _merge_plan(keep: torch.Tensor, merge_to: torch.Tensor, start: torch.Tensor,
     return kept.to(torch.uint8), order, seg_lo, seg_hi, bad.sum()
 
 
+def _check_cache_inputs(k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
+                        capacity: torch.Tensor, positions: torch.Tensor | None, acc: torch.Tensor | None,
+                        ema: torch.Tensor | None) -> tuple[int, int]:
+    """(total slots, head dim) of the cache, after checking its buffers, the per-head ``start/length/capacity``
+    and the per-slot side arrays (a `KernelInputError` naming the first that is wrong)."""
+    dev = k_cache.device
+    total, d = k_cache.shape if k_cache.ndim == 2 else (None, None)
+    if total is None or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise KernelInputError(f"k_cache/v_cache must be equal [total, d] tensors, got {tuple(k_cache.shape)}")
+    if k_cache.stride(1) != 1 or v_cache.stride(1) != 1:
+        raise KernelInputError("k_cache and v_cache need a contiguous last dimension")
+    n_heads = start.numel()
+    for name, t in (("start", start), ("length", length), ("capacity", capacity)):
+        if t.dtype != torch.int32 or t.numel() != n_heads or t.device != dev or not t.is_contiguous():
+            raise KernelInputError(f"{name} must be a contiguous int32 [{n_heads}] tensor on {dev}")
+    for name, t, dt in (("positions", positions, torch.int64), ("acc", acc, torch.float32),
+                        ("ema", ema, torch.float32)):
+        if t is not None and (t.shape != (total,) or t.dtype != dt or t.device != dev or not t.is_contiguous()):
+            raise KernelInputError(f"{name} must be a contiguous {dt} [{total}] tensor on {dev}")
+    return total, d
+
+
+def _check_new_rows(k_cache: torch.Tensor, n_heads: int, k_new: torch.Tensor | None, v_new: torch.Tensor | None,
+                    new_positions: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+    """(rows appended per head, their positions made contiguous) after checking the appended K/V rows."""
+    if k_new is None and v_new is None:
+        return 0, new_positions
+    d = k_cache.shape[1]
+    if k_new is None or v_new is None or k_new.shape != v_new.shape or k_new.ndim != 3 \
+            or k_new.shape[0] != n_heads or k_new.shape[2] != d:
+        raise KernelInputError(f"k_new/v_new must both be [{n_heads}, n_new, {d}]")
+    if k_new.dtype != k_cache.dtype or v_new.dtype != k_cache.dtype or k_new.stride(2) != 1 \
+            or v_new.stride(2) != 1:
+        raise KernelInputError(f"k_new/v_new must be {k_cache.dtype} with a contiguous last dimension")
+    n_new = k_new.shape[1]
+    if new_positions is not None:
+        if new_positions.shape != (n_heads, n_new) or new_positions.dtype != torch.int64:
+            raise KernelInputError(f"new_positions must be int64 [{n_heads}, {n_new}]")
+        new_positions = new_positions.contiguous()
+    return n_new, new_positions
+
+
+def _merge(k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
+           keep: torch.Tensor | None, merge_to: torch.Tensor, merge_w: torch.Tensor | None,
+           slot_owner: torch.Tensor | None, check: bool) -> None:
+    """Step 1 of `varlen_compact`: each kept slot's K/V become the weighted sum of itself and the evicted slots
+    merging into it (`_merge_plan` orders the sources; ``check`` syncs once to refuse a merge into an evicted or
+    out-of-range slot)."""
+    total, d = k_cache.shape
+    if keep is None or merge_w is None or slot_owner is None:
+        raise KernelInputError("merges need keep, merge_to, merge_w and slot_owner")
+    if merge_to.shape != (total,) or merge_w.shape != (total,) or merge_w.dtype != torch.float32:
+        raise KernelInputError(f"merge_to (int) and merge_w (float32) must be [{total}]")
+    active, order, seg_lo, seg_hi, n_bad = _merge_plan(keep, merge_to, start, length, slot_owner)
+    if check and int(n_bad) > 0:
+        raise KernelInputError(f"{int(n_bad)} evicted slots merge into an evicted or out-of-range slot")
+    block_t = 32
+    _merge_kernel[(triton.cdiv(total, block_t),)](
+        k_cache, v_cache, active, merge_w.contiguous(), order, seg_lo, seg_hi, total,
+        k_cache.stride(0), v_cache.stride(0),
+        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_T=block_t,
+    )
+
+
 def varlen_compact(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -199,52 +263,16 @@ def varlen_compact(
     """
     if block_n < 16 or block_n & (block_n - 1):
         raise KernelInputError(f"block_n must be a power of two >= 16, got {block_n}")
-    dev = k_cache.device
-    total, d = k_cache.shape if k_cache.ndim == 2 else (None, None)
-    if total is None or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise KernelInputError(f"k_cache/v_cache must be equal [total, d] tensors, got {tuple(k_cache.shape)}")
-    if k_cache.stride(1) != 1 or v_cache.stride(1) != 1:
-        raise KernelInputError("k_cache and v_cache need a contiguous last dimension")
-    n_heads = start.numel()
-    for name, t in (("start", start), ("length", length), ("capacity", capacity)):
-        if t.dtype != torch.int32 or t.numel() != n_heads or t.device != dev or not t.is_contiguous():
-            raise KernelInputError(f"{name} must be a contiguous int32 [{n_heads}] tensor on {dev}")
-    for name, t, dt in (("positions", positions, torch.int64), ("acc", acc, torch.float32),
-                        ("ema", ema, torch.float32)):
-        if t is not None and (t.shape != (total,) or t.dtype != dt or t.device != dev or not t.is_contiguous()):
-            raise KernelInputError(f"{name} must be a contiguous {dt} [{total}] tensor on {dev}")
+    total, d = _check_cache_inputs(k_cache, v_cache, start, length, capacity, positions, acc, ema)
+    dev, n_heads = k_cache.device, start.numel()
     if keep is not None:
         if keep.shape != (total,) or keep.dtype not in (torch.bool, torch.uint8) or keep.device != dev:
             raise KernelInputError(f"keep must be a bool/uint8 [{total}] tensor on {dev}, got {keep.dtype} "
                                    f"{tuple(keep.shape)}")
         keep = keep.contiguous().view(torch.uint8)
-    n_new = 0
-    if k_new is not None or v_new is not None:
-        if k_new is None or v_new is None or k_new.shape != v_new.shape or k_new.ndim != 3 \
-                or k_new.shape[0] != n_heads or k_new.shape[2] != d:
-            raise KernelInputError(f"k_new/v_new must both be [{n_heads}, n_new, {d}]")
-        if k_new.dtype != k_cache.dtype or v_new.dtype != k_cache.dtype or k_new.stride(2) != 1 \
-                or v_new.stride(2) != 1:
-            raise KernelInputError(f"k_new/v_new must be {k_cache.dtype} with a contiguous last dimension")
-        n_new = k_new.shape[1]
-        if new_positions is not None:
-            if new_positions.shape != (n_heads, n_new) or new_positions.dtype != torch.int64:
-                raise KernelInputError(f"new_positions must be int64 [{n_heads}, {n_new}]")
-            new_positions = new_positions.contiguous()
+    n_new, new_positions = _check_new_rows(k_cache, n_heads, k_new, v_new, new_positions)
     if merge_to is not None:
-        if keep is None or merge_w is None or slot_owner is None:
-            raise KernelInputError("merges need keep, merge_to, merge_w and slot_owner")
-        if merge_to.shape != (total,) or merge_w.shape != (total,) or merge_w.dtype != torch.float32:
-            raise KernelInputError(f"merge_to (int) and merge_w (float32) must be [{total}]")
-        active, order, seg_lo, seg_hi, n_bad = _merge_plan(keep, merge_to, start, length, slot_owner)
-        if check and int(n_bad) > 0:
-            raise KernelInputError(f"{int(n_bad)} evicted slots merge into an evicted or out-of-range slot")
-        block_t = 32
-        _merge_kernel[(triton.cdiv(total, block_t),)](
-            k_cache, v_cache, active, merge_w.contiguous(), order, seg_lo, seg_hi, total,
-            k_cache.stride(0), v_cache.stride(0),
-            HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_T=block_t,
-        )
+        _merge(k_cache, v_cache, start, length, keep, merge_to, merge_w, slot_owner, check)
     status = torch.empty(n_heads, dtype=torch.int32, device=dev)
     if n_heads == 0:
         return status
