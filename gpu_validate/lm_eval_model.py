@@ -38,8 +38,15 @@ from typing import Any
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
+from gpu_validate.closedloop.jobs import BatchJob
+from gpu_validate.closedloop.runner import run_batch
+from gpu_validate.generation import generate
 from gpu_validate.validate_error import ValidateError
+from sim.experiments.specs import parse_policy
+from traces.models import load_model, resolve_model
 
 NAME = "kvsim"
 
@@ -51,9 +58,6 @@ class KVSimLM(HFLM):
     def __init__(self, model: str, policy: str = "full", budget: int | None = None, *, tokenizer: str | None = None,
                  prefill_chunk: int = 1, sliding: str = "keep", backend: str | None = None, device: str = "cpu",
                  dtype: str | None = None, **kwargs: Any) -> None:
-        from sim.experiments.specs import parse_policy
-        from traces.models import load_model
-
         spec = policy.replace(";", ",")
         self.kvsim_policy = parse_policy(spec)
         self.kvsim_spec = spec
@@ -65,8 +69,6 @@ class KVSimLM(HFLM):
             self.kvsim_options["backend"] = backend
         hf_model, tok = load_model(model, device=device, torch_dtype=dtype, progress=False)
         if tokenizer is not None and tokenizer != str(getattr(tok, "name_or_path", "")):
-            from transformers import AutoTokenizer
-
             tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
         super().__init__(pretrained=hf_model, tokenizer=tok, **kwargs)
         self.kvsim_model = model
@@ -76,9 +78,6 @@ class KVSimLM(HFLM):
         """(sum of log-probabilities of the continuation, whether greedy decoding gives it) for each request
         ``((context, continuation), context_enc, continuation_enc)``, the context truncated on the left to
         ``max_length`` as ``hf`` does, scored closed loop over the policy's cache."""
-        from gpu_validate.closedloop.jobs import BatchJob
-        from gpu_validate.closedloop.runner import run_batch
-
         jobs, budget = [], self._budget_for
         for _, context_enc, continuation_enc in requests:
             if not continuation_enc or not context_enc:
@@ -91,8 +90,6 @@ class KVSimLM(HFLM):
                 cont = list(continuation_enc)
             jobs.append(BatchJob(self.kvsim_policy, budget(len(prompt) + len(cont)), prompt, cont,
                                  chunk=self.kvsim_options["prefill_chunk"] or len(prompt)))
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=len(jobs), desc=f"kvsim {self.kvsim_spec} log-likelihoods", disable=disable_tqdm)
         results = run_batch(self.model, jobs, backend=self._backend, sliding=self.kvsim_options["sliding"],
                             max_rows=max(1, int(self.batch_size) if str(self.batch_size).isdigit() else 1),
@@ -114,8 +111,6 @@ class KVSimLM(HFLM):
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
         """``hf``'s generate call (a left-padded batch, up to ``max_length`` tokens in all) through kvsim's cache:
         greedy unless the task asks for sampling; stop sequences are cut by ``generate_until`` as for ``hf``."""
-        from gpu_validate.generation import generate
-
         mask = generation_kwargs.pop("attention_mask", None)
         if mask is None:
             mask = torch.ones_like(context)
@@ -150,8 +145,6 @@ class KVSimLM(HFLM):
 def _with_tokenizer(argv: list[str]) -> list[str]:
     """``argv`` with ``tokenizer=<model folder>`` added to ``--model_args`` of a ``--model kvsim`` run that names a
     kvsim model but no tokenizer (lm-eval's RULER tasks load the tokenizer named in the model arguments)."""
-    from traces.models import resolve_model
-
     args = list(argv)
     if NAME not in [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--model"]:
         return args

@@ -20,15 +20,16 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from gpu_validate.kvcache.backends import HostKVCache, TorchVarlenKVCache, make_cache
-from gpu_validate.kvcache.varlen_cache import layer_views
 from gpu_validate.closedloop.decode_graph import DecodeGraph, GraphCaptureFailed
 from gpu_validate.closedloop.decode_steps import DecodeSteps
 from gpu_validate.closedloop.jobs import BatchJob, RunResult, check_run_args
-from gpu_validate.validate_error import ValidateError
 from gpu_validate.closedloop.prompt_loading import PromptLoading
 from gpu_validate.closedloop.prompt_store import PromptCapture, PromptLayers
+from gpu_validate.kvcache.backends import HostKVCache, TorchVarlenKVCache, make_cache
+from gpu_validate.kvcache.varlen_cache import layer_views
+from gpu_validate.validate_error import ValidateError
 from policies.core.base import Policy, PolicyError, compiled, unit_logit_scale
+from policies.core.registry import get_policy
 from sim.replay.contract import check_allocation, check_scale, raise_on, slot_capacity
 from traces.hf.forward import forward_at
 from traces.hf.geometry import layer_attention, model_shape, output_projection
@@ -367,41 +368,8 @@ class BatchRunner(PromptLoading):
                 raise ValidateError(f"only {len(self.capture.k)} of {self.n_layers} layers called the attention "
                                     "interface; this model is not supported")
             self._layer_attention()
-            caps = []
-            for b, row in enumerate(rows):
-                self._setup_row(row, int(self.prompt_of[b]), n_total)
-                cap = np.stack([slot_capacity(p, b, n_total, self.chunk)
-                                for p, b in zip(row.layer_policy, row.budgets)])
-                caps.append(cap)
-                row.slot_state = [np.zeros((self.n_kv, int(cap[l].max()), row.layer_policy[l].slot_fields))
-                                  for l in range(self.n_layers)]
-                row.head_state = [self._head_state(row, l) for l in range(self.n_layers)]
-                if self.record_kept:
-                    row.kept = np.full((self.n_layers, self.record_kept[1], self.n_kv, int(cap.max())), -1, np.int32)
-            caps_all = np.stack(caps, 1)   # [L, B, Hkv]
-            B = len(rows)
-            self.host = (self._host_cache and self.backend == "torch" and self.device.type == "cpu"
-                         and self.cache_dtype == torch.float32)
-            layer_caps = [caps_all[l].reshape(-1).tolist() for l in range(self.n_layers)]
-            common = dict(n_kv_heads=self.n_kv, n_q_heads=self.n_q, head_dim=self.head_dim, dtype=self.cache_dtype,
-                          device=self.device, track_acc=False)
-            if self.host:
-                self.kv_group = None
-                self.caches = [HostKVCache(batch=B, capacity=layer_caps[l], softmax_scale=self.layer_scale[l],
-                                           **common) for l in range(self.n_layers)]
-            else:                  # every layer's cache a view of one (`layer_views`): one compaction per step
-                self.kv_group = make_cache(self.backend, batch=self.n_layers * B,
-                                           capacity=[c for caps_l in layer_caps for c in caps_l], **common)
-                self.caches = layer_views(self.kv_group, self.n_layers,
-                                          [self.layer_scale[l] for l in range(self.n_layers)])
-            self.slot_index = None if self.host else [c.slot_rows.cpu().numpy() for c in self.caches]
-            self._probs_buf, self._mults_memo = {}, {}
-            unit = compiled(unit_logit_scale)
-            self._scaled_rows = [b for b, row in enumerate(rows) if row.scale_fn is not unit]
-            self.reads_attention = any(row.policy.reads_attention for row in rows)
-            self.layer_reads = [any(row.layer_policy[l].reads_attention for row in rows) for l in range(self.n_layers)]
-            self.steps = DecodeSteps(self, caps_all)
-            self._new_pos = None if self.host else torch.zeros((B, 1), dtype=torch.int64, device=self.device)
+            caps_all = self._setup_rows(n_total)
+            self._make_caches(caps_all)
             self.mode = "decode"
             if not streams:
                 self._prefill(P)
@@ -415,6 +383,50 @@ class BatchRunner(PromptLoading):
                     stop = min(P, t + self.chunk)
                     last = self._forward([row.prompt[t:stop] for row in rows], t, logits=stop == P)
         return last
+
+    def _setup_rows(self, n_total: int) -> np.ndarray:
+        """Each row's policies, budgets and per-slot and per-head state sized for ``n_total`` tokens; returns the
+        slot capacities [layers, rows, KV heads]."""
+        caps = []
+        for b, row in enumerate(self.rows):
+            self._setup_row(row, int(self.prompt_of[b]), n_total)
+            cap = np.stack([slot_capacity(p, b, n_total, self.chunk)
+                            for p, b in zip(row.layer_policy, row.budgets)])
+            caps.append(cap)
+            row.slot_state = [np.zeros((self.n_kv, int(cap[l].max()), row.layer_policy[l].slot_fields))
+                              for l in range(self.n_layers)]
+            row.head_state = [self._head_state(row, l) for l in range(self.n_layers)]
+            if self.record_kept:
+                row.kept = np.full((self.n_layers, self.record_kept[1], self.n_kv, int(cap.max())), -1, np.int32)
+        return np.stack(caps, 1)   # [L, B, Hkv]
+
+    def _make_caches(self, caps_all: np.ndarray) -> None:
+        """The varlen caches of every layer at capacities ``caps_all`` (host arrays for a float32 torch run on the
+        CPU, else one device cache whose layers are views), and the decode steps that drive them."""
+        rows = self.rows
+        B = len(rows)
+        self.host = (self._host_cache and self.backend == "torch" and self.device.type == "cpu"
+                     and self.cache_dtype == torch.float32)
+        layer_caps = [caps_all[l].reshape(-1).tolist() for l in range(self.n_layers)]
+        common = dict(n_kv_heads=self.n_kv, n_q_heads=self.n_q, head_dim=self.head_dim, dtype=self.cache_dtype,
+                      device=self.device, track_acc=False)
+        if self.host:
+            self.kv_group = None
+            self.caches = [HostKVCache(batch=B, capacity=layer_caps[l], softmax_scale=self.layer_scale[l],
+                                       **common) for l in range(self.n_layers)]
+        else:                  # every layer's cache a view of one (`layer_views`): one compaction per step
+            self.kv_group = make_cache(self.backend, batch=self.n_layers * B,
+                                       capacity=[c for caps_l in layer_caps for c in caps_l], **common)
+            self.caches = layer_views(self.kv_group, self.n_layers,
+                                      [self.layer_scale[l] for l in range(self.n_layers)])
+        self.slot_index = None if self.host else [c.slot_rows.cpu().numpy() for c in self.caches]
+        self._probs_buf, self._mults_memo = {}, {}
+        unit = compiled(unit_logit_scale)
+        self._scaled_rows = [b for b, row in enumerate(rows) if row.scale_fn is not unit]
+        self.reads_attention = any(row.policy.reads_attention for row in rows)
+        self.layer_reads = [any(row.layer_policy[l].reads_attention for row in rows) for l in range(self.n_layers)]
+        self.steps = DecodeSteps(self, caps_all)
+        self._new_pos = None if self.host else torch.zeros((B, 1), dtype=torch.int64, device=self.device)
 
     def run(self) -> list[RunResult]:
         """Run every job of the batch; results in job order."""
@@ -466,8 +478,6 @@ class BatchRunner(PromptLoading):
         """A row's per-layer policies, kernels, parameters and budgets: its policy's allocation over the layers
         it compresses (from prompt u's q/k), the model's window (``window`` at window - 1) on a kept sliding
         layer."""
-        from policies.core.registry import get_policy
-
         comp = [l for l in range(self.n_layers) if self.compressed[l]]
         memo = self.prompt_memo
         cache = {} if memo is None else memo.setdefault(("allocate", u, tuple(comp)), {})

@@ -12,6 +12,7 @@ import numpy as np
 from gpu_validate.kvcache.backends import BACKENDS
 from gpu_validate.validate_error import ValidateError
 from policies.core.base import Policy, PolicyError
+from sim.replay.plan import effective_chunk
 
 
 @dataclass
@@ -81,8 +82,6 @@ class BatchJob:
     def prompt_chunk(self) -> int:
         """Prompt tokens per policy step: ``chunk`` for a streamed prompt of a policy that can take several new
         tokens per step, else 1 (as the simulator's ``sim.replay.plan.effective_chunk``)."""
-        from sim.replay.plan import effective_chunk
-
         return effective_chunk(self.policy, self.chunk) if self.streams else 1
 
     @property

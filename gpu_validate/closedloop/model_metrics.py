@@ -9,10 +9,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpu_validate.closedloop.chunked_forward import full_model_logits
-from gpu_validate.closedloop.jobs import RunResult
+from gpu_validate.closedloop.jobs import BatchJob, RunResult
+from gpu_validate.closedloop.runner import CompressedRunner, run_batch
 from gpu_validate.validate_error import ValidateError
-from gpu_validate.closedloop.runner import CompressedRunner
 from policies.core.base import Policy
+from sim.replay.policy_replay import replay
 from traces.hf.geometry import model_shape
 
 
@@ -88,9 +89,6 @@ def passkey_accuracy(model, tokenizer, filler_ids: Sequence[int], policy: Policy
                      chunk: int = 1) -> dict[str, float]:
     """Exact-match retrieval of a random 5-digit key by greedy decoding, per depth (mean over n_keys keys).
     All depth × key prompts run as one batch; ``on_result(label, hit)`` is called per finished prompt."""
-    from gpu_validate.closedloop.jobs import BatchJob
-    from gpu_validate.closedloop.runner import run_batch
-
     rng = np.random.default_rng(seed)
     keys = [str(int(x)) for x in rng.integers(10000, 99999, size=n_keys)]
     cells = [(depth, passkey_prompt(tokenizer, filler_ids, depth, n_context, key)) for depth in depths
@@ -115,8 +113,6 @@ def kept_set_agreement(model, trace, policy: Policy, budget: int, n_steps: int, 
     in the runner (kernel probabilities) and in the simulator (``sim.replay.policy_replay.replay``), over the first n_steps
     decode steps, on the layers the policy compresses; also the mean Jaccard overlap. The trace must come from
     the same model and text."""
-    from sim.replay.policy_replay import replay
-
     meta = trace.meta
     if trace.tokens is None:
         raise ValidateError(f"trace {trace.path} has no tokens.parquet; record it with traces.recorder")

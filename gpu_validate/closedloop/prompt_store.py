@@ -21,9 +21,13 @@ import numpy as np
 import torch
 
 from gpu_validate.validate_error import ValidateError
+from policies.core.base import PolicyError, prompt_memo
 from traces.hf.forward import DEFAULT_CHUNK, forward_in_chunks
+from traces.hf.geometry import output_projection
 from traces.hf.geometry import rope_theta as model_rope_theta
+from traces.hf.reconstruction_pass import plan_for, run_reconstruction
 from traces.hf.routing import model_attention
+from traces.reference import causal_column_sums
 
 #: prompt tokens per model forward when a batch's prompts go through the model with its own attention
 PROMPT_CHUNK = DEFAULT_CHUNK
@@ -139,8 +143,6 @@ class PromptCapture:
         over those queries (causal, and the layer's ``window``), from the captured q/k by
         ``traces.reference.causal_column_sums`` -- the simulator's sums for the same chunk; kept in the prompt memo,
         so the batches of one prompt (prefilled, streamed, each budget tier) compute them once."""
-        from traces.reference import causal_column_sums
-
         memo, key = self.memo, ("column_sums", layer, u, t0, stop)    # every batch of a prompt needs them
         if memo is not None and key in memo:
             return memo[key]
@@ -182,9 +184,6 @@ class PromptLayers(Sequence):
 
     def _reconstruction(self, chunk_size: int) -> tuple:
         """(plan, {layer: (recon_q, recon_k, recon_h)}) of the pass, run once per chunk size."""
-        from policies.core.base import prompt_memo
-        from traces.hf.reconstruction_pass import plan_for, run_reconstruction
-
         c = self.capture
 
         def run() -> tuple:
@@ -197,9 +196,6 @@ class PromptLayers(Sequence):
     def reconstruction_extras(self, j: int, chunk_size: int) -> tuple:
         """What KVzip+ reads beside the pass (``policies.kvzip_plus``): layer j's repeat tokens' hidden-state norms
         [R], the prompt's values [P, Hkv, d] and the layer's W_O [hidden, Hq * d]."""
-        from policies.core.base import PolicyError
-        from traces.hf.geometry import output_projection
-
         c, layer = self.capture, self.layers[j]
         _, arrays = self._reconstruction(chunk_size)
         wo = output_projection(c.model, layer)

@@ -34,11 +34,13 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from gpu_validate.closedloop.batch_runner import BatchRunner
 from gpu_validate.closedloop.jobs import BatchJob, check_run_args
 from gpu_validate.validate_error import ValidateError
 from policies.core.base import Policy
+from sim.experiments.specs import parse_policy
 from traces.hf.geometry import model_shape
 
 UNSUPPORTED = ("beam search, assisted decoding, several sequences per prompt and cache reuse need to copy, "
@@ -106,8 +108,6 @@ class KVSimCache(Cache):
                  cache_dtype: torch.dtype | None = None, open_loop: bool = False,
                  record_kept: tuple[int, int] | None = None, cuda_graphs: bool = True,
                  steps_after_forward: bool = True) -> None:
-        from sim.experiments.specs import parse_policy
-
         self.model = model
         self.policy = parse_policy(policy) if isinstance(policy, str) else policy
         shape = model_shape(model)
@@ -268,7 +268,5 @@ class KVSimCache(Cache):
 def model_output(cache: KVSimCache, logits: torch.Tensor):
     """A forward's output as ``generate`` reads it: the logits [B, 1, V] and the cache, under the name the installed
     transformers gives it."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     name = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
     return CausalLMOutputWithPast(logits=logits[:, None, :], **{name: cache})

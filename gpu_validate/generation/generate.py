@@ -11,6 +11,7 @@ import torch
 from gpu_validate.generation.hooks import kvsim_cache
 from gpu_validate.validate_error import ValidateError
 from policies.core.base import Policy
+from traces.hf.forward import cache_keyword
 
 
 @dataclass
@@ -45,8 +46,6 @@ def generate(model, prompts: Sequence[Sequence[int]], policy: Policy | str, budg
     (None for an unbounded policy: ``full`` is the uncompressed reference). ``temperature`` 0: greedy, else
     sampling at that temperature (``seed`` seeds torch). ``streamer``: transformers' streamer protocol
     (``put(ids)``, ``end()``). Options: `KVSimCache`'s (backend, sliding, prefill_chunk, ...)."""
-    from traces.hf.forward import cache_keyword
-
     prompts = [[int(x) for x in p] for p in prompts]
     if not prompts or min(map(len, prompts)) < 1:
         raise ValidateError("need at least one prompt of at least one token")
