@@ -1,5 +1,6 @@
-"""benchmarks._util: a layer subset of a recorded hybrid trace keeps each layer's attention, and long-trace results
-are named after the trace."""
+"""benchmarks._util: the evaluations' ``--trace/--layers/--real-only`` options give a layer subset of a recorded
+hybrid trace that keeps each layer's attention, and long-trace results are named after the trace. (The subset itself
+is the library's `traces.layer_subset.select_layers`: tests/test_layer_subset.py.)"""
 from __future__ import annotations
 
 import argparse
