@@ -10,11 +10,11 @@ import numpy as np
 
 from gpu_validate.closedloop.chunked_forward import full_model_logits
 from gpu_validate.closedloop.jobs import BatchJob, RunResult
-from gpu_validate.closedloop.runner import CompressedRunner, run_batch
 from gpu_validate.validate_error import ValidateError
+from gpu_validate.closedloop.runner import CompressedRunner, run_batch
 from policies.core.base import Policy
-from sim.replay.policy_replay import replay
 from traces.hf.geometry import model_shape
+from sim.replay.policy_replay import replay
 
 
 def text_metrics(model, ids: Sequence[int], n_prompt: int, policy: Policy, budget: int, *,
