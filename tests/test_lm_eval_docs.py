@@ -48,4 +48,5 @@ def test_a_doc_whose_prompt_ids_cannot_be_mapped_is_refused():
             return ids[:, 1:], None                     # not what the tokenizer gives: offsets unknown
 
     with pytest.raises(ValueError, match="cannot map"):
-        needle_prompt_from_doc(Shifted(tok), {"task": "ruler_vt", "doc": 0, "context": "VAR X = 1", "outputs": ["X"]}, 4096)
+        needle_prompt_from_doc(Shifted(tok), {"task": "ruler_vt", "doc": 0, "context": "VAR X = 1",
+                                              "outputs": ["X"]}, 4096)

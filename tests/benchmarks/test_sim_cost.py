@@ -1,6 +1,6 @@
 """The simulator's cost model (`benchmarks/sim_cost.py`): the model side read from the last GPU check, the
 comparison's arithmetic and its page section. The shortcut its long synthetic traces take (the reference of the
-measured rows only, ``full_attention_reference(start=...)``) is a library test: tests/test_full_attention_reference.py."""
+measured rows only, ``full_attention_reference(start=...)``) is the library's: test_full_attention_reference.py."""
 from __future__ import annotations
 
 import pytest
