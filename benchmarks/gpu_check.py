@@ -13,7 +13,7 @@ after each, so a killed run keeps what finished, and ``--resume`` skips what a p
    bytes held, each run's info (CUDA graph or why not, host seconds of the policy steps).
 2. ``closed_loop``: the closed loop's batching on the Llama-shaped model: 16 prefilled configurations in one batch
    against one alone (decode tokens/s per configuration; goal: 16 rows >= 8x one row's).
-3. ``kernel_tests``: the Triton kernel tests (tests/test_kernels_*.py) compiled on the device (TRITON_INTERPRET=0;
+3. ``kernel_tests``: the Triton kernel tests (`KERNEL_TESTS`) compiled on the device (TRITON_INTERPRET=0;
    hypothesis's ``dev`` profile, 10 examples a property, since every new shape is a new compile).
 4. ``kernel_benchmark``: ``python -m benchmarks.kernels --quick`` (its own JSON, benchmarks/results/kernels.json).
 5. ``recommend``: ``kvsim recommend`` on the shipped tiny model with its closed loop on the GPU (Triton cache) and
@@ -21,8 +21,8 @@ after each, so a killed run keeps what finished, and ``--resume`` skips what a p
 
 It ends with one side-by-side table (kvsim, transformers, SDPA). ``--dry-run`` runs the same steps on the CPU at
 toy sizes (one kernel test file under the Triton interpreter, ``kernels.py --interpret-smoke``, toy-sized configs
-of the same shapes with 64-token prompts) in about two minutes; tests/test_gpu_check.py runs it, so the script
-cannot rot.
+of the same shapes with 64-token prompts) in about two minutes; tests/benchmarks/test_gpu_check.py runs it, so the
+script cannot rot.
 
 Run: python -m benchmarks.gpu_check [--dry-run] [--out PATH] [--steps S ...] [--models M ...] [--dtypes D ...]
 [--resume] (default benchmarks/results/gpu_check.json, or gpu_check_dry_run.json for a dry run)
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 POLICY = "decoding(snapkv, every=8)"
 KERNEL_TESTS = ("tests/test_kernels_attention.py", "tests/test_kernels_cache.py", "tests/test_kernels_compaction.py",
-                "tests/test_kernels_compile.py", "tests/test_kernels_benchmark.py")
+                "tests/test_kernels_compile.py", "tests/benchmarks/test_kernels_benchmark.py")
 #: |logit(triton) - logit(torch)| allowed, as a share of the largest |logit| (bf16 keeps about 3 digits)
 LOGIT_TOLERANCE = 0.05
 #: share of (layer, step, KV head) kept sets that must be equal across the backends

@@ -2,6 +2,7 @@
 so the prepared GPU check cannot rot; without a GPU the real run refuses."""
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -42,6 +43,13 @@ def test_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     assert loop["rows_16"]["rows"] == 16 and loop["ratio_rows_vs_one"] > 0
     assert set(report["goals"]) == set(gpu_check.GOALS)
     assert "transformers" in gpu_check.table(report)
+
+
+def test_the_test_files_it_runs_on_the_device_exist():
+    """The real run's kernel tests are named by path: a moved test file must not silently drop out of it."""
+    root = Path(gpu_check.__file__).resolve().parents[1]
+    missing = [t for t in (*gpu_check.KERNEL_TESTS, *gpu_check.DRY.kernel_tests) if not (root / t).is_file()]
+    assert not missing
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
