@@ -7,8 +7,9 @@ truncation, stop sequences and answer extraction, unchanged) with the model's fo
   policy (its prefill selector, or streamed through its step), then greedy decoding with the policy evicting at every
   step, memory really held in kvsim's varlen cache;
 - log-likelihood tasks (``loglikelihood``, and ``loglikelihood_rolling`` through it) score the continuation after the
-  context was compressed: the closed loop's teacher forcing (`gpu_validate.closedloop.runner.run_batch` with a continuation),
-  each continuation token predicted over the policy's cache as it evicts, so a policy's loss shows in the score.
+  context was compressed: the closed loop's teacher forcing (`gpu_validate.closedloop.runner.run_batch` with a
+  continuation), each continuation token predicted over the policy's cache as it evicts, so a policy's loss shows in the
+  score.
 
 ``policy=full`` is the uncompressed reference and reproduces ``hf``'s numbers (tests/test_lm_eval_model.py).
 

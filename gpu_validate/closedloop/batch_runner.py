@@ -1,16 +1,16 @@
 """`BatchRunner`: many closed-loop configurations decoded as one batch through the model.
 
-The model's attention modules are routed to the runner (`traces.hf.routing`). The prompt runs once with the
-model's own causal attention (`gpu_validate.closedloop.prompt_store`), then enters each row's compressed cache, prefilled or
+The model's attention modules are routed to the runner (`traces.hf.routing`). The prompt runs once with the model's own
+causal attention (`gpu_validate.closedloop.prompt_store`), then enters each row's compressed cache, prefilled or
 streamed (`gpu_validate.closedloop.prompt_loading`). Then every token is fed alone: its k/v are appended to each layer's
-cache and the query attends over the retained slots; after the forward the per-slot probabilities of every layer
-go to the policies' jitted ``step`` -- the very function the simulator replays -- and their keep masks / merges
-are applied, all layers in one host round trip (`gpu_validate.closedloop.decode_steps`). On a GPU the cache is the Triton
+cache and the query attends over the retained slots; after the forward the per-slot probabilities of every layer go to
+the policies' jitted ``step`` -- the very function the simulator replays -- and their keep masks / merges are applied,
+all layers in one host round trip (`gpu_validate.closedloop.decode_steps`). On a GPU the cache is the Triton
 `VarlenKVCache` (every layer a view of one set of buffers, one compaction per step) and the decode forward a CUDA
-graph's replay (`gpu_validate.closedloop.decode_graph`); on the CPU it is `HostKVCache`, padded numpy arrays that the steps
-read as views and compact in place (numba), with torch's attention arithmetic. The module docstring of `gpu_validate.closedloop.runner` tells the semantics (RoPE, logit scaling,
-open loop, hybrid models). What is read of the model and done to it (geometry, each layer's attention, W_O, routing,
-forwards) is the model adapter's, `traces.hf`.
+graph's replay (`gpu_validate.closedloop.decode_graph`); on the CPU it is `HostKVCache`, padded numpy arrays that the
+steps read as views and compact in place (numba), with torch's attention arithmetic. The module docstring of
+`gpu_validate.closedloop.runner` tells the semantics (RoPE, logit scaling, open loop, hybrid models). What is read of
+the model and done to it (geometry, each layer's attention, W_O, routing, forwards) is the model adapter's, `traces.hf`.
 """
 from __future__ import annotations
 
@@ -69,15 +69,15 @@ class _Row:
 class BatchRunner(PromptLoading):
     """Runs many closed-loop configurations as one batch through the model.
 
-    Every batch row is a (policy, budget, prompt) configuration with its own per-head varlen cache: one cache
-    per layer holds all rows (``batch = rows``, capacities per row and KV head; `HostKVCache` on the CPU,
-    `VarlenKVCache` on a device), so attention is one call per layer and the model's weight matmuls are shared by
-    the rows. The policy step runs per row on that row's slice of the layer (all rows of a layer in one jitted
-    call, `gpu_validate.closedloop.host_steps.step_layer`), exactly as a one-row run does, so a batch gives the results of
-    running each configuration alone (tested). Work every row does identically is shared: each
-    distinct prompt goes through the model once, and streamed prompts skip the model until the first eviction
-    in any row (`_fast_forward`). Rows must agree on whether the prompt is streamed, on the prompt length, on
-    the number of predictions and on the prompt chunk (`BatchJob.batch_key`; `run_batch` groups jobs that way).
+    Every batch row is a (policy, budget, prompt) configuration with its own per-head varlen cache: one cache per layer
+    holds all rows (``batch = rows``, capacities per row and KV head; `HostKVCache` on the CPU, `VarlenKVCache` on a
+    device), so attention is one call per layer and the model's weight matmuls are shared by the rows. The policy step
+    runs per row on that row's slice of the layer (all rows of a layer in one jitted call,
+    `gpu_validate.closedloop.host_steps.step_layer`), exactly as a one-row run does, so a batch gives the results of
+    running each configuration alone (tested). Work every row does identically is shared: each distinct prompt goes
+    through the model once, and streamed prompts skip the model until the first eviction in any row (`_fast_forward`).
+    Rows must agree on whether the prompt is streamed, on the prompt length, on the number of predictions and on the
+    prompt chunk (`BatchJob.batch_key`; `run_batch` groups jobs that way).
 
     Chunked prefill (``BatchJob.chunk``): a streamed prompt goes C tokens per model forward; in every layer each
     of the C tokens is appended and attends over the cache (a sliding layer's window masking its older
@@ -117,8 +117,8 @@ class BatchRunner(PromptLoading):
         self._wo_cache: dict[int, np.ndarray] = {}
         self.prompt_memo = prompt_memo
         #: True: every layer's policy step runs after the model's forward (one host round trip per decode step,
-        #: `gpu_validate.closedloop.decode_steps`); False: each layer's right after its attention (the path before, kept to
-        #: show the two agree and to time them side by side)
+        #: `gpu_validate.closedloop.decode_steps`); False: each layer's right after its attention (the path before, kept
+        #: to show the two agree and to time them side by side)
         self.steps_after_forward = steps_after_forward
         self.cuda_graphs = cuda_graphs
         self._pending: dict[int, np.ndarray | None] = {}
@@ -274,8 +274,9 @@ class BatchRunner(PromptLoading):
         return out
 
     def decode_logits(self, ids: torch.Tensor, t: int) -> torch.Tensor:
-        """One decode step of every row: token ids [B, 1] at position t through the model (a CUDA graph's replay
-        where one serves, `gpu_validate.closedloop.decode_graph`), then every layer's policy steps; the logits [B, V] float32."""
+        """One decode step of every row: token ids [B, 1] at position t through the model (a CUDA graph's replay where
+        one serves, `gpu_validate.closedloop.decode_graph`), then every layer's policy steps; the logits [B, V]
+        float32."""
         self.t = t
         if self.graph is None:
             self.graph = DecodeGraph(lambda i, p: forward_at(self.model, i, p), self._graph_reason())

@@ -1,13 +1,13 @@
 """`DecodeGraph`: a runner's decode forward (one token per row) replayed as a CUDA graph.
 
-A decode step of a small batch is bound by launches, not by the GPU: every layer's projections, RoPE, append,
-split-K attention and MLP are a few dozen kernels, each launched from Python. Nothing in that forward depends on the
-host any more -- the policies step after it (`gpu_validate.closedloop.decode_steps`), capacities are checked on the host's
-mirror, the caches are allocated at capacity and every kernel's grid depends on capacities only -- so it is
-captured once and replayed: the token ids and positions go into static tensors, the graph runs, the logits come out
-of a static tensor (cloned, since the next replay overwrites it). What the host does inside the forward per layer
-(append a slot to the mirror, mark the layer's step due) runs in `BatchRunner.graph_bookkeeping` before each
-replay, since a replay runs no Python.
+A decode step of a small batch is bound by launches, not by the GPU: every layer's projections, RoPE, append, split-K
+attention and MLP are a few dozen kernels, each launched from Python. Nothing in that forward depends on the host any
+more -- the policies step after it (`gpu_validate.closedloop.decode_steps`), capacities are checked on the host's
+mirror, the caches are allocated at capacity and every kernel's grid depends on capacities only -- so it is captured
+once and replayed: the token ids and positions go into static tensors, the graph runs, the logits come out of a static
+tensor (cloned, since the next replay overwrites it). What the host does inside the forward per layer (append a slot to
+the mirror, mark the layer's step due) runs in `BatchRunner.graph_bookkeeping` before each replay, since a replay runs
+no Python.
 
 The first ``WARMUP`` decode steps run eagerly (Triton compiles its kernels, cuBLAS creates its handles: neither may
 happen during a capture); the next is captured and replayed at once. Where a graph cannot serve -- not CUDA, an open

@@ -1,18 +1,18 @@
 """`DecodeSteps`: the host side of the closed loop's policy steps, all layers of a decode step in one round trip.
 
 A decode step's policy decisions in layer l apply from the next step on (the step's own attention in layer l was
-computed before them, and no other layer reads layer l's cache), so nothing in the model's forward waits for
-them: the runner's routed attention only appends and attends, and after the forward `DecodeSteps.step` runs the
-policies of every layer at once. On a device cache that is one round trip per decode step instead of two
-synchronisations per layer: one device-to-host copy of what the steps read (each reading layer's probabilities,
-and its keys / values only where some row's policy reads them, ``Policy.reads_keys`` / ``reads_values``), every
-layer's steps on the host (`gpu_validate.closedloop.host_steps.step_layer`: one jitted call per layer for all its rows,
-layers on threads), one host-to-device copy of the flat keep / merge decisions and one compaction of the model's
-whole cache (`gpu_validate.kvcache.varlen_cache.layer_views`: every layer's cache is a view of one set of buffers). The host keeps
-a mirror of each device layer's lengths and positions, exact because it applies the same decisions, so it never
-reads them back and checks capacities itself (a device append needs no status read either). On the CPU's host
-cache the steps compact the cache in place, as before; only the timing changed (after the forward instead of
-inside each layer's attention), which the results do not see (tested: identical tokens, losses and kept sets).
+computed before them, and no other layer reads layer l's cache), so nothing in the model's forward waits for them: the
+runner's routed attention only appends and attends, and after the forward `DecodeSteps.step` runs the policies of every
+layer at once. On a device cache that is one round trip per decode step instead of two synchronisations per layer: one
+device-to-host copy of what the steps read (each reading layer's probabilities, and its keys / values only where some
+row's policy reads them, ``Policy.reads_keys`` / ``reads_values``), every layer's steps on the host
+(`gpu_validate.closedloop.host_steps.step_layer`: one jitted call per layer for all its rows, layers on threads), one
+host-to-device copy of the flat keep / merge decisions and one compaction of the model's whole cache
+(`gpu_validate.kvcache.varlen_cache.layer_views`: every layer's cache is a view of one set of buffers). The host keeps a
+mirror of each device layer's lengths and positions, exact because it applies the same decisions, so it never reads them
+back and checks capacities itself (a device append needs no status read either). On the CPU's host cache the steps
+compact the cache in place, as before; only the timing changed (after the forward instead of inside each layer's
+attention), which the results do not see (tested: identical tokens, losses and kept sets).
 """
 from __future__ import annotations
 
@@ -105,8 +105,8 @@ def _list(items: Sequence[Any], item_type: Any = None):
 
 
 class DecodeSteps:
-    """Every row's policy steps of a `gpu_validate.closedloop.batch_runner.BatchRunner` (module docstring): built once the
-    rows' policies, budgets, states and caches are set up; `step` runs the steps of some layers at one step."""
+    """Every row's policy steps of a `gpu_validate.closedloop.batch_runner.BatchRunner` (module docstring): built once
+    the rows' policies, budgets, states and caches are set up; `step` runs the steps of some layers at one step."""
 
     def __init__(self, runner: Any, caps: np.ndarray) -> None:
         self.runner = r = runner

@@ -1,16 +1,16 @@
 """The jitted host-side work of the closed loop's policy steps (numba, no Python per row, slot or head).
 
 The closed-loop runner (`gpu_validate.closedloop.batch_runner`) steps each row's policy on numpy arrays, exactly as the
-simulator does. `step_layer` runs every row of one layer in one call: each row's policy ``step`` (a first-class
-function of ``STEP_SIG`` in a typed list, so one compiled loop serves every mix of policies) on views of the
-layer's padded host arrays when the row is as wide as the layer, else on contiguous copies of its width
-(`row_prep`); then `row_post` checks the step against the contract (``sim.replay.contract``), applies the layer's window
-and compacts the row: the CPU's host cache in place (keys and values too, merges included), or the host's mirror
-of a device cache (positions, lengths, slot state), with the keep / merge decisions written out for the device's
-compaction. `unflatten` lays a device cache's flat per-slot rows out padded per head, `flatten_masks` gathers the
-padded decisions back into a device cache's flat layout, and `map_prompt_probs` spreads a prompt chunk's summed
-attention over every row's cached slots (the fast-forward, `gpu_validate.closedloop.prompt_loading`). Kept jitted and apart
-from the runner so that a step costs no interpreter time per row or slot.
+simulator does. `step_layer` runs every row of one layer in one call: each row's policy ``step`` (a first-class function
+of ``STEP_SIG`` in a typed list, so one compiled loop serves every mix of policies) on views of the layer's padded host
+arrays when the row is as wide as the layer, else on contiguous copies of its width (`row_prep`); then `row_post` checks
+the step against the contract (``sim.replay.contract``), applies the layer's window and compacts the row: the CPU's host
+cache in place (keys and values too, merges included), or the host's mirror of a device cache (positions, lengths, slot
+state), with the keep / merge decisions written out for the device's compaction. `unflatten` lays a device cache's flat
+per-slot rows out padded per head, `flatten_masks` gathers the padded decisions back into a device cache's flat layout,
+and `map_prompt_probs` spreads a prompt chunk's summed attention over every row's cached slots (the fast-forward,
+`gpu_validate.closedloop.prompt_loading`). Kept jitted and apart from the runner so that a step costs no interpreter
+time per row or slot.
 """
 from __future__ import annotations
 
@@ -183,8 +183,8 @@ def row_post(t, budget, head_adaptive, bounded, window, compressed, ln, keep, me
 def step_layer(steps, params, budgets, states, heads, adaptive, bounded, views, scratch, decisions, b0, b1, layer, t,
                n_new, window, compressed, read_k, read_v, kv_in_place, emit, lengths, probs, flat_probs, start, keys,
                values, pos, keep_all, mt_all, mw_all, info, out):
-    """The policy steps of rows b0 .. b1-1 on one layer: row b's ``steps[b]`` with ``params[b]``, ``budgets[b]``, slot state
-    ``states[b]`` and head state ``heads[b]``, on views of rows b*Hkv.. of the layer's padded host arrays when
+    """The policy steps of rows b0 .. b1-1 on one layer: row b's ``steps[b]`` with ``params[b]``, ``budgets[b]``, slot
+    state ``states[b]`` and head state ``heads[b]``, on views of rows b*Hkv.. of the layer's padded host arrays when
     ``views[b]``, else on its own scratch (``scratch[b]``: lengths, probs, keys, values, positions of its width,
     filled by `row_prep`, which copies keys / values only where the row's policy reads them, ``read_k[b]`` /
     ``read_v[b]``, and reads the probabilities from the flat ``flat_probs`` where ``start`` is not empty), with its

@@ -69,7 +69,8 @@ def full_cache_bytes(res: RunResult, model, n_prompt: int) -> float:
     return float((seen * shape.n_layers * shape.n_kv_heads * 2 * shape.head_dim * elem).mean())
 
 
-def passkey_prompt(tokenizer, filler_ids: Sequence[int], depth: float, n_context: int, key: str) -> tuple[list[int], list[int]]:
+def passkey_prompt(tokenizer, filler_ids: Sequence[int], depth: float, n_context: int,
+                   key: str) -> tuple[list[int], list[int]]:
     """(prompt ids, answer ids): a pass-key sentence hidden at relative ``depth`` of ~n_context filler tokens,
     then the question; the answer is the key's tokens."""
     needle = tokenizer.encode(f" The pass key is {key}. Remember it. The pass key is {key}. ")
@@ -109,10 +110,10 @@ def passkey_accuracy(model, tokenizer, filler_ids: Sequence[int], policy: Policy
 
 def kept_set_agreement(model, trace, policy: Policy, budget: int, n_steps: int, *,
                        backend: str = "torch", sliding: str = "keep", chunk: int = 1) -> dict[str, Any]:
-    """Open loop on the trace's own tokens: share of (layer, KV head, step) whose kept position sets are equal
-    in the runner (kernel probabilities) and in the simulator (``sim.replay.policy_replay.replay``), over the first n_steps
-    decode steps, on the layers the policy compresses; also the mean Jaccard overlap. The trace must come from
-    the same model and text."""
+    """Open loop on the trace's own tokens: share of (layer, KV head, step) whose kept position sets are equal in the
+    runner (kernel probabilities) and in the simulator (``sim.replay.policy_replay.replay``), over the first n_steps
+    decode steps, on the layers the policy compresses; also the mean Jaccard overlap. The trace must come from the same
+    model and text."""
     meta = trace.meta
     if trace.tokens is None:
         raise ValidateError(f"trace {trace.path} has no tokens.parquet; record it with traces.recorder")

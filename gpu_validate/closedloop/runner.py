@@ -1,15 +1,14 @@
 """Closed-loop runner: an HF decoder model whose attention runs over a policy-compressed varlen KV cache.
 
 The model's attention modules are routed (transformers' AttentionInterface, the same mechanism the recorder uses:
-`traces.hf.routing`) to this runner.
-The prompt runs once with the model's own causal attention, in chunks; of its q/k/v each layer keeps, at the
-model's dtype and preallocated, only what the runs read (q on the layers the policies compress, for their allocator
-and prefill selector; a kept sliding layer's k/v over its last window, unless a streamed prompt needs them all:
-`gpu_validate.closedloop.prompt_store`): on Gemma-3 18 KB per prompt token (its 3 global layers), not every layer's fp32 q/k/v
-twice over (parts, then concatenated). Then every token is fed alone: its k/v are appended to each layer's cache,
-the query attends over the retained slots, the per-slot probabilities go to the policy's jitted ``step`` -- the
-very function the simulator replays -- and its keep mask / merges are applied. On a GPU the cache is the Triton
-`VarlenKVCache` (compaction kernel); on the CPU it is `HostKVCache`, padded numpy arrays that the steps read as
+`traces.hf.routing`) to this runner. The prompt runs once with the model's own causal attention, in chunks; of its q/k/v
+each layer keeps, at the model's dtype and preallocated, only what the runs read (q on the layers the policies compress,
+for their allocator and prefill selector; a kept sliding layer's k/v over its last window, unless a streamed prompt
+needs them all: `gpu_validate.closedloop.prompt_store`): on Gemma-3 18 KB per prompt token (its 3 global layers), not
+every layer's fp32 q/k/v twice over (parts, then concatenated). Then every token is fed alone: its k/v are appended to
+each layer's cache, the query attends over the retained slots, the per-slot probabilities go to the policy's jitted
+``step`` -- the very function the simulator replays -- and its keep mask / merges are applied. On a GPU the cache is the
+Triton `VarlenKVCache` (compaction kernel); on the CPU it is `HostKVCache`, padded numpy arrays that the steps read as
 views and compact in place (numba), with torch's attention arithmetic. Policies without a prefill selector get the
 prompt streamed token by token through the compressed cache, exactly as the replay engine does.
 
@@ -29,13 +28,14 @@ with ``sliding="compress"`` the policy runs on the sliding layers too, under the
 (``sim.replay.contract.apply_window``). Parameters that come from the layer (expected attention's RoPE base) are read
 from the model's config per layer.
 
-This module holds the entry points: `run_batch` (jobs grouped into batches) and `CompressedRunner` (one
-configuration). Under them: `gpu_validate.closedloop.batch_runner` (the batched decode loop), `gpu_validate.closedloop.prompt_store`
+This module holds the entry points: `run_batch` (jobs grouped into batches) and `CompressedRunner` (one configuration).
+Under them: `gpu_validate.closedloop.batch_runner` (the batched decode loop), `gpu_validate.closedloop.prompt_store`
 (the prompt forward and its captures), `gpu_validate.closedloop.prompt_loading` (prefill and fast-forward),
-`gpu_validate.closedloop.host_steps` (the jitted per-row work around a policy step), `gpu_validate.closedloop.chunked_forward` (the
-full-cache reference logits) and `gpu_validate.closedloop.jobs` (jobs, results, argument checks, `ValidateError`). Everything
-read of or done to the transformers model -- its geometry, each layer's attention, W_O, attention routing, chunked
-and positioned forwards -- is the model adapter's, `traces.hf` (shared with the recorder).
+`gpu_validate.closedloop.host_steps` (the jitted per-row work around a policy step),
+`gpu_validate.closedloop.chunked_forward` (the full-cache reference logits) and `gpu_validate.closedloop.jobs` (jobs,
+results, argument checks, `ValidateError`). Everything read of or done to the transformers model -- its geometry, each
+layer's attention, W_O, attention routing, chunked and positioned forwards -- is the model adapter's, `traces.hf`
+(shared with the recorder).
 """
 from __future__ import annotations
 

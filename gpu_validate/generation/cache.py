@@ -18,13 +18,13 @@ and whose routed attention serves every decode step. Greedy decoding through ``g
 runner's closed loop token for token, and the `full` policy the model's own ``generate``. Backends as the runner:
 the torch one on the CPU, the Triton `VarlenKVCache` on CUDA.
 
-A batch of prompts of different lengths (``generate``'s left padding): each row's prompt is unpadded, rows of one
-length share a runner (one batch of its caches, as ``run_batch``) and a decode step's attention call is split
-among the runners by row, one slice per runner and layer (never per head). Each row is its run alone.
-`gpu_validate.generation.hooks` sends the prompt call here instead of to the model. With one runner (every prompt of one length) a decode step is
-the runner's own (`BatchRunner.decode_logits`: the forward as a CUDA graph's replay where one serves, then every
-layer's policy step in one host round trip); with several, ``generate``'s forward over all rows, each runner's
-policy steps after it.
+A batch of prompts of different lengths (``generate``'s left padding): each row's prompt is unpadded, rows of one length
+share a runner (one batch of its caches, as ``run_batch``) and a decode step's attention call is split among the runners
+by row, one slice per runner and layer (never per head). Each row is its run alone. `gpu_validate.generation.hooks`
+sends the prompt call here instead of to the model. With one runner (every prompt of one length) a decode step is the
+runner's own (`BatchRunner.decode_logits`: the forward as a CUDA graph's replay where one serves, then every layer's
+policy step in one host round trip); with several, ``generate``'s forward over all rows, each runner's policy steps
+after it.
 """
 from __future__ import annotations
 

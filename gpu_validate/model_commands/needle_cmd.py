@@ -39,7 +39,8 @@ def _tasks(text: str) -> dict[str, int | None]:
 
 #: the experiment's defaults (`gpu_validate.studies.needle.experiment` imports nothing heavy at its top)
 DEFAULTS = NeedleSpec()
-#: kept in step with `gpu_validate.studies.needle.scores.FIT_OBJECTIVES` (not imported here: the command's module loads light)
+#: kept in step with `gpu_validate.studies.needle.scores.FIT_OBJECTIVES` (not imported here: the command's module
+#: loads light)
 FIT_OBJECTIVES = ("balanced_accuracy", "agreement")
 
 
@@ -62,10 +63,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--depths", type=_floats, default=DEFAULTS.depths, help="needle depths in [0, 1]")
     p.add_argument("--seeds", type=int_list, default=DEFAULTS.seeds, help="seeds (>= 1): key and filler window")
     p.add_argument("--tasks", type=_tasks, default=DEFAULTS.tasks,
-                   help="comma-separated retrieval tasks (RULER-style, gpu_validate/studies/needle/tasks.py): passkey (one pass "
-                        "key), single (one 'special magic number', RULER's wording), multikey (four word->number "
-                        "lines, one asked), multivalue (one word, three numbers, all asked), vartrack (a one-hop chain "
-                        "of variable assignments, the last one's value asked); NAME:MAXLEN runs a task only at the "
+                   help="comma-separated retrieval tasks (RULER-style, gpu_validate/studies/needle/tasks.py): "
+                        "passkey (one pass key), single (one 'special magic number', RULER's wording), multikey "
+                        "(four word->number lines, one asked), multivalue (one word, three numbers, all asked), "
+                        "vartrack (a one-hop chain of variable assignments, the last one's value asked); NAME:MAXLEN "
+                        "runs a task only at the "
                         "--lengths up to MAXLEN (one the model fails at shorter lengths need not spend the longest "
                         "prompts)")
     p.add_argument("--repeats", type=positive_int, default=DEFAULTS.repeats,
@@ -81,8 +83,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", default=DEFAULTS.store, help="Parquet results store (resumable)")
     add_out_option(p, "kvsim-out/needle.json", "summary JSON (the PNG and the HTML page go beside it), relative to the "
                    "working directory")
-    p.add_argument("--predict", action="store_true", help="also the simulator's prediction (records one trace per prompt, once: "
-                        "the features are stored in --sim-store)")
+    p.add_argument("--predict", action="store_true",
+                   help="also the simulator's prediction (records one trace per prompt, once: the features are stored "
+                        "in --sim-store)")
     p.add_argument("--train-seeds", type=int_list, default=None,
                    help="seeds the prediction threshold is fitted on (none: the first half of --seeds)")
     p.add_argument("--fit-objective", choices=FIT_OBJECTIVES, default=DEFAULTS.fit_objective,

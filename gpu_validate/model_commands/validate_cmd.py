@@ -50,7 +50,8 @@ def load_model_and_ids(args: argparse.Namespace):
     ids = tok(text, verbose=False)["input_ids"]
     need = args.prompt + args.decode
     if len(ids) < need:
-        raise ValueError(f"the text has {len(ids)} tokens; --prompt {args.prompt} + --decode {args.decode} needs {need}")
+        raise ValueError(f"the text has {len(ids)} tokens; --prompt {args.prompt} + --decode {args.decode} needs "
+                         f"{need}")
     return model, tok, ids, device, backend
 
 

@@ -1,8 +1,8 @@
 """``kvsim export --kvpress``: a policy spec out as the NVIDIA kvpress press that keeps the same tokens.
 
-The press comes from the policy's own declaration (``Policy.kvpress_press``, ``policies/core/kvpress_press.py``), checked
-by ``benchmarks/kvpress_parity.py`` inside kvpress; a policy kvpress cannot express is refused with the reason (exit
-status 2). Needs neither kvpress nor a model: it prints Python to run where kvpress is installed.
+The press comes from the policy's own declaration (``Policy.kvpress_press``, ``policies/core/kvpress_press.py``),
+checked by ``benchmarks/kvpress_parity.py`` inside kvpress; a policy kvpress cannot express is refused with the reason
+(exit status 2). Needs neither kvpress nor a model: it prints Python to run where kvpress is installed.
 """
 from __future__ import annotations
 

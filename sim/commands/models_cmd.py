@@ -29,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     for col in ("name", "model", "parameters", "size", "source", "licence", "cached"):
         table.add_column(col, overflow="fold")
     for e in MODELS.values():
-        cached = "shipped" if e.shipped else (f"yes: {model_folder(e)}" if is_cached(e) else "no (fetched on first use)")
+        cached = ("shipped" if e.shipped
+                  else f"yes: {model_folder(e)}" if is_cached(e) else "no (fetched on first use)")
         table.add_row(e.name + (" (default)" if e.name == DEFAULT_MODEL else ""), e.title, e.params, e.size,
                       e.source, e.licence, cached)
     Console(width=160).print(table)

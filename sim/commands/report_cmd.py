@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("results", type=Path, help="results store directory (from kvsim sweep / search / demo)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: RESULTS/../report)")
     p.add_argument("--metric", default="err_mean",
-                   help="summary column to rank by (sim.replay.metrics: err_mean, err_p95, mass_mean, kl_mean, err_gap, ...)")
+                   help="summary column to rank by (sim.replay.metrics: err_mean, err_p95, mass_mean, kl_mean, "
+                        "err_gap, ...)")
     p.add_argument("--occupancy", metavar="TRACE", default=None,
                    help="trace directory or synthetic:KIND for occupancy maps")
     g = p.add_argument_group("occupancy maps (--occupancy)")

@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
                      progress=not args.quiet)
     title = "Pareto front (loss vs KV bytes)" if args.pareto else f"best of {args.trials} trials"
     Console(width=140).print(f"[bold]{args.policy}: {title}, objective {args.objective}[/bold]")
-    Console(width=140).print(res.pareto.drop(columns=["trial"]).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    pareto = res.pareto.drop(columns=["trial"])
+    Console(width=140).print(pareto.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     if args.plot:
         print(f"plot: {plot_search(res.trials, res.pareto, args.plot, args.objective)}")
     return 0

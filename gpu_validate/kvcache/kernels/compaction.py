@@ -1,10 +1,10 @@
 """Triton in-place compaction of a per-head variable-length KV cache: keep masks, D2O-style merges, appends.
 
-Semantics are exactly those of `gpu_validate.kvcache.kernel_reference.ref_compact` (read its docstring): per head, an evicted
-slot e with `merge_to[e] = j` (local index of a kept slot of the same head) is merged into j as
-`x_j <- merge_w[j] * x_j + sum_e merge_w[e] * x_e` (fp32, sources in slot order, rounded once; `merge_w[j]`
-is ignored when j receives no source), then kept slots move to the front of the head's region in order
-(with positions, acc, ema), then the new tokens are appended.
+Semantics are exactly those of `gpu_validate.kvcache.kernel_reference.ref_compact` (read its docstring): per head, an
+evicted slot e with `merge_to[e] = j` (local index of a kept slot of the same head) is merged into j as
+`x_j <- merge_w[j] * x_j + sum_e merge_w[e] * x_e` (fp32, sources in slot order, rounded once; `merge_w[j]` is ignored
+when j receives no source), then kept slots move to the front of the head's region in order (with positions, acc, ema),
+then the new tokens are appended.
 
 Two launches:
   * `_merge_kernel` (only when merges are given), grid over tiles of slots: the sources of each target come
