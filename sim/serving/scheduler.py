@@ -116,7 +116,11 @@ def simulate(workload: Workload, tables: MemoryTables, cost: CostModel, config: 
 
 
 class _Server:
-    """State of one run; ``schedule`` is the simpy process."""
+    """State of one run; ``schedule`` is the simpy process.
+
+    The running batch is the first ``count`` entries of ``n`` (tokens cached), ``rem`` (tokens still to emit) and
+    ``rid`` (request index), in admission order; ``waiting`` is the FCFS queue and ``ptr`` the first arrival not yet
+    seen; ``emitted`` counts the tokens each request emitted, kept current for queued requests only."""
 
     def __init__(self, w: Workload, tables: MemoryTables, cost: CostModel, cfg: SchedulerConfig,
                  progress: Callable[[int], None] | None) -> None:
@@ -141,118 +145,150 @@ class _Server:
         self.events = 0
         self.samples: list[tuple[float, int]] = []
         self.clock = 0.0
+        # the scheduler's working state (Python lists: read one item at a time)
+        self.arrival, self.prompt, self.output = w.arrival.tolist(), w.prompt.tolist(), w.output.tolist()
+        self._feasible, self._next_feasible = self.feasible.tolist(), self.next_feasible.tolist()
+        B = cfg.max_batch
+        self.n = np.zeros(B, dtype=np.int64)
+        self.rem = np.zeros(B, dtype=np.int64)
+        self.rid = np.zeros(B, dtype=np.int64)
+        self.fin_buf = np.zeros(B, dtype=np.int64)
+        self.count = 0
+        self.waiting: deque[int] = deque()
+        self.emitted = [0] * n
+        self.ptr = 0
+        self.reported = 0
+        self.report_every = max(1, n // 200)
 
     def schedule(self, env: simpy.Environment):
         """The GPU's iteration loop (see the module docstring); yields one timeout per event."""
-        w, t, cfg = self.w, self.t, self.cfg
-        arrival, prompt, output = w.arrival.tolist(), w.prompt.tolist(), w.output.tolist()
-        feasible, next_feasible = self.feasible.tolist(), self.next_feasible.tolist()
-        held, read, peak = t.held, t.read, t.peak
-        N, B = len(w), cfg.max_batch
-        n = np.zeros(B, dtype=np.int64)
-        rem = np.zeros(B, dtype=np.int64)
-        rid = np.zeros(B, dtype=np.int64)
-        fin_buf = np.zeros(B, dtype=np.int64)
-        emitted = [0] * N            # tokens emitted, kept current for queued requests only
-        admitted_at, first_token, finish = self.admitted, self.first_token, self.finish
-        count = 0
-        ptr = 0
-        waiting: deque[int] = deque()
-        clock = 0.0
-        report_every = max(1, N // 200)
-        last_report = 0
-        fixed_s, spb = self.cost.decode_fixed_s, self.cost.kv_seconds_per_byte
-        pool, admit_limit = self.pool, self.admit_limit
+        N = len(self.w)
         while True:
-            while ptr < N and arrival[ptr] <= clock:
-                if feasible[ptr]:
-                    waiting.append(ptr)
-                else:
-                    self.done += 1
-                ptr += 1
-            if self.progress is not None and self.done - last_report >= report_every:
-                self.progress(self.done - last_report)
-                last_report = self.done
-            if count == 0 and not waiting:
-                if ptr >= N:
+            self._take_arrivals()
+            if self.progress is not None and self.done - self.reported >= self.report_every:
+                self._report_progress()
+            if self.count == 0 and not self.waiting:
+                if self.ptr >= N:
                     break
-                clock = arrival[ptr]
-                self.events += 1
-                yield env.timeout(max(0.0, clock - env.now))
+                yield self._advance(env, self.arrival[self.ptr])   # idle until the next arrival
                 continue
-            mem_now = int(held_bytes(held, n, count))
-            admitted: list[int] = []
-            contexts: list[int] = []
-            extra = 0
-            tokens = 0
-            while waiting and count + len(admitted) < B:
-                r = waiting[0]
-                c = prompt[r] + emitted[r]
-                need = int(peak[c])
-                if mem_now + extra + need > admit_limit or (admitted and tokens + c > cfg.max_batched_tokens):
-                    break
-                waiting.popleft()
-                admitted.append(r)
-                contexts.append(c)
-                extra += need
-                tokens += c
-            if admitted:
-                dur = self.cost.prefill_time(contexts)
-                self.stats[0] += (mem_now + extra) * dur
-                self.stats[1] += (count + len(admitted)) * dur
-                self.stats[2] = max(self.stats[2], mem_now + extra)
-                self.stats[5] = max(self.stats[5], count + len(admitted))
-                self.prefills += 1
-                start = clock
-                clock += dur
-                self.events += 1
-                yield env.timeout(max(0.0, clock - env.now))
-                for r, c in zip(admitted, contexts):
-                    if emitted[r] == 0:
-                        admitted_at[r] = start
-                        first_token[r] = clock
-                    emitted[r] += 1
-                    if emitted[r] >= output[r]:
-                        finish[r] = clock
-                        self.done += 1
-                        self.finished += 1
-                    else:
-                        n[count], rem[count], rid[count] = c, output[r] - emitted[r], r
-                        count += 1
+            mem_now = int(held_bytes(self.t.held, self.n, self.count))
+            joining, contexts, extra = self._admissions(mem_now)
+            if joining:
+                yield from self._prefill(env, joining, contexts, mem_now + extra)
                 continue
-            if count == 0:
+            if self.count == 0:
                 raise AssertionError("queue head cannot be admitted into an empty server despite feasibility")
-            head_time, head_need, room = np.inf, 0, count < B
-            if waiting:
-                h = waiting[0]
-                head_time, head_need = -np.inf, int(peak[prompt[h] + emitted[h]])
-            elif ptr < N and next_feasible[ptr] < N:
-                h = next_feasible[ptr]
-                head_time, head_need = arrival[h], int(peak[prompt[h]])
-            k, new_clock, n_fin = decode_window(n, rem, rid, count, held, read, clock, fixed_s, spb, pool, admit_limit,
-                                                cfg.aggregate_steps, head_time, head_need, room, self.stats, fin_buf)
+            k, new_clock, n_fin = self._decode_window()
             if k == 0:
-                need_next = held[n[:count] + 1]
-                total = int(need_next.sum())
-                while total > pool:
-                    count -= 1
-                    total -= int(need_next[count])
-                    r = int(rid[count])
-                    emitted[r] = output[r] - int(rem[count])
-                    self.preemptions[r] += 1
-                    waiting.appendleft(r)
+                self._preempt()
                 continue
-            clock = new_clock
-            self.events += 1
-            yield env.timeout(max(0.0, clock - env.now))
+            yield self._advance(env, new_clock)
             if n_fin:
-                finish[fin_buf[:n_fin]] = clock
+                self.finish[self.fin_buf[:n_fin]] = self.clock
                 self.done += n_fin
                 self.finished += n_fin
-                count -= n_fin
+                self.count -= n_fin
+        if self.progress is not None and self.done > self.reported:
+            self._report_progress()
+
+    def _advance(self, env: simpy.Environment, clock: float) -> simpy.Timeout:
+        """The event that moves the server's clock to ``clock`` (one event of the run)."""
         self.clock = clock
-        if self.progress is not None and self.done > last_report:
-            self.progress(self.done - last_report)
+        self.events += 1
+        return env.timeout(max(0.0, clock - env.now))
+
+    def _report_progress(self) -> None:
+        self.progress(self.done - self.reported)
+        self.reported = self.done
+
+    def _take_arrivals(self) -> None:
+        """Queue the requests that arrived by now; a request that could never fit the pool alone is rejected (done)."""
+        arrival, feasible, N = self.arrival, self._feasible, len(self.arrival)
+        while self.ptr < N and arrival[self.ptr] <= self.clock:
+            if feasible[self.ptr]:
+                self.waiting.append(self.ptr)
+            else:
+                self.done += 1
+            self.ptr += 1
+
+    def _admissions(self, mem_now: int) -> tuple[list[int], list[int], int]:
+        """Take queue-head requests while the batch has room, their prefill peaks fit under the admission limit
+        beside the ``mem_now`` bytes held, and the iteration's prompt tokens stay within ``max_batched_tokens`` (one
+        request always may go). Returns their indices, their contexts (prompt plus tokens emitted before a
+        preemption) and their summed prefill peaks."""
+        waiting, B, max_tokens = self.waiting, self.cfg.max_batch, self.cfg.max_batched_tokens
+        admitted: list[int] = []
+        contexts: list[int] = []
+        extra = 0
+        tokens = 0
+        while waiting and self.count + len(admitted) < B:
+            r = waiting[0]
+            c = self.prompt[r] + self.emitted[r]
+            need = int(self.t.peak[c])
+            if mem_now + extra + need > self.admit_limit or (admitted and tokens + c > max_tokens):
+                break
+            waiting.popleft()
+            admitted.append(r)
+            contexts.append(c)
+            extra += need
+            tokens += c
+        return admitted, contexts, extra
+
+    def _prefill(self, env: simpy.Environment, joining: list[int], contexts: list[int], mem: int):
+        """One prefill iteration of the requests ``joining`` the batch (``mem`` bytes held at its peak): each emits
+        its next token at its end; the unfinished join the batch."""
+        dur = self.cost.prefill_time(contexts)
+        batch = self.count + len(joining)
+        self.stats[0] += mem * dur
+        self.stats[1] += batch * dur
+        self.stats[2] = max(self.stats[2], mem)
+        self.stats[5] = max(self.stats[5], batch)
+        self.prefills += 1
+        start = self.clock
+        yield self._advance(env, start + dur)
+        clock, emitted, output = self.clock, self.emitted, self.output
+        for r, c in zip(joining, contexts):
+            if emitted[r] == 0:
+                self.admitted[r] = start
+                self.first_token[r] = clock
+            emitted[r] += 1
+            if emitted[r] >= output[r]:
+                self.finish[r] = clock
+                self.done += 1
+                self.finished += 1
+            else:
+                j = self.count
+                self.n[j], self.rem[j], self.rid[j] = c, output[r] - emitted[r], r
+                self.count += 1
+
+    def _decode_window(self) -> tuple[int, float, int]:
+        """Run the batch's decode iterations until its composition would change (``decode_window``), knowing when
+        the next request to admit is there: the queue head now, or the next admissible arrival."""
+        head_time, head_need, room = np.inf, 0, self.count < self.cfg.max_batch
+        peak, prompt = self.t.peak, self.prompt
+        if self.waiting:
+            h = self.waiting[0]
+            head_time, head_need = -np.inf, int(peak[prompt[h] + self.emitted[h]])
+        elif self.ptr < len(self.arrival) and self._next_feasible[self.ptr] < len(self.arrival):
+            h = self._next_feasible[self.ptr]
+            head_time, head_need = self.arrival[h], int(peak[prompt[h]])
+        return decode_window(self.n, self.rem, self.rid, self.count, self.t.held, self.t.read, self.clock,
+                             self.cost.decode_fixed_s, self.cost.kv_seconds_per_byte, self.pool, self.admit_limit,
+                             self.cfg.aggregate_steps, head_time, head_need, room, self.stats, self.fin_buf)
+
+    def _preempt(self) -> None:
+        """Before a decode iteration that would not fit the pool: preempt the most recently admitted requests until
+        it fits (recompute mode: their KV is dropped, they return to the queue head with the tokens they emitted)."""
+        need_next = self.t.held[self.n[:self.count] + 1]
+        total = int(need_next.sum())
+        while total > self.pool:
+            self.count -= 1
+            total -= int(need_next[self.count])
+            r = int(self.rid[self.count])
+            self.emitted[r] = self.output[r] - int(self.rem[self.count])
+            self.preemptions[r] += 1
+            self.waiting.appendleft(r)
 
     def sample(self, env: simpy.Environment, dt: float):
         """Every ``dt`` record the number of requests in the system (arrived, not rejected, not finished)."""
