@@ -245,14 +245,14 @@ def _cache_prompt(pkeep, pst, k, v, window, budget, head_adaptive, bounded, cap,
     return check_kept(clen, budget, head_adaptive, bounded, -1, info)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _chunk_end(t_first, P, chunk):
     """The step after the policy step that starts at ``t_first``: a streamed prompt goes in chunks of ``chunk``
     tokens (the last one ends at the prompt's end); every decode step is one token."""
     return min(P, t_first + chunk) if t_first < P else t_first + 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _append(t, h, k, v, cap, ck, cv, cpos, dirty, cst, clen, info):
     """Append token t's key and value to KV head h's cache as a fresh slot (clean, zero slot state). Returns
     OVER_CAPACITY (with the step, head and slots needed in ``info``) when the head's buffer is full."""
@@ -272,7 +272,7 @@ def _append(t, h, k, v, cap, ck, cv, cpos, dirty, cst, clen, info):
     return OK
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _add_chunk_attention(probs, acc, h, g_n, n, cpos, t, window):
     """Add query t's attention over head h's n slots to the chunk's sum ``acc``; on a sliding layer the slots its
     window has left behind (older chunk-mates still see them) are masked out first."""
@@ -283,7 +283,7 @@ def _add_chunk_attention(probs, acc, h, g_n, n, cpos, t, window):
             acc[h, g, i] += probs[h, g, i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _store_metrics(metrics, row, metric_row, h, g_n):
     """Copy the measured metrics of KV head h's G query heads into the output row of their step."""
     for g in range(g_n):
@@ -293,13 +293,13 @@ def _store_metrics(metrics, row, metric_row, h, g_n):
 
 
 @njit(cache=True, nogil=True)
-def _evict(t, cfg, clen, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, info):
+def _evict(t, budget, head_adaptive, bounded, window, clen, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, info):
     """Carry out the policy step's decisions at step t: check them (``check_step``), evict what left a sliding
     window, fold the merges and compact every head. Returns the contract status."""
-    status = check_step(clen, keep, merge_to, cfg.budget, cfg.head_adaptive, cfg.bounded, t, info)
+    status = check_step(clen, keep, merge_to, budget, head_adaptive, bounded, t, info)
     if status != OK:
         return status
-    apply_window(clen, keep, merge_to, cpos, t, cfg.window)
+    apply_window(clen, keep, merge_to, cpos, t, window)
     for h in range(clen.shape[0]):
         n = clen[h]
         _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, dirty)
@@ -308,18 +308,17 @@ def _evict(t, cfg, clen, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, info
 
 
 @njit(cache=True, nogil=True)
-def _record(t, cfg, clen, cpos, out):
-    """Write what step t left in the caches: the slots held per head (measured steps) and, for the steps of
-    ``cfg.rec_start`` on that ``out.kept`` has room for, the kept positions."""
-    P = cfg.metric_start
+def _record(t, P, rec_start, clen, cpos, slots, kept):
+    """Write what step t left in the caches: the slots held per head (measured steps, from ``P`` on) and, for the
+    steps of ``rec_start`` on that ``kept`` has room for, the kept positions."""
     if t >= P:
         for h in range(clen.shape[0]):
-            out.slots[t - P, h] = clen[h]
-    r = t - cfg.rec_start
-    if 0 <= r < out.kept.shape[0]:
+            slots[t - P, h] = clen[h]
+    r = t - rec_start
+    if 0 <= r < kept.shape[0]:
         for h in range(clen.shape[0]):
             for i in range(clen[h]):
-                out.kept[r, h, i] = cpos[h, i]
+                kept[r, h, i] = cpos[h, i]
 
 
 @njit(cache=True, nogil=True)
@@ -394,10 +393,11 @@ def replay_layer(kernels, cfg, data, out):
              merge_w)
         if chunked:
             acc[:] = 0.0
-        status = _evict(t, cfg, clen, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, info)
+        status = _evict(t, budget, cfg.head_adaptive, cfg.bounded, cfg.window, clen, keep, merge_to, merge_w, ck, cv,
+                        cpos, dirty, cst, info)
         if status != OK:
             return status
-        _record(t, cfg, clen, cpos, out)
+        _record(t, P, cfg.rec_start, clen, cpos, out.slots, out.kept)
     return OK
 
 
