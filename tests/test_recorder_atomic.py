@@ -15,7 +15,7 @@ from traces.format import TraceError, load_trace
 SCRIPT = textwrap.dedent("""
     import sys, time, torch
     torch.set_num_threads(1)
-    import traces.capture as C, traces.format as F
+    import traces.capture as C, traces.format.trace_writer as W
     from transformers import LlamaConfig, LlamaForCausalLM
     from traces.recorder import record_trace
     out, stage, overwrite = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
                 time.sleep(60)
             return r
         return wrapped
-    F._atomic_save_npy = announce("write", F._atomic_save_npy)
+    W.atomic_save_npy = announce("write", W.atomic_save_npy)
     C.Capture.add = announce("decode", C.Capture.add)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -6,10 +6,14 @@ The recorder (`traces.recorder`) checks every layer with `layer_faithfulness` be
 """
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from traces.capture import Capture, capturing
+from traces.hf.forward import forward_in_chunks
 from traces.reference import full_attention_reference
 
 
@@ -60,13 +64,7 @@ def verify_trace_against_model(trace, model, *, tol: float | None = None) -> lis
     Independent of the recording run: the model's attention outputs are captured afresh and compared with
     attention recomputed from the q/k/v stored on disk. Raises UnfaithfulTraceError when any layer fails.
     """
-    import tempfile
-    from pathlib import Path
-
     import torch
-
-    from traces.capture import Capture, capturing
-    from traces.hf.forward import forward_in_chunks
 
     tokens = trace.tokens
     if tokens is None:

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
 
 from traces.capture import Capture, CaptureError, capturing
 from traces.faithful import LayerFaithfulness, assert_faithful, default_tolerance, layer_faithfulness
@@ -143,7 +145,6 @@ def _run_model(model, ids: list[int], *, n_prompt: int, total: int, teacher_forc
     top-1 (NaN / -1 at position 0, and at every prompt position without ``prompt_scores``) and the chunk used.
     The LM head runs only on the rows whose predictions are read (and each chunk's last, for the next token)."""
     import torch
-    from tqdm.auto import tqdm
 
     fwd = CachedForward(model)
     chunk = max(1, int(chunk or DEFAULT_CHUNK))
@@ -204,8 +205,6 @@ def _describe(model, cap: Capture, shape, layer_ids: tuple[int, ...], kv: tuple[
               fed: list[int], nll: list[float], top1: list[int], *, n_prompt: int, dtype: str, model_id: str | None,
               source: dict | None, teacher_forced: bool, single_pass: bool, chunk: int, tokenizer: Any):
     """The trace's metadata (each layer's attention as its calls ran it) and its tokens table."""
-    import pandas as pd
-
     total = len(fed)
     scales = {round(cap.scaling[layer], 12) for layer in layer_ids if layer in cap.scaling}
     if len(scales) > 1:
@@ -253,8 +252,6 @@ def _check_and_write(model, cap: Capture, meta: TraceMeta, tokens: Any, out_dir:
     """One layer at a time: its reference (windowed on a sliding layer), its faithfulness (a failure discards the
     whole trace), then its files (with the layer's reconstruction-pass arrays from ``recon``); nothing but the
     current layer's captured arrays is held in memory."""
-    from tqdm.auto import tqdm
-
     d = meta.model.head_dim
     cols = np.concatenate([np.arange(h * d, (h + 1) * d) for h in cap.q_heads])
     faith: list[LayerFaithfulness] = []

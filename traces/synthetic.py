@@ -81,16 +81,10 @@ def _recall_targets(kind: str, T: int, rng: np.random.Generator, recall_every: i
     return tgt
 
 
-def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: int = 4, n_kv_heads: int = 2,
-                         head_dim: int = 32, n_tokens: int = 512, n_prompt: int = 64, seed: int = 0,
-                         n_sinks: int = 4, zipf_alpha: float = 1.1, recall_every: int = 16, recall_window: int = 32,
-                         segment: int = 128, passkey_pos: int | None = None, n_needle_queries: int = 16,
-                         local_length: float = 4.0, dtype: str = "float32",
-                         windows: Sequence[int | None] | None = None, reference_from: int = 0) -> InMemoryTrace:
-    """Generate a synthetic trace with a known attention structure (see module docstring). ``windows`` makes a
-    hybrid model: per layer None (global) or a sliding window, whose windowed attention is the reference.
-    ``reference_from``: the full-attention reference (lse, o) only from that row on, zeros before (what a replay
-    reads is the measured rows': a long trace's cost measurement skips the quadratic rest)."""
+def _checked_windows(kind: str, n_layers: int, n_q_heads: int, n_kv_heads: int, head_dim: int, n_tokens: int,
+                     n_prompt: int, windows: Sequence[int | None] | None) -> list[int | None]:
+    """``make_synthetic_trace``'s arguments checked (a ValueError naming the bad one); returns the per-layer windows
+    (None: global)."""
     if kind not in KINDS:
         raise ValueError(f"unknown synthetic kind {kind!r}; choose from {KINDS}")
     if head_dim < _MIN_HEAD_DIM:
@@ -102,6 +96,20 @@ def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: i
     windows = [None] * n_layers if windows is None else list(windows)
     if len(windows) != n_layers:
         raise ValueError(f"windows has {len(windows)} entries for {n_layers} layers")
+    return windows
+
+
+def make_synthetic_trace(kind: str = "mixed", *, n_layers: int = 2, n_q_heads: int = 4, n_kv_heads: int = 2,
+                         head_dim: int = 32, n_tokens: int = 512, n_prompt: int = 64, seed: int = 0,
+                         n_sinks: int = 4, zipf_alpha: float = 1.1, recall_every: int = 16, recall_window: int = 32,
+                         segment: int = 128, passkey_pos: int | None = None, n_needle_queries: int = 16,
+                         local_length: float = 4.0, dtype: str = "float32",
+                         windows: Sequence[int | None] | None = None, reference_from: int = 0) -> InMemoryTrace:
+    """Generate a synthetic trace with a known attention structure (see module docstring). ``windows`` makes a
+    hybrid model: per layer None (global) or a sliding window, whose windowed attention is the reference.
+    ``reference_from``: the full-attention reference (lse, o) only from that row on, zeros before (what a replay
+    reads is the measured rows': a long trace's cost measurement skips the quadratic rest)."""
+    windows = _checked_windows(kind, n_layers, n_q_heads, n_kv_heads, head_dim, n_tokens, n_prompt, windows)
     T, d, G = n_tokens, head_dim, n_q_heads // n_kv_heads
     scale = d ** -0.5
     rng = np.random.default_rng(seed)

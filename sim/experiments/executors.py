@@ -12,16 +12,19 @@ identical to the unsplit run.
 from __future__ import annotations
 
 import time
+import warnings
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from policies import Policy, get_policy
+from sim.experiments.specs import open_trace, trace_id, trace_name
+from sim.replay.layer_groups import LayerGroup, layer_groups, merge_layer_groups
+from sim.replay.layer_inputs import layer_inputs
+from sim.replay.plan import check_chunk, effective_chunk
+from sim.replay.policy_replay import replay_budgets
+from sim.replay.result import ReplayResult
 from sim.replay.threads import ThreadPlan, available_cores, limit_threads, plan_threads, thread_env
-
-if TYPE_CHECKING:
-    from sim.replay.layer_groups import LayerGroup
-    from sim.replay.result import ReplayResult
 
 _TRACE_CACHE: dict[tuple, Any] = {}
 
@@ -43,9 +46,6 @@ class TraceRef:
     chunk: int = 1
 
     def open(self):
-        from sim.replay.layer_inputs import layer_inputs
-        from sim.experiments.specs import open_trace
-
         key = (self.spec, self.n_tokens, self.n_prompt, self.n_layers, self.seed, self.verify)
         if key not in _TRACE_CACHE:
             _TRACE_CACHE.clear()             # one trace per worker at a time bounds memory
@@ -77,9 +77,6 @@ class Job:
 def replay_job(job: Job) -> tuple[list[ReplayResult], float]:
     """Replay a job's configuration (its layer group only, when it has one): one result per budget, in order,
     and the seconds the replay took."""
-    from sim.replay.policy_replay import replay_budgets
-    from sim.replay.plan import effective_chunk
-
     trace, inputs = job.trace.open()
     policy = job.make_policy()
     t0 = time.perf_counter()
@@ -91,9 +88,6 @@ def replay_job(job: Job) -> tuple[list[ReplayResult], float]:
 def job_rows(job: Job, results: Sequence[ReplayResult], seconds: float) -> list[dict[str, Any]]:
     """The job's result rows, one per budget: each result's summary plus what identifies the configuration, and
     ``elapsed_s``, the replay's seconds per budget (summed over the layer groups of a split configuration)."""
-    from sim.replay.plan import effective_chunk
-    from sim.experiments.specs import trace_id, trace_name
-
     trace, _ = job.trace.open()
     policy = job.make_policy()
     chunk = effective_chunk(policy, job.trace.chunk)
@@ -121,8 +115,6 @@ def run_group(job: Job) -> tuple[Job, list[ReplayResult], float]:
 def split_job(job: Job, n_groups: int) -> list[Job]:
     """``job`` as ``n_groups`` jobs of consecutive layers (``sim.replay.layer_groups.layer_groups``): the allocation over all
     its layers is computed here, once, and each job carries its group's rows of it."""
-    from sim.replay.layer_groups import layer_groups
-
     trace, inputs = job.trace.open()
     groups = layer_groups(trace, job.make_policy(), job.budgets, n_groups, inputs=inputs, sliding=job.trace.sliding)
     return [replace(job, group=g) for g in groups]
@@ -130,8 +122,6 @@ def split_job(job: Job, n_groups: int) -> list[Job]:
 
 def _init_worker(threads: int) -> None:
     """A worker process (or the in-process executor) starts by capping its thread pools at its share."""
-    import warnings
-
     limit_threads(threads)
     warnings.filterwarnings("ignore", message="First-class function type feature is experimental")
 
@@ -189,8 +179,6 @@ class Executor:
         """Run each job's configuration as ``n_groups`` jobs of consecutive layers (``split_job``, all split
         here before any runs, so a bad ``n_groups`` fails at once) and yield (job, its results in budget order,
         the replay seconds summed over its groups) as soon as the job's last group is back."""
-        from sim.replay.layer_groups import merge_layer_groups
-
         groups = {job: split_job(job, n_groups) for job in jobs}
         parts: dict[Job, list[list[ReplayResult]]] = {job: [] for job in jobs}
         seconds = dict.fromkeys(jobs, 0.0)
@@ -272,8 +260,6 @@ def replay_split(ref: TraceRef, policy: Policy, budget: int, n_groups: int, *, w
     """``sim.replay.policy_replay.replay`` of one configuration with its layers run as ``n_groups`` jobs on an ``Executor``
     (at most ``n_groups`` local workers, or Ray): the same result. It refuses a prompt chunk the policy cannot
     take, as ``replay`` does (a sweep instead runs such a policy token by token)."""
-    from sim.replay.plan import check_chunk
-
     check_chunk(policy, ref.chunk)
     job = Job(ref, policy.name, tuple(sorted(policy.params.items())), (int(budget),), ("",))   # "": no store
     with Executor(workers=min(workers, n_groups), ray_address=ray_address, threads=threads) as ex:

@@ -9,12 +9,13 @@ from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 
 from policies import Param, get_policy, policy_class
 from sim.experiments.executors import Executor, Job, TraceRef, coalesce
 from sim.replay.metrics import OBJECTIVES, metric
 from sim.replay.plan import effective_chunk
-from sim.experiments.specs import trace_id
+from sim.experiments.specs import parse_policy, policy_parts, trace_id
 from sim.experiments.store import ResultStore, config_key
 
 def row_loss(row: dict[str, Any], objective: str, layer_weights: Sequence[float] | None = None,
@@ -58,8 +59,6 @@ def split_search_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``NAME``, ``NAME:param=value,...`` or a wrapper such as ``ada(knorm:n_sink=2)`` -> (registry name, the
     parameters held fixed during the search). The same spec grammar as everywhere; values are validated by the
     policy's schema (a combinator's schema holds its scorer's parameters and its own)."""
-    from sim.experiments.specs import parse_policy, policy_parts
-
     base = parse_policy(spec)              # validates name and values
     name, given = policy_parts(spec)
     return name, {k: base.params[k] for k in given}
@@ -83,8 +82,7 @@ def run_search(trace: TraceRef, policy: str, budgets: Sequence[int], store: Resu
     Trials are asked in batches of ``workers`` and run on one executor kept alive for the whole search, so
     its worker processes stay warm (``threads`` per worker: see ``sim.experiments.executors.Executor``).
     """
-    import optuna
-    from tqdm.auto import tqdm
+    import optuna   # deferred: 0.3 s to import, and only the search itself needs it
 
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; choose from {OBJECTIVES}")

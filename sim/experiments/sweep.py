@@ -11,6 +11,8 @@ from tqdm.auto import tqdm
 from policies import Policy, PolicyError, get_policy, list_policies
 from sim.experiments.executors import Job, TraceRef, consume, execute
 from sim.replay.metrics import METRICS
+from sim.replay.plan import effective_chunk
+from sim.replay.policy_replay import strategy_of
 from sim.experiments.specs import parse_policy, split_policy_list, trace_id
 from sim.experiments.store import ResultStore, config_key
 from traces.format import Trace
@@ -97,9 +99,6 @@ def plan(traces: Sequence[TraceRef], policies: Sequence[Policy], budgets: Sequen
     trace for all its budgets, the others one job per budget. A trace that cannot serve a policy
     (``cannot_serve``) is an error, unless the policy's label is in ``optional`` (``implicit_labels``: named only
     through ``all``): then that pair is skipped with a notice on stderr."""
-    from sim.replay.policy_replay import strategy_of
-    from sim.replay.plan import effective_chunk
-
     jobs: list[Job] = []
     for ref in traces:
         trace, _ = ref.open()

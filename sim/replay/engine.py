@@ -216,6 +216,112 @@ def _mask_before(probs, h, g_n, n, cpos, oldest):
 
 
 @njit(cache=True, nogil=True)
+def _cache_prompt(pkeep, pst, k, v, window, budget, head_adaptive, bounded, cap, ck, cv, cpos, cst, clen, info):
+    """Load the prompt tokens the prefill kernel kept (``pkeep`` [Hkv, P], their slot state ``pst``) into the
+    per-head caches, in position order; on a sliding layer only the last ``window - 1`` prompt tokens stay (the
+    first decode query sees them). Returns OVER_CAPACITY when a head leaves no free slot for the first decode token,
+    else ``check_kept``'s status."""
+    hkv, P = pkeep.shape
+    if window > 0:
+        for h in range(hkv):
+            for i in range(min(P, P - window + 1)):
+                pkeep[h, i] = 0
+    for h in range(hkv):
+        n = 0
+        for i in range(P):
+            if pkeep[h, i] != 0:
+                if n >= cap - 1:     # the first decode token needs a free slot
+                    info[0] = -1
+                    info[1] = h
+                    info[2] = n + 1
+                    return OVER_CAPACITY
+                ck[h, n] = k[i, h]
+                cv[h, n] = v[i, h]
+                cpos[h, n] = i
+                for f in range(pst.shape[2]):
+                    cst[h, n, f] = pst[h, i, f]
+                n += 1
+        clen[h] = n
+    return check_kept(clen, budget, head_adaptive, bounded, -1, info)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _chunk_end(t_first, P, chunk):
+    """The step after the policy step that starts at ``t_first``: a streamed prompt goes in chunks of ``chunk``
+    tokens (the last one ends at the prompt's end); every decode step is one token."""
+    return min(P, t_first + chunk) if t_first < P else t_first + 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _append(t, h, k, v, cap, ck, cv, cpos, dirty, cst, clen, info):
+    """Append token t's key and value to KV head h's cache as a fresh slot (clean, zero slot state). Returns
+    OVER_CAPACITY (with the step, head and slots needed in ``info``) when the head's buffer is full."""
+    s = clen[h]
+    if s >= cap:
+        info[0] = t
+        info[1] = h
+        info[2] = s + 1
+        return OVER_CAPACITY
+    ck[h, s] = k[t, h]
+    cv[h, s] = v[t, h]
+    cpos[h, s] = t
+    dirty[h, s] = 0
+    for f in range(cst.shape[2]):
+        cst[h, s, f] = 0.0
+    clen[h] = s + 1
+    return OK
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _add_chunk_attention(probs, acc, h, g_n, n, cpos, t, window):
+    """Add query t's attention over head h's n slots to the chunk's sum ``acc``; on a sliding layer the slots its
+    window has left behind (older chunk-mates still see them) are masked out first."""
+    if window > 0:
+        _mask_before(probs, h, g_n, n, cpos, t - window)
+    for g in range(g_n):
+        for i in range(n):
+            acc[h, g, i] += probs[h, g, i]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _store_metrics(metrics, row, metric_row, h, g_n):
+    """Copy the measured metrics of KV head h's G query heads into the output row of their step."""
+    for g in range(g_n):
+        hq = h * g_n + g
+        for m in range(N_METRICS):
+            metrics[row, hq, m] = metric_row[hq, m]
+
+
+@njit(cache=True, nogil=True)
+def _evict(t, budget, head_adaptive, bounded, window, clen, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, info):
+    """Carry out the policy step's decisions at step t: check them (``check_step``), evict what left a sliding
+    window, fold the merges and compact every head. Returns the contract status."""
+    status = check_step(clen, keep, merge_to, budget, head_adaptive, bounded, t, info)
+    if status != OK:
+        return status
+    apply_window(clen, keep, merge_to, cpos, t, window)
+    for h in range(clen.shape[0]):
+        n = clen[h]
+        _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, dirty)
+        clen[h] = _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst)
+    return OK
+
+
+@njit(cache=True, nogil=True)
+def _record(t, P, rec_start, clen, cpos, slots, kept):
+    """Write what step t left in the caches: the slots held per head (measured steps, from ``P`` on) and, for the
+    steps of ``rec_start`` on that ``kept`` has room for, the kept positions."""
+    if t >= P:
+        for h in range(clen.shape[0]):
+            slots[t - P, h] = clen[h]
+    r = t - rec_start
+    if 0 <= r < kept.shape[0]:
+        for h in range(clen.shape[0]):
+            for i in range(clen[h]):
+                kept[r, h, i] = cpos[h, i]
+
+
+@njit(cache=True, nogil=True)
 def replay_layer(kernels, cfg, data, out):
     """Replay one layer of a trace. Returns a status code of ``sim.replay.contract`` (OK, or the failed check, with
     its (step, head, value) in ``out.info``).
@@ -223,6 +329,10 @@ def replay_layer(kernels, cfg, data, out):
     kernels: the policy's ((step,), (prefill,), (logit_scale,)), each in a 1-tuple so that numba types it as a
     first-class function of its fixed signature (one compiled engine for every policy); cfg: EngineConfig;
     data: LayerData; out: EngineOutputs. Metrics are written for steps t >= cfg.metric_start.
+
+    A policy with a prefill selector compresses the prompt first (``_cache_prompt``); then every policy step
+    appends its tokens (a streamed prompt's chunk, or one decode token), attends and measures them, and lets the
+    policy's ``step`` decide what to evict or merge (``_evict``).
     """
     step = kernels[0][0]
     prefill = kernels[1][0]
@@ -245,39 +355,17 @@ def replay_layer(kernels, cfg, data, out):
             pkeep = np.ones((hkv, P), np.uint8)
             pst = np.zeros((hkv, P, cfg.n_slot_fields), np.float64)
             prefill(params, cfg.layer, budget, q[:P], k[:P], v[:P], cfg.scale, pkeep, pst, hst)
-            if cfg.window > 0:
-                for h in range(hkv):
-                    for i in range(min(P, P - cfg.window + 1)):
-                        pkeep[h, i] = 0
-            for h in range(hkv):
-                n = 0
-                for i in range(P):
-                    if pkeep[h, i] != 0:
-                        if n >= cap - 1:     # the first decode token needs a free slot
-                            info[0] = -1
-                            info[1] = h
-                            info[2] = n + 1
-                            return OVER_CAPACITY
-                        ck[h, n] = k[i, h]
-                        cv[h, n] = v[i, h]
-                        cpos[h, n] = i
-                        for f in range(cfg.n_slot_fields):
-                            cst[h, n, f] = pst[h, i, f]
-                        n += 1
-                clen[h] = n
-            status = check_kept(clen, budget, cfg.head_adaptive, cfg.bounded, -1, info)
+            status = _cache_prompt(pkeep, pst, k, v, cfg.window, budget, cfg.head_adaptive, cfg.bounded, cap, ck, cv,
+                                   cpos, cst, clen, info)
             if status != OK:
                 return status
         t0 = P
 
-    n_rec = out.kept.shape[0]
     acc = np.zeros((hkv, g_n, cap), np.float64) if cfg.chunk > 1 else probs   # a chunk's summed attention
     t_next = t0
     while t_next < T:
         t_first = t_next
-        # a streamed prompt goes in chunks of cfg.chunk tokens (the last one ends at the prompt's end); every
-        # decode step is one token
-        t_next = min(P, t_first + cfg.chunk) if t_first < P else t_first + 1
+        t_next = _chunk_end(t_first, P, cfg.chunk)
         chunked = t_next - t_first > 1
         given = chunked and t_first == 0 and t_next == P and data.prompt_acc.shape[2] == P
         for t in range(t_first, t_next):
@@ -287,34 +375,17 @@ def replay_layer(kernels, cfg, data, out):
                 return status
             want = t >= P
             for h in range(hkv):
-                s = clen[h]
-                if s >= cap:
-                    info[0] = t
-                    info[1] = h
-                    info[2] = s + 1
-                    return OVER_CAPACITY
-                ck[h, s] = k[t, h]
-                cv[h, s] = v[t, h]
-                cpos[h, s] = t
-                dirty[h, s] = 0
-                for f in range(cfg.n_slot_fields):
-                    cst[h, s, f] = 0.0
-                clen[h] = s + 1
+                status = _append(t, h, k, v, cap, ck, cv, cpos, dirty, cst, clen, info)
+                if status != OK:
+                    return status
                 if want or (cfg.reads_attention and not given):
-                    _attend_and_measure(t, h, g_n, s + 1, q, k, lse, o, vmax1, cfg.scale, mult, ck, cv, cpos, dirty,
+                    _attend_and_measure(t, h, g_n, clen[h], q, k, lse, o, vmax1, cfg.scale, mult, ck, cv, cpos, dirty,
                                         probs, metric_row, want, dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv,
                                         lse_caches)
                     if chunked:                  # query t over the slots it sees, summed over the chunk
-                        if cfg.window > 0:           # a sliding layer: older chunk-mates' window has moved on
-                            _mask_before(probs, h, g_n, s + 1, cpos, t - cfg.window)
-                        for g in range(g_n):
-                            for i in range(s + 1):
-                                acc[h, g, i] += probs[h, g, i]
+                        _add_chunk_attention(probs, acc, h, g_n, clen[h], cpos, t, cfg.window)
                 if want:
-                    for g in range(g_n):
-                        hq = h * g_n + g
-                        for m in range(N_METRICS):
-                            out.metrics[t - P, hq, m] = metric_row[hq, m]
+                    _store_metrics(out.metrics, t - P, metric_row, h, g_n)
         t = t_next - 1
         if given:
             acc[:, :, :P] = data.prompt_acc
@@ -322,22 +393,11 @@ def replay_layer(kernels, cfg, data, out):
              merge_w)
         if chunked:
             acc[:] = 0.0
-        status = check_step(clen, keep, merge_to, budget, cfg.head_adaptive, cfg.bounded, t, info)
+        status = _evict(t, budget, cfg.head_adaptive, cfg.bounded, cfg.window, clen, keep, merge_to, merge_w, ck, cv,
+                        cpos, dirty, cst, info)
         if status != OK:
             return status
-        apply_window(clen, keep, merge_to, cpos, t, cfg.window)
-        for h in range(hkv):
-            n = clen[h]
-            _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, dirty)
-            clen[h] = _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst)
-        if want:
-            for h in range(hkv):
-                out.slots[t - P, h] = clen[h]
-        r = t - cfg.rec_start
-        if 0 <= r < n_rec:
-            for h in range(hkv):
-                for i in range(clen[h]):
-                    out.kept[r, h, i] = cpos[h, i]
+        _record(t, P, cfg.rec_start, clen, cpos, out.slots, out.kept)
     return OK
 
 

@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from policies.core.errors import PolicyError
+from sim.replay.trace_tables import table_memo
 from traces.format import LayerArrays, LayerAttention, ModelInfo, Trace
 from traces.reference import full_attention_reference
 
@@ -136,8 +138,6 @@ class PromptLayers(Sequence):
     def reconstruction_extras(self, j: int, chunk_size: int) -> tuple:
         """What KVzip+ reads beside the pass (``policies.kvzip_plus``): layer j's repeat tokens' hidden-state norms
         [R] as the trace recorded them, the prompt's values [P, Hkv, d] and the layer's W_O [hidden, Hq * d]."""
-        from policies.core.errors import PolicyError
-
         i, P = self.layers[j], self.P
         if not self.trace.has_wo:
             raise PolicyError("KVzip+ needs the layers' output projection W_O, which this trace does not hold: "
@@ -164,7 +164,5 @@ def _stats_memo(stats: dict, key: tuple, trace: Trace | None, layers: Sequence[i
     disk for a recorded trace, so later processes share it too)."""
     memo = stats.get(key)
     if memo is None:
-        from sim.replay.trace_tables import table_memo
-
         memo = stats[key] = table_memo(trace, layers, n_prompt)
     return memo

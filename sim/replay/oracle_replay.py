@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from policies.core.base import Policy
+from policies.core.registry import get_policy
 from sim.replay.layer_inputs import LayerInputs, layer_inputs
 from sim.replay.metrics import N_METRICS
 from sim.replay.oracle_kernels import oracle_layer
@@ -48,8 +49,6 @@ def replay_oracle(trace: Trace, budgets: Sequence[int], *, scope: str = "head",
     ``layers``: only these of the compressed layers (a ``LayerGroup``'s: the oracle allocates nothing, so a
     group needs no other layer).
     """
-    from policies.core.registry import get_policy
-
     oracle = get_policy("oracle", scope=scope)
     for b in budgets:
         check_budget(trace, oracle, b)

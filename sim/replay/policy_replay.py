@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
+from numba.core.types.function_type import CompileResultWAP
 
-from policies.core.base import Policy, PolicyError
+from policies.core.base import LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG, Policy, PolicyError
 from sim.replay.contract import raise_on, slot_capacity
 from sim.replay.engine import EngineConfig, EngineOutputs, LayerData, call_replay_layer
 from sim.replay.layer_inputs import LayerInputs, PromptLayers, layer_inputs, layer_memo
@@ -97,7 +98,7 @@ def _replay_steps(trace: Trace, policy: Policy, budgets: Sequence[int], *,
     if len(budgets) == 1:
         return [replay_step(trace, policy, budgets[0], inputs=inputs, record_kept=record_kept, threads=threads,
                             sliding=sliding, chunk=chunk, group=group)]
-    from sim.replay.cells import replay_plans
+    from sim.replay.cells import replay_plans   # cells builds on this module (StepPlan): imported when used
 
     plans = [StepPlan.make(trace, policy, b, inputs=inputs, record_kept=record_kept, sliding=sliding, chunk=chunk,
                            group=group) for b in budgets]
@@ -213,10 +214,6 @@ def engine_kernels(policy: Policy) -> tuple:
     ``CompileResultWAP``), looked up once per process. Handed a dispatcher, numba re-derives its first-class
     function type at every call (signature inspection and compile-result lookup, ~0.8 ms: 14% of a search's
     replays of 640-token traces, a call per cell and layer); the machine code called is the same."""
-    from numba.core.types.function_type import CompileResultWAP
-
-    from policies.core.base import LOGIT_SCALE_SIG, PREFILL_SIG, STEP_SIG
-
     out = []
     for fn, sig in zip(policy.kernels(), (STEP_SIG, PREFILL_SIG, LOGIT_SCALE_SIG)):
         hit = _ENGINE_KERNELS.get(id(fn))

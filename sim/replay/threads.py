@@ -82,7 +82,7 @@ def limit_threads(n: int) -> None:
 
     os.environ.update(thread_env(n))
     threadpool_limits(limits=n)
-    import numba
+    import numba   # after the environment is set (a first import sizes numba's pool from it); not at `kvsim --help`
 
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     torch = sys.modules.get("torch")

@@ -25,6 +25,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from traces.format import atomic_write_bytes
+from traces.models import cache_dir
 
 #: environment variable naming the folder (``off``: keep tables in memory only)
 ENV = "KVSIM_TABLES"
@@ -37,8 +38,6 @@ def tables_dir() -> Path | None:
         return None
     if env:
         return Path(env)
-    from traces.models import cache_dir
-
     return cache_dir() / "tables"
 
 

@@ -27,6 +27,7 @@ def compile_policies(names: Sequence[str], *, engine: bool = False) -> None:
     then every policy's kernels, then one replay of each (its allocation and prompt-statistics helpers). A policy
     that cannot replay the tiny trace is skipped: the real replay reports its error."""
     warnings.filterwarnings("ignore")      # numba's experimental first-class-function notice, once per process
+    # imported in the compiling process only: the caller of ``background_compile`` goes on without the engine
     from policies import get_policy
     from sim.replay.policy_replay import replay
     from traces.synthetic import make_synthetic_trace

@@ -2,11 +2,14 @@
 so neither package reaches into the other's private functions."""
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 
 def agg_pyplot():
-    """matplotlib.pyplot on the non-interactive Agg backend (headless machines, CI)."""
+    """matplotlib.pyplot on the non-interactive Agg backend (headless machines, CI). Imported here, when a plot is
+    drawn: matplotlib stays out of every command that draws nothing."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -17,8 +20,6 @@ def agg_pyplot():
 
 def current_umask() -> int:
     """This process's umask (read by setting and restoring it)."""
-    import os
-
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -26,10 +27,7 @@ def current_umask() -> int:
 
 def save_figure(fig, path: str | Path, dpi: int = 130) -> Path:
     """Write a matplotlib figure atomically (temp file + rename; format from the suffix) and free it."""
-    import os
-    import tempfile
-
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # deferred as in agg_pyplot (pyplot takes 0.7 s to import)
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from sim.replay.metrics import column
-from sim.reports.plotting import save_figure as _save
+from sim.reports.plotting import agg_pyplot, save_figure as _save
 from sim.reports.table import PAPER_POLICIES, print_tables, ranked_tables
 
 
@@ -45,11 +45,7 @@ def plot_budget_curves(df: pd.DataFrame, path: str | Path, metrics: tuple[str, .
     Readable with many policies: the oracle (black, dashed), the ``best`` lowest-error policies and the paper
     policies are coloured and named in the legend in order of mean error; every other policy is a thin grey
     line under one "other" legend entry (they are all in the ranked table)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = agg_pyplot()
     traces = list(dict.fromkeys(df.trace))
     fig, axes = plt.subplots(len(traces), len(metrics), figsize=(6.2 * len(metrics), 4.2 * len(traces)),
                              squeeze=False)
@@ -93,11 +89,7 @@ def default_budgets(n_tokens: int, n: int = 5) -> list[int]:
 
 def plot_search(trials: pd.DataFrame, pareto: pd.DataFrame, path: str | Path, objective: str) -> Path:
     """Search trials as loss vs KV memory, Pareto-optimal ones highlighted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = agg_pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.scatter(trials.kv_bytes_mean / 1024, trials.loss, s=18, alpha=0.5, color="tab:gray", label="trial")
     front = pareto.sort_values("kv_bytes_mean")
@@ -112,12 +104,7 @@ def plot_search(trials: pd.DataFrame, pareto: pd.DataFrame, path: str | Path, ob
 
 def plot_pareto(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") -> Path:
     """Loss vs memory held per trace: every configuration, with each trace's non-dominated set joined."""
-    import matplotlib
-    import matplotlib.ticker
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = agg_pyplot()
     traces = list(dict.fromkeys(df.trace))
     policies = sorted(df.policy.unique())
     ncol = 1 if len(policies) <= 18 else 2
@@ -134,7 +121,7 @@ def plot_pareto(df: pd.DataFrame, path: str | Path, metric: str = "err_mean") ->
         front = pareto_front(part, metric)
         ax.plot(front.kv_bytes_mean / 1024, front[metric], "-", color="black", linewidth=1, label="Pareto front")
         ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x:g}"))
         ax.set_xlabel("KV memory held per step (KiB)")
         ax.set_ylabel(column(metric).title)
         ax.set_title(trace, fontsize=10)
@@ -164,11 +151,7 @@ def plot_occupancy(kept: np.ndarray, steps: np.ndarray, n_tokens: int, title: st
     ``kept``: [L, R, Hkv, cap] cached positions (-1 padded) from ``replay(..., record_kept=...)``, or a list of
     such arrays (one panel each, e.g. one per policy) with ``title`` a list of panel titles.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = agg_pyplot()
     panels = kept if isinstance(kept, list) else [kept]
     titles = title if isinstance(title, list) else [title]
     cols = min(3, len(panels))
@@ -196,7 +179,7 @@ def plot_occupancy(kept: np.ndarray, steps: np.ndarray, n_tokens: int, title: st
 def occupancy_figure(trace, policies, budget: int, path: str | Path, *, sliding: str = "keep") -> Path:
     """`plot_occupancy` of the given policies (those that keep every token, such as the full cache, have no map and
     are left out) replayed on ``trace`` at one budget, one panel each."""
-    from sim.replay.layer_inputs import load_layers
+    from sim.replay.layer_inputs import load_layers   # the replay engine (numba) stays out of reading results
     from sim.replay.policy_replay import replay
 
     drawn = [pol for pol in policies if not pol.unbounded]

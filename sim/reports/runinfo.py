@@ -13,6 +13,7 @@ import platform
 import subprocess
 import tempfile
 from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,6 @@ FACTS_DIR = "_traces"
 
 def kvsim_version() -> str:
     """The installed kvsim version, with the git commit when running from a checkout (``0.1.0 (git 950ac45)``)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         text = version("kvsim")
     except PackageNotFoundError:
@@ -74,7 +73,7 @@ def _ranges(ids: list[int]) -> str:
 def trace_facts(trace: Trace) -> dict[str, Any]:
     """What a reader needs to know about a trace: its name and id, model, tokens, which of the model's layers it
     keeps and how they attend (global / sliding window), and the text it was recorded on."""
-    from sim.experiments.specs import trace_id, trace_name
+    from sim.experiments.specs import trace_id, trace_name   # the policy registry stays out of reading results
 
     meta, m = trace.meta, trace.meta.model
     src = meta.source or {}

@@ -15,6 +15,11 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.measure import Measurement
+from rich.table import Table
 
 from sim.replay.metrics import Column, column
 
@@ -201,13 +206,6 @@ def legend_items(table: RankedTable) -> list[tuple[str, str]]:
 def print_tables(tables: Sequence[RankedTable], title: str = "kvsim results", *, console=None) -> None:
     """Draw ranked tables in the terminal (rich): the same rows, columns, marks and numbers as the page, and a
     short legend (the page has each metric's full definition)."""
-    from rich import box
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    from rich.measure import Measurement
-
     wide = Console(width=400)
     for t in tables:
         m = t.metric

@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 
 from sim.replay.metrics import Column
 from sim.reports.plotting import current_umask
+from sim.reports.runinfo import kvsim_version, now
 from sim.reports.table import ROLE_DOCS, RankedTable, fmt3, legend_items
 
 CSS = """
@@ -216,8 +217,6 @@ class Page:
 
     def render(self) -> str:
         """The whole page as one HTML string."""
-        from sim.reports.runinfo import kvsim_version, now
-
         facts = "".join(f'<div data-fact="{esc(k)}"><dt>{esc(label)}</dt><dd>{esc(v)}</dd></div>'
                         for k, label, v in self.facts)
         nav = "".join(f'<a href="#{anchor(h)}">{esc(h)}</a>' for h, _ in self.sections)

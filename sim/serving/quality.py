@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from sim.experiments.store import ResultStore
 from sim.replay.metrics import COLUMNS, METRICS
 from sim.serving.hardware import ServingConfigError
 
@@ -17,7 +18,6 @@ QUALITY_COLUMNS = tuple([f"{m.name}_mean" for m in sorted(METRICS, key=lambda m:
 
 def _read(path: Path) -> pd.DataFrame:
     if path.is_dir():
-        from sim.experiments.store import ResultStore
         df = ResultStore(path).load()
         if df.empty:
             raise ServingConfigError(f"{path}: results store has no rows")
@@ -43,7 +43,7 @@ def load_quality(path: str | Path) -> pd.DataFrame:
     if missing:
         raise ServingConfigError(f"{path}: missing column(s) {missing}; need policy, budget and loss columns")
     if {"label", "trace_id", "err_mean", "mass_mean"} <= set(df.columns) and (df["policy"] == "oracle").any():
-        from sim.experiments.sweep import with_oracle_gap
+        from sim.experiments.sweep import with_oracle_gap   # the sweep's policy registry, for oracle rows only
         df = with_oracle_gap(df)
     cols = [c for c in QUALITY_COLUMNS if c in df.columns]
     if not cols:

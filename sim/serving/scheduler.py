@@ -116,7 +116,12 @@ def simulate(workload: Workload, tables: MemoryTables, cost: CostModel, config: 
 
 
 class _Server:
-    """State of one run; ``schedule`` is the simpy process."""
+    """State of one run; ``schedule`` is the simpy process.
+
+    The running batch is the first ``count`` entries of ``n`` (tokens cached), ``rem`` (tokens still to emit) and
+    ``rid`` (request index), in admission order (``count``, the clock and ``ptr``, the first arrival not yet seen,
+    are ``schedule``'s locals); ``waiting`` is the FCFS queue; ``emitted`` counts the tokens each request emitted,
+    kept current for queued requests only."""
 
     def __init__(self, w: Workload, tables: MemoryTables, cost: CostModel, cfg: SchedulerConfig,
                  progress: Callable[[int], None] | None) -> None:
@@ -141,118 +146,171 @@ class _Server:
         self.events = 0
         self.samples: list[tuple[float, int]] = []
         self.clock = 0.0
+        # the scheduler's working state (Python lists: read one item at a time)
+        self.arrival, self.prompt, self.output = w.arrival.tolist(), w.prompt.tolist(), w.output.tolist()
+        self._feasible, self._next_feasible = self.feasible.tolist(), self.next_feasible.tolist()
+        B = cfg.max_batch
+        self.n = np.zeros(B, dtype=np.int64)
+        self.rem = np.zeros(B, dtype=np.int64)
+        self.rid = np.zeros(B, dtype=np.int64)
+        self.fin_buf = np.zeros(B, dtype=np.int64)
+        self.waiting: deque[int] = deque()
+        self.emitted = [0] * n
+        self.reported = 0
+        self.report_every = max(1, n // 200)
+        #: ``decode_window``'s arguments that stay the same through the run (one lookup per event)
+        self._window_args = (self.n, self.rem, self.rid, tables.held, tables.read, cost.decode_fixed_s,
+                             cost.kv_seconds_per_byte, self.pool, self.admit_limit, cfg.aggregate_steps, self.stats,
+                             self.fin_buf)
 
     def schedule(self, env: simpy.Environment):
-        """The GPU's iteration loop (see the module docstring); yields one timeout per event."""
-        w, t, cfg = self.w, self.t, self.cfg
-        arrival, prompt, output = w.arrival.tolist(), w.prompt.tolist(), w.output.tolist()
-        feasible, next_feasible = self.feasible.tolist(), self.next_feasible.tolist()
-        held, read, peak = t.held, t.read, t.peak
-        N, B = len(w), cfg.max_batch
-        n = np.zeros(B, dtype=np.int64)
-        rem = np.zeros(B, dtype=np.int64)
-        rid = np.zeros(B, dtype=np.int64)
-        fin_buf = np.zeros(B, dtype=np.int64)
-        emitted = [0] * N            # tokens emitted, kept current for queued requests only
-        admitted_at, first_token, finish = self.admitted, self.first_token, self.finish
-        count = 0
-        ptr = 0
-        waiting: deque[int] = deque()
-        clock = 0.0
-        report_every = max(1, N // 200)
-        last_report = 0
-        fixed_s, spb = self.cost.decode_fixed_s, self.cost.kv_seconds_per_byte
-        pool, admit_limit = self.pool, self.admit_limit
+        """The GPU's iteration loop (see the module docstring); yields one timeout per event. The clock, the batch
+        size and the next arrival are this loop's locals (it runs once per event); the helpers take and return
+        them."""
+        N, arrival, waiting, held, n, fin_buf = (len(self.w), self.arrival, self.waiting, self.t.held, self.n,
+                                                 self.fin_buf)
+        admissions, prefill_time, end_prefill, window = (self._admissions, self._prefill_time, self._end_prefill,
+                                                         self._decode_window)   # bound once: the loop runs per event
+        clock, count, ptr = 0.0, 0, 0
         while True:
-            while ptr < N and arrival[ptr] <= clock:
-                if feasible[ptr]:
-                    waiting.append(ptr)
-                else:
-                    self.done += 1
-                ptr += 1
-            if self.progress is not None and self.done - last_report >= report_every:
-                self.progress(self.done - last_report)
-                last_report = self.done
+            if ptr < N and arrival[ptr] <= clock:
+                ptr = self._take_arrivals(ptr, clock)
+            if self.progress is not None and self.done - self.reported >= self.report_every:
+                self._report_progress()
             if count == 0 and not waiting:
                 if ptr >= N:
                     break
-                clock = arrival[ptr]
+                clock = arrival[ptr]                 # idle until the next arrival
                 self.events += 1
                 yield env.timeout(max(0.0, clock - env.now))
                 continue
             mem_now = int(held_bytes(held, n, count))
-            admitted: list[int] = []
-            contexts: list[int] = []
-            extra = 0
-            tokens = 0
-            while waiting and count + len(admitted) < B:
-                r = waiting[0]
-                c = prompt[r] + emitted[r]
-                need = int(peak[c])
-                if mem_now + extra + need > admit_limit or (admitted and tokens + c > cfg.max_batched_tokens):
-                    break
-                waiting.popleft()
-                admitted.append(r)
-                contexts.append(c)
-                extra += need
-                tokens += c
-            if admitted:
-                dur = self.cost.prefill_time(contexts)
-                self.stats[0] += (mem_now + extra) * dur
-                self.stats[1] += (count + len(admitted)) * dur
-                self.stats[2] = max(self.stats[2], mem_now + extra)
-                self.stats[5] = max(self.stats[5], count + len(admitted))
-                self.prefills += 1
+            joining, contexts, extra = admissions(mem_now, count) if waiting else ((), (), 0)
+            if joining:
                 start = clock
-                clock += dur
+                clock += prefill_time(joining, contexts, mem_now + extra, count)
                 self.events += 1
                 yield env.timeout(max(0.0, clock - env.now))
-                for r, c in zip(admitted, contexts):
-                    if emitted[r] == 0:
-                        admitted_at[r] = start
-                        first_token[r] = clock
-                    emitted[r] += 1
-                    if emitted[r] >= output[r]:
-                        finish[r] = clock
-                        self.done += 1
-                        self.finished += 1
-                    else:
-                        n[count], rem[count], rid[count] = c, output[r] - emitted[r], r
-                        count += 1
+                count = end_prefill(joining, contexts, start, clock, count)
                 continue
             if count == 0:
                 raise AssertionError("queue head cannot be admitted into an empty server despite feasibility")
-            head_time, head_need, room = np.inf, 0, count < B
-            if waiting:
-                h = waiting[0]
-                head_time, head_need = -np.inf, int(peak[prompt[h] + emitted[h]])
-            elif ptr < N and next_feasible[ptr] < N:
-                h = next_feasible[ptr]
-                head_time, head_need = arrival[h], int(peak[prompt[h]])
-            k, new_clock, n_fin = decode_window(n, rem, rid, count, held, read, clock, fixed_s, spb, pool, admit_limit,
-                                                cfg.aggregate_steps, head_time, head_need, room, self.stats, fin_buf)
+            k, new_clock, n_fin = window(count, ptr, clock)
             if k == 0:
-                need_next = held[n[:count] + 1]
-                total = int(need_next.sum())
-                while total > pool:
-                    count -= 1
-                    total -= int(need_next[count])
-                    r = int(rid[count])
-                    emitted[r] = output[r] - int(rem[count])
-                    self.preemptions[r] += 1
-                    waiting.appendleft(r)
+                count = self._preempt(count)
                 continue
             clock = new_clock
             self.events += 1
             yield env.timeout(max(0.0, clock - env.now))
             if n_fin:
-                finish[fin_buf[:n_fin]] = clock
+                self.finish[fin_buf[:n_fin]] = clock
                 self.done += n_fin
                 self.finished += n_fin
                 count -= n_fin
         self.clock = clock
-        if self.progress is not None and self.done > last_report:
-            self.progress(self.done - last_report)
+        if self.progress is not None and self.done > self.reported:
+            self._report_progress()
+
+    def _report_progress(self) -> None:
+        self.progress(self.done - self.reported)
+        self.reported = self.done
+
+    def _take_arrivals(self, ptr: int, clock: float) -> int:
+        """Queue the requests from ``ptr`` on that arrived by ``clock`` (one that could never fit the pool alone is
+        rejected: done); returns the first arrival not yet seen."""
+        arrival, feasible, N = self.arrival, self._feasible, len(self.arrival)
+        while ptr < N and arrival[ptr] <= clock:
+            if feasible[ptr]:
+                self.waiting.append(ptr)
+            else:
+                self.done += 1
+            ptr += 1
+        return ptr
+
+    def _admissions(self, mem_now: int, count: int) -> tuple[list[int], list[int], int]:
+        """Take queue-head requests while the batch of ``count`` has room, their prefill peaks fit under the
+        admission limit beside the ``mem_now`` bytes held, and the iteration's prompt tokens stay within
+        ``max_batched_tokens`` (one request always may go). Returns their indices, their contexts (prompt plus
+        tokens emitted before a preemption) and their summed prefill peaks."""
+        waiting, B, max_tokens = self.waiting, self.cfg.max_batch, self.cfg.max_batched_tokens
+        prompt, emitted, peak, limit = self.prompt, self.emitted, self.t.peak, self.admit_limit
+        admitted: list[int] = []
+        contexts: list[int] = []
+        extra = 0
+        tokens = 0
+        while waiting and count + len(admitted) < B:
+            r = waiting[0]
+            c = prompt[r] + emitted[r]
+            need = int(peak[c])
+            if mem_now + extra + need > limit or (admitted and tokens + c > max_tokens):
+                break
+            waiting.popleft()
+            admitted.append(r)
+            contexts.append(c)
+            extra += need
+            tokens += c
+        return admitted, contexts, extra
+
+    def _prefill_time(self, joining: list[int], contexts: list[int], mem: int, count: int) -> float:
+        """The seconds of one prefill iteration of the requests ``joining`` the batch of ``count`` (``mem`` bytes
+        held at its peak), counted into the run's accumulators."""
+        dur = self.cost.prefill_time(contexts)
+        batch = count + len(joining)
+        self.stats[0] += mem * dur
+        self.stats[1] += batch * dur
+        self.stats[2] = max(self.stats[2], mem)
+        self.stats[5] = max(self.stats[5], batch)
+        self.prefills += 1
+        return dur
+
+    def _end_prefill(self, joining: list[int], contexts: list[int], start: float, clock: float, count: int) -> int:
+        """At ``clock``, the end of a prefill iteration that began at ``start``: each joining request emits its
+        next token; the finished leave, the others join the batch. Returns the batch size."""
+        emitted, output, n, rem, rid = self.emitted, self.output, self.n, self.rem, self.rid
+        admitted, first_token, finish = self.admitted, self.first_token, self.finish
+        for r, c in zip(joining, contexts):
+            if emitted[r] == 0:
+                admitted[r] = start
+                first_token[r] = clock
+            emitted[r] += 1
+            if emitted[r] >= output[r]:
+                finish[r] = clock
+                self.done += 1
+                self.finished += 1
+            else:
+                n[count], rem[count], rid[count] = c, output[r] - emitted[r], r
+                count += 1
+        return count
+
+    def _decode_window(self, count: int, ptr: int, clock: float) -> tuple[int, float, int]:
+        """Run the batch's decode iterations until its composition would change (``decode_window``), knowing when
+        the next request to admit is there: the queue head now, or the next admissible arrival from ``ptr``."""
+        n, rem, rid, held, read, fixed_s, spb, pool, limit, steps, stats, fin = self._window_args
+        waiting, N = self.waiting, len(self.arrival)
+        head_time, head_need, room = np.inf, 0, count < len(n)
+        if waiting:
+            h = waiting[0]
+            head_time, head_need = -np.inf, int(self.t.peak[self.prompt[h] + self.emitted[h]])
+        elif ptr < N and self._next_feasible[ptr] < N:
+            h = self._next_feasible[ptr]
+            head_time, head_need = self.arrival[h], int(self.t.peak[self.prompt[h]])
+        return decode_window(n, rem, rid, count, held, read, clock, fixed_s, spb, pool, limit, steps, head_time,
+                             head_need, room, stats, fin)
+
+    def _preempt(self, count: int) -> int:
+        """Before a decode iteration that would not fit the pool: preempt the most recently admitted requests until
+        it fits (recompute mode: their KV is dropped, they return to the queue head with the tokens they emitted).
+        Returns the batch size left."""
+        need_next = self.t.held[self.n[:count] + 1]
+        total = int(need_next.sum())
+        while total > self.pool:
+            count -= 1
+            total -= int(need_next[count])
+            r = int(self.rid[count])
+            self.emitted[r] = self.output[r] - int(self.rem[count])
+            self.preemptions[r] += 1
+            self.waiting.appendleft(r)
+        return count
 
     def sample(self, env: simpy.Environment, dt: float):
         """Every ``dt`` record the number of requests in the system (arrived, not rejected, not finished)."""

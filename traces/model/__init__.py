@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from traces.models import SHIPPED_DIR, ModelError, load_model, model_id
+from traces.recorder import record_trace
 from traces.texts import DEFAULT_TEXT_ID, HELDOUT_TEXT, SHIPPED_TEXTS
 
 HERE = Path(__file__).resolve().parent
@@ -62,8 +63,6 @@ def record_default_trace(out_dir: str | Path, n_prompt: int = 512, n_decode: int
     decodes token by token through the KV cache (same attention, slower). ``reconstruction_chunk``: also record
     KVzip's context-reconstruction pass (``traces.recorder.record_trace``)."""
     import torch
-
-    from traces.recorder import record_trace
 
     torch.manual_seed(0)
     net, tok = load_default_model(model=model)

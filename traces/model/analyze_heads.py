@@ -19,6 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from traces.format import load_trace
+from traces.model import default_text, load_default_model, record_default_trace
+from traces.recorder import record_trace
+
 SINK, LOCAL, PREV, INDUCTION = 0.3, 0.5, 0.4, 0.3   # thresholds for naming a head by its dominant pattern
 
 
@@ -87,10 +91,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     import torch
 
-    from traces.format import load_trace
-    from traces.model import load_default_model, record_default_trace
-    from traces.recorder import record_trace
-
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         nat = load_trace(record_default_trace(Path(tmp) / "text", n_prompt=args.tokens // 2,
@@ -101,7 +101,6 @@ def main(argv: list[str] | None = None) -> None:
         if args.induction_block == "random":
             blk = rng.integers(1, model.config.vocab_size, args.block).tolist()
         else:
-            from traces.model import default_text
             blk = tok(default_text(), verbose=False)["input_ids"][2048:2048 + args.block]
         rep = record_trace(model, blk + blk, Path(tmp) / "rep", n_prompt=args.block, n_decode=args.block,
                            teacher_forced=True, progress=False, model_id="kvsim-tiny-llama",

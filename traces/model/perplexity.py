@@ -12,6 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from traces.model import default_text, load_default_model
+from traces.model.corpus import load_documents, split_documents
+
 
 def window_nll(model, ids: np.ndarray, ctx: int, max_windows: int | None = None) -> tuple[float, int]:
     """Mean next-token NLL over non-overlapping windows of ctx tokens; returns (nll, tokens scored)."""
@@ -37,9 +40,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contexts", default="256,1024,2048")
     args = ap.parse_args(argv)
     import torch
-
-    from traces.model import default_text, load_default_model
-    from traces.model.corpus import load_documents, split_documents
 
     torch.set_num_threads(1)
     model, tok = load_default_model()

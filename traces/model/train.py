@@ -12,6 +12,7 @@ at a low learning rate; it reuses that model's tokenizer.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -101,8 +102,6 @@ def lr_at(progress: float, step: int, peak: float, warmup: int) -> float:
 
 def export(model, out: Path) -> None:
     """Write fp16 safetensors + config.json via a temp dir; each file lands with os.replace."""
-    import copy
-
     half = copy.deepcopy(model).to(dtype=__import__("torch").float16)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".export-") as tmp:
@@ -131,7 +130,7 @@ def eval_loss(model, stream: np.ndarray, seq_len: int, max_windows: int = 64) ->
     return total / max(count, 1)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--minutes", type=float, default=60.0, help="wall-clock cap for the training loop")
@@ -156,9 +155,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.init_from is not None and args.init_from.resolve() == args.out.resolve():
         ap.error("--init-from must differ from --out (the export is rewritten during training)")
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     import torch
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -168,35 +170,15 @@ def main(argv: list[str] | None = None) -> None:
 
     docs = load_documents()
     train_docs, held_docs = split_documents(docs)
-    if args.init_from is not None:
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
-    else:
-        tok = train_tokenizer([t for _, t in train_docs], args.vocab)
+    tok = _tokenizer(args, train_docs)
     train_ids = encode_stream(tok, [t for _, t in train_docs])
     val_ids = encode_stream(tok, [t for _, t in held_docs])
-    args.out.mkdir(parents=True, exist_ok=True)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=None,
-                                   pad_token=EOS, model_max_length=args.max_positions)
-    with tempfile.TemporaryDirectory(dir=args.out.parent, prefix=".tok-") as tmp:
-        fast.save_pretrained(tmp)
-        for name in os.listdir(tmp):
-            os.replace(Path(tmp) / name, args.out / name)
+    _save_tokenizer(tok, args)
     heldout_text = "".join(t for _, t in held_docs)
     atomic_write_bytes(HERE / "data" / "heldout.txt", heldout_text.encode("utf-8"))
 
-    if args.init_from is not None:
-        model = LlamaForCausalLM.from_pretrained(args.init_from, local_files_only=True, dtype=torch.float32)
-    else:
-        model = LlamaForCausalLM(build_config(tok.get_vocab_size(), args))
-    model.config._attn_implementation = "sdpa"
-    model.train()
+    model, opt = _model_and_optimizer(tok, args)
     n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-
     state = {
         "corpus": {"train_docs": [d for d, _ in train_docs], "heldout_docs": [d for d, _ in held_docs],
                    "sha256": corpus_digest(docs), "train_tokens": int(len(train_ids)),
@@ -207,6 +189,57 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(json.dumps({k: state[k] for k in ("n_params",)} | {"train_tokens": len(train_ids),
                                                              "val_tokens": len(val_ids)}), flush=True)
+    _train(args, model, opt, train_ids, val_ids, state, rng, stop)
+
+
+def _tokenizer(args: argparse.Namespace, train_docs: list[tuple[str, str]]):
+    """The model's tokenizer: the one of ``--init-from``'s model, else a BPE trained on the training documents."""
+    if args.init_from is not None:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+    return train_tokenizer([t for _, t in train_docs], args.vocab)
+
+
+def _save_tokenizer(tok, args: argparse.Namespace) -> None:
+    """Write the tokenizer's files into ``--out`` (each lands with os.replace)."""
+    from transformers import PreTrainedTokenizerFast
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=None,
+                                   pad_token=EOS, model_max_length=args.max_positions)
+    with tempfile.TemporaryDirectory(dir=args.out.parent, prefix=".tok-") as tmp:
+        fast.save_pretrained(tmp)
+        for name in os.listdir(tmp):
+            os.replace(Path(tmp) / name, args.out / name)
+
+
+def _model_and_optimizer(tok, args: argparse.Namespace):
+    """The model (``--init-from``'s, else freshly initialised from the seeded torch RNG) in training mode, and its
+    AdamW with weight decay on the matrices only."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    if args.init_from is not None:
+        model = LlamaForCausalLM.from_pretrained(args.init_from, local_files_only=True, dtype=torch.float32)
+    else:
+        model = LlamaForCausalLM(build_config(tok.get_vocab_size(), args))
+    model.config._attn_implementation = "sdpa"
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    return model, opt
+
+
+def _train(args: argparse.Namespace, model, opt, train_ids: np.ndarray, val_ids: np.ndarray, state: dict,
+           rng: np.random.Generator, stop: dict) -> None:
+    """The training loop: curriculum batches until the token budget, the wall-clock cap or SIGTERM; a log line
+    every 10 steps, a checkpoint (held-out NLL, export when it improved, the state file) every
+    ``--checkpoint-seconds`` and at the end."""
+    import torch
+
     args.log.unlink(missing_ok=True)
     for path in (args.log, args.state):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -244,15 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         starts = rng.integers(0, len(train_ids) - seq - 1, size=bs)
         batch = torch.from_numpy(np.stack([train_ids[s:s + seq + 1] for s in starts]).astype(np.int64))
         lr = lr_at(progress, step, args.lr, args.warmup)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                 batch[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = _train_step(model, opt, batch, lr)
         step += 1
         tokens += bs * seq
         if step % 10 == 0:
@@ -266,6 +291,22 @@ def main(argv: list[str] | None = None) -> None:
             last_ckpt = time.time()
     checkpoint(True)
     print(json.dumps({"done": stop_reason, "step": step, "tokens": tokens}), flush=True)
+
+
+def _train_step(model, opt, batch, lr: float):
+    """One optimiser step on ``batch`` [B, seq + 1] (next-token cross-entropy, gradients clipped at 1) at learning
+    rate ``lr``; returns the loss."""
+    import torch
+
+    for g in opt.param_groups:
+        g["lr"] = lr
+    logits = model(input_ids=batch[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
 
 
 if __name__ == "__main__":
