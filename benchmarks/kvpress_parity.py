@@ -69,7 +69,9 @@ from typing import Any
 
 import numpy as np
 
-from policies.core.kvpress_press import MIN_JACCARD, n_kept, press_repr   # pure Python: the worker imports it too
+# pure Python and numpy: the worker, in kvpress's environment, imports them too
+from policies.core.kvpress_press import NoKvpressPress, export, export_holds, n_kept, press_repr
+from sim.replay.kept_sets import jaccard, kept_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = ROOT / "benchmarks" / ".kvpress-env"
@@ -293,24 +295,7 @@ CASES: dict[str, Case] = {
 }
 
 
-# ---------------------------------------------------------------- comparison helpers (no kvpress, no torch)
-
-def kept_mask(kept_positions: np.ndarray, n: int) -> np.ndarray:
-    """Boolean [..., n] of -1-padded kept positions [..., cap]."""
-    kp = np.asarray(kept_positions)
-    out = np.zeros(kp.shape[:-1] + (n,), bool)
-    idx = np.nonzero(kp >= 0)
-    out[idx[:-1] + (kp[idx],)] = True
-    return out
-
-
-def jaccard(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Jaccard index of the kept sets of two boolean masks [..., n] over their last axis (two empty sets: 1)."""
-    a, b = np.asarray(a, bool), np.asarray(b, bool)
-    inter = (a & b).sum(-1)
-    union = (a | b).sum(-1)
-    return np.where(union == 0, 1.0, inter / np.maximum(union, 1))
-
+# ---------------------------------------------------------------- the report of a comparison (no kvpress, no torch)
 
 def summarize(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     """Jaccard min/mean over all (layer, head) rows of masks [L, H, n], and where they differ."""
@@ -633,8 +618,6 @@ def fill(spec: Any, values: dict[str, Any]) -> Any:
 def declared_press(policy: Any, prompt_tokens: int, budget: int) -> dict[str, Any]:
     """What ``kvsim export --kvpress`` gives for ``policy`` at ``budget`` on this prompt: the counterpart (None when
     refused) and, for the JSON, the press and the least Jaccard index it promises, or the refusal's reason."""
-    from policies.core.kvpress_press import NoKvpressPress, export
-
     try:
         cp = policy.kvpress_press()
     except NoKvpressPress as e:
@@ -644,14 +627,6 @@ def declared_press(policy: Any, prompt_tokens: int, budget: int) -> dict[str, An
     except NoKvpressPress as e:
         return {"counterpart": cp, "export": {"press": press_repr(cp.press), "refused": str(e)}}
     return {"counterpart": cp, "export": {"press": press_repr(cp.press), "jaccard_floor": ex.jaccard_floor}}
-
-
-def export_holds(floor: float, measured: float) -> bool:
-    """Whether a measured Jaccard keeps an export's promise, the issue's bar `MIN_JACCARD` (an export never promises
-    less): not the floor itself, since equal scores at the cut are kept in an order neither side specifies
-    (torch.topk; kvpress's float32 scores against kvsim's float64), which can cost a token on top of the floor's
-    protected ones."""
-    return bool(min(floor, measured) >= MIN_JACCARD - 1e-12)
 
 
 def available(case: Case) -> str | None:
