@@ -9,14 +9,11 @@ counterpart. Each stage's numba kernels live in its own module, beside its class
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from policies.core.base import Param, Policy
 from policies.core.kvpress_press import KvpressPress
 from policies.core.scorer import ScorerPolicy, StageCode
-
-if TYPE_CHECKING:
-    from policies.core.combinators import Combined
 
 
 class Stage:
@@ -65,7 +62,7 @@ class Stage:
         return False
 
     @classmethod
-    def kvpress(cls, policy: "Combined", inner: KvpressPress) -> KvpressPress:
+    def kvpress(cls, policy: Policy, inner: KvpressPress) -> KvpressPress:
         """kvpress's counterpart of this stage around ``inner`` (the counterpart of what the stage wraps), or
         ``NoKvpressPress`` saying why there is none."""
         return inner
