@@ -212,11 +212,11 @@ CASES: dict[str, Case] = {
              "the rest of the layer's 3 x 512 by a top-k over the flattened scores; kvsim's ada is the Ada-KV "
              "authors' safeguard: every head keeps the 64-token window and its candidate budget is the mixture "
              "0.8 n_h + 0.2 x 448, n_h its count in the flattened top 3 x 448 of the non-window candidates "
-             "(policies/core/stages.py ada_allocate, ada_prompt). Head sizes: kvpress 148-929, kvsim 221-846."),
+             "(policies/core/stage_ada.py ada_allocate, ada_prompt). Head sizes: kvpress 148-929, kvsim 221-846."),
     "CriticalKV(ExpectedAttention)": Case(f"critical({EA_NOVNORM}, {CRIT}=0.5)", {"epsilon": 1e-4, "first_stage_ratio": 0.5, "n_sink": 4, "use_vnorm": False}, diagnostics=(("first stage of 252 candidates (first_stage_ratio=252.5/508)",
                       f"critical({EA_NOVNORM}, {CRIT}={252.5 / 508!r})"),), note="Stage 1's size differs by two tokens: kvpress keeps int(0.5 x 512) = 256 tokens by score, the 4 sinks "
              "(padded to max+1 by ExpectedAttentionPress) among them, so 252 candidates; kvsim's first_stage_ratio "
-             "is a share of the slots left for candidates, int((512 - 4) x 0.5) = 254 (policies/core/stages.py "
+             "is a share of the slots left for candidates, int((512 - 4) x 0.5) = 254 (policies/core/stage_critical.py "
              "critical_stages). With 252 candidates in stage 1 kvsim's sets are identical (diagnostics)."),
     "CriticalAdaKV(ExpectedAttention)": Case(f"critical(ada({EA_NOVNORM}, floor_alpha=0.2), {CRIT}=0.5)", {"alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5, "n_sink": 4, "use_vnorm": False}, press={"cls": "CriticalAdaKVPress", "press": {"cls": "ExpectedAttentionPress", "n_sink": 4, "use_vnorm": False},
          "alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5}, budgets="base", diagnostics=(("critical without ada at kvpress's per-head counts", f"critical({EA_NOVNORM}, {CRIT}=0.5)"),), note="Three differences. (1) The head budgets, as for AdaKV(SnapKV) (kvpress 102-1011 tokens per head, "
