@@ -44,7 +44,7 @@ def _greedy(uT, m, budget, recent, cache_cols) -> dict:
 
 def _cosines(uT, rows: int = 16, repeat: int = 2048) -> dict:
     """GFLOP/s of the FMA-chain column kernel and of SGEMM on the same ``repeat`` rows, ``rows`` at a time."""
-    from policies._bumblebee_greedy import COL_W, cosines_into
+    from policies._bumblebee_similarity import COL_W, cosines_into
 
     d, n = uT.shape
     u = np.ascontiguousarray(uT.T)
@@ -67,7 +67,8 @@ def _cosines(uT, rows: int = 16, repeat: int = 2048) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from policies.core.shared_kernels import GROUP_REDUCE, prompt_attention
-    from policies._bumblebee_greedy import default_cache_columns, unit_keys_t
+    from policies._bumblebee_greedy import default_cache_columns
+    from policies._bumblebee_similarity import unit_keys_t
     from policies.core.scorer import recent_slots
     from traces.format import load_trace
 

@@ -14,7 +14,8 @@ from numba import njit
 
 from benchmarks._util import machine, write_result
 from policies import get_policy
-from policies._bumblebee_greedy import _cos_from, _dots_to, greedy_select, kernel_sim, similarity_matrix
+from policies._bumblebee_greedy import greedy_select
+from policies._bumblebee_similarity import _cos_from, _dots_to, kernel_sim, similarity_matrix
 from policies.bumblebee import F_ACC, F_NN, F_NNPOS, F_NORM, P, _step, prompt_importance
 
 

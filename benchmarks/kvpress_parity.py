@@ -69,7 +69,9 @@ from typing import Any
 
 import numpy as np
 
-from policies.core.kvpress_press import MIN_JACCARD, n_kept, press_repr   # pure Python: the worker imports it too
+# pure Python and numpy: the worker, in kvpress's environment, imports them too
+from policies.core.kvpress_press import NoKvpressPress, export, export_holds, n_kept, press_repr
+from sim.replay.kept_sets import jaccard, kept_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = ROOT / "benchmarks" / ".kvpress-env"
@@ -210,11 +212,11 @@ CASES: dict[str, Case] = {
              "the rest of the layer's 3 x 512 by a top-k over the flattened scores; kvsim's ada is the Ada-KV "
              "authors' safeguard: every head keeps the 64-token window and its candidate budget is the mixture "
              "0.8 n_h + 0.2 x 448, n_h its count in the flattened top 3 x 448 of the non-window candidates "
-             "(policies/core/stages.py ada_allocate, ada_prompt). Head sizes: kvpress 148-929, kvsim 221-846."),
+             "(policies/core/stage_ada.py ada_allocate, ada_prompt). Head sizes: kvpress 148-929, kvsim 221-846."),
     "CriticalKV(ExpectedAttention)": Case(f"critical({EA_NOVNORM}, {CRIT}=0.5)", {"epsilon": 1e-4, "first_stage_ratio": 0.5, "n_sink": 4, "use_vnorm": False}, diagnostics=(("first stage of 252 candidates (first_stage_ratio=252.5/508)",
                       f"critical({EA_NOVNORM}, {CRIT}={252.5 / 508!r})"),), note="Stage 1's size differs by two tokens: kvpress keeps int(0.5 x 512) = 256 tokens by score, the 4 sinks "
              "(padded to max+1 by ExpectedAttentionPress) among them, so 252 candidates; kvsim's first_stage_ratio "
-             "is a share of the slots left for candidates, int((512 - 4) x 0.5) = 254 (policies/core/stages.py "
+             "is a share of the slots left for candidates, int((512 - 4) x 0.5) = 254 (policies/core/stage_critical.py "
              "critical_stages). With 252 candidates in stage 1 kvsim's sets are identical (diagnostics)."),
     "CriticalAdaKV(ExpectedAttention)": Case(f"critical(ada({EA_NOVNORM}, floor_alpha=0.2), {CRIT}=0.5)", {"alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5, "n_sink": 4, "use_vnorm": False}, press={"cls": "CriticalAdaKVPress", "press": {"cls": "ExpectedAttentionPress", "n_sink": 4, "use_vnorm": False},
          "alpha_safeguard": 0.2, "epsilon": 1e-4, "first_stage_ratio": 0.5}, budgets="base", diagnostics=(("critical without ada at kvpress's per-head counts", f"critical({EA_NOVNORM}, {CRIT}=0.5)"),), note="Three differences. (1) The head budgets, as for AdaKV(SnapKV) (kvpress 102-1011 tokens per head, "
@@ -293,24 +295,7 @@ CASES: dict[str, Case] = {
 }
 
 
-# ---------------------------------------------------------------- comparison helpers (no kvpress, no torch)
-
-def kept_mask(kept_positions: np.ndarray, n: int) -> np.ndarray:
-    """Boolean [..., n] of -1-padded kept positions [..., cap]."""
-    kp = np.asarray(kept_positions)
-    out = np.zeros(kp.shape[:-1] + (n,), bool)
-    idx = np.nonzero(kp >= 0)
-    out[idx[:-1] + (kp[idx],)] = True
-    return out
-
-
-def jaccard(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Jaccard index of the kept sets of two boolean masks [..., n] over their last axis (two empty sets: 1)."""
-    a, b = np.asarray(a, bool), np.asarray(b, bool)
-    inter = (a & b).sum(-1)
-    union = (a | b).sum(-1)
-    return np.where(union == 0, 1.0, inter / np.maximum(union, 1))
-
+# ---------------------------------------------------------------- the report of a comparison (no kvpress, no torch)
 
 def summarize(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     """Jaccard min/mean over all (layer, head) rows of masks [L, H, n], and where they differ."""
@@ -633,8 +618,6 @@ def fill(spec: Any, values: dict[str, Any]) -> Any:
 def declared_press(policy: Any, prompt_tokens: int, budget: int) -> dict[str, Any]:
     """What ``kvsim export --kvpress`` gives for ``policy`` at ``budget`` on this prompt: the counterpart (None when
     refused) and, for the JSON, the press and the least Jaccard index it promises, or the refusal's reason."""
-    from policies.core.kvpress_press import NoKvpressPress, export
-
     try:
         cp = policy.kvpress_press()
     except NoKvpressPress as e:
@@ -644,14 +627,6 @@ def declared_press(policy: Any, prompt_tokens: int, budget: int) -> dict[str, An
     except NoKvpressPress as e:
         return {"counterpart": cp, "export": {"press": press_repr(cp.press), "refused": str(e)}}
     return {"counterpart": cp, "export": {"press": press_repr(cp.press), "jaccard_floor": ex.jaccard_floor}}
-
-
-def export_holds(floor: float, measured: float) -> bool:
-    """Whether a measured Jaccard keeps an export's promise, the issue's bar `MIN_JACCARD` (an export never promises
-    less): not the floor itself, since equal scores at the cut are kept in an order neither side specifies
-    (torch.topk; kvpress's float32 scores against kvsim's float64), which can cost a token on top of the floor's
-    protected ones."""
-    return bool(min(floor, measured) >= MIN_JACCARD - 1e-12)
 
 
 def available(case: Case) -> str | None:

@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from policies._bumblebee_greedy import (COL_ROWS, FULL_MATRIX_MAX, _cos_from, _dots_to, concave, concave_from,
-                                         greedy_select, greedy_select_keys, kernel_sim, self_sim, sim_columns,
-                                         similarity_into, similarity_matrix, unit_keys_t)
+from policies._bumblebee_greedy import FULL_MATRIX_MAX, concave, concave_from, greedy_select, greedy_select_keys
+from policies._bumblebee_similarity import (COL_ROWS, _cos_from, _dots_to, kernel_sim, self_sim, sim_columns,
+                                            similarity_into, similarity_matrix, unit_keys_t)
 from policies.core.base import PREFILL_SIG, STEP_SIG, Guarantees, Param, Policy, kernel, param_indices
 from policies.core.shared_kernels import GROUP_REDUCE, group_score, prompt_attention, prompt_attention_table
 from policies.core.scorer import recent_slots
@@ -174,6 +174,56 @@ def _nearest(keys, slot_state, positions, keep, h, i, n, mode):
     return best, best_pos
 
 
+@njit(cache=True)
+def _admit(h, t, new, probs, keys, positions, slot_state, gmode, mode, dots):
+    """The new token's arrival in head h's slots (the new one at slot ``new``): Alg. 2 line 5, this query's
+    attention (over S_{t-1} + k_t) added to every slot's accumulated importance; the new key's norm; and nearest
+    neighbours, the new key against every cached key (O(n d)): it becomes the nearest of the slots it is closer
+    to, and gets its own."""
+    n = new + 1
+    for i in range(n):
+        slot_state[h, i, F_ACC] += group_score(probs, h, i, gmode)
+    nrm = 0.0
+    for x in range(keys.shape[2]):
+        nrm += np.float64(keys[h, new, x]) ** 2
+    slot_state[h, new, F_NORM] = np.sqrt(nrm)
+    nn, nn_pos = 0.0, -1
+    _dots_to(keys, h, new, new, dots)
+    for i in range(new):
+        s = kernel_sim(_cos_from(dots[i], slot_state[h, i, F_NORM], slot_state[h, new, F_NORM]), mode)
+        if slot_state[h, i, F_NNPOS] < 0 or s > slot_state[h, i, F_NN]:
+            slot_state[h, i, F_NN] = s
+            slot_state[h, i, F_NNPOS] = t
+        if nn_pos < 0 or s > nn:
+            nn, nn_pos = s, positions[h, i]
+    slot_state[h, new, F_NN] = nn
+    slot_state[h, new, F_NNPOS] = nn_pos
+
+
+@njit(cache=True)
+def _least_gain(h, n, live, hi_pos, keep, positions, slot_state, lam, kind, alpha, beta, ss):
+    """Alg. 2 line 10: the kept candidate (position below ``hi_pos``) of least conditional gain g(k | S' \\ k) with
+    V = S' (``live`` slots kept), or -1 when only protected slots are left."""
+    m_tot = 0.0
+    for i in range(n):
+        if keep[h, i] != 0:
+            m_tot += slot_state[h, i, F_ACC]
+    phi_tot = concave(m_tot, kind, alpha, beta)
+    worst, worst_g = -1, 0.0
+    for i in range(n):
+        if keep[h, i] == 0 or positions[h, i] >= hi_pos:
+            continue
+        imp = 0.0
+        if phi_tot > 0.0:
+            rest = concave_from(m_tot - slot_state[h, i, F_ACC], kind, alpha, beta, phi_tot)
+            imp = (phi_tot - rest) / phi_tot
+        fl = (ss - slot_state[h, i, F_NN]) / (live * ss) if slot_state[h, i, F_NNPOS] >= 0 else 1.0 / live
+        gain = lam * fl + (1.0 - lam) * imp
+        if worst < 0 or gain < worst_g:
+            worst, worst_g = i, gain
+    return worst
+
+
 @kernel(STEP_SIG)
 def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slot_state, head_state, keep, merge_to,
           merge_w):
@@ -189,52 +239,16 @@ def _step(params, layer, t, budget, lengths, probs, keys, values, positions, slo
     for h in range(lengths.shape[0]):
         n = lengths[h]
         new = n - 1
-        # Alg. 2 line 5: accumulate this query's attention (over S_{t-1} + k_t) into every slot
-        for i in range(n):
-            slot_state[h, i, F_ACC] += group_score(probs, h, i, gmode)
-        nrm = 0.0
-        for x in range(keys.shape[2]):
-            nrm += np.float64(keys[h, new, x]) ** 2
-        slot_state[h, new, F_NORM] = np.sqrt(nrm)
-        # nearest neighbours: the new key against every cached key, O(n d)
-        nn, nn_pos = 0.0, -1
-        _dots_to(keys, h, new, new, dots)
-        for i in range(new):
-            s = kernel_sim(_cos_from(dots[i], slot_state[h, i, F_NORM], slot_state[h, new, F_NORM]), mode)
-            if slot_state[h, i, F_NNPOS] < 0 or s > slot_state[h, i, F_NN]:
-                slot_state[h, i, F_NN] = s
-                slot_state[h, i, F_NNPOS] = t
-            if nn_pos < 0 or s > nn:
-                nn, nn_pos = s, positions[h, i]
-        slot_state[h, new, F_NN] = nn
-        slot_state[h, new, F_NNPOS] = nn_pos
+        _admit(h, t, new, probs, keys, positions, slot_state, gmode, mode, dots)
         excess = n - budget[h]
         if excess <= 0:
             continue
-        recent = recent_slots(budget[h], params[P.recent_ratio])
-        hi_pos = t - recent + 1
+        hi_pos = t - recent_slots(budget[h], params[P.recent_ratio]) + 1
         for g in range(g_n):
             gone[g] = 0.0
         live = n
         while excess > 0:
-            # Alg. 2 line 10: argmin_k g(k | S' \ k) with V = S'
-            m_tot = 0.0
-            for i in range(n):
-                if keep[h, i] != 0:
-                    m_tot += slot_state[h, i, F_ACC]
-            phi_tot = concave(m_tot, kind, alpha, beta)
-            worst, worst_g = -1, 0.0
-            for i in range(n):
-                if keep[h, i] == 0 or positions[h, i] >= hi_pos:
-                    continue
-                imp = 0.0
-                if phi_tot > 0.0:
-                    rest = concave_from(m_tot - slot_state[h, i, F_ACC], kind, alpha, beta, phi_tot)
-                    imp = (phi_tot - rest) / phi_tot
-                fl = (ss - slot_state[h, i, F_NN]) / (live * ss) if slot_state[h, i, F_NNPOS] >= 0 else 1.0 / live
-                gain = lam * fl + (1.0 - lam) * imp
-                if worst < 0 or gain < worst_g:
-                    worst, worst_g = i, gain
+            worst = _least_gain(h, n, live, hi_pos, keep, positions, slot_state, lam, kind, alpha, beta, ss)
             if worst < 0:    # only protected slots left (cannot happen while recent <= budget)
                 break
             keep[h, worst] = 0

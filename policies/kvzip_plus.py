@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.core.errors import PolicyError
 from policies.core.kvpress_press import KvpressPress, protected_extra
 from policies.kvzip import KVzip
 from policies.core.registry import register
@@ -77,8 +78,6 @@ class KVzipPlus(KVzip):
         if norms.shape != (recon_q.shape[0],) or not np.isfinite(norms).all() or (norms < 0).any():
             raise self._no_extras("the recorded pass (its hidden-state norms are missing or not finite)")
         if (norms == 0).any():
-            from policies.core.errors import PolicyError
-
             t = int(np.flatnonzero(norms == 0)[0])
             raise PolicyError(f"{self.label()}: repeat token {t} of KVzip's pass reaches compressed layer {j}'s "
                               f"attention with a zero hidden state (a token whose embedding is zero, such as a "
@@ -87,8 +86,6 @@ class KVzipPlus(KVzip):
         return (1.0 / norms).astype(np.float32), value_output_norms(np.asarray(v), wo, recon_q.shape[1])
 
     def _no_extras(self, where: str) -> Exception:
-        from policies.core.errors import PolicyError
-
         return PolicyError(f"{self.label()}: {where} has no hidden-state norms of KVzip's reconstruction pass; "
                            "record the trace again with `kvsim record --kvzip`")
 

@@ -18,7 +18,7 @@ at decode it ranks by the row max; the released code never evicts during decode)
 row's max over the group's heads. ``window_only``: at a budget <= the window keep only the last ``budget``
 tokens; the released Ada-KV code keeps only the window at budget = window and fails below it, so this is "as the
 released code" at B = window only. ``ada(snapkv)`` / ``ada(pyramidkv)`` (``ada_snapkv``, ``ada_pyramidkv``) are
-Ada-KV's head-wise allocation over these scores (policies/core/combinators.py).
+Ada-KV's head-wise allocation over these scores (policies/core/stage_ada.py, policies/adakv.py).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from policies import get_policy
 from policies.snapkv import pyramid_layer_budgets
-from policies.core.stages import ada_allocate, ada_prompt, allocation_bound, evict_flat
+from policies.core.stage_ada import ada_allocate, ada_prompt, allocation_bound, evict_flat
 from sim.replay.policy_replay import replay
 from traces.synthetic import make_synthetic_trace
 

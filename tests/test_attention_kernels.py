@@ -44,7 +44,7 @@ def _stages_by_sort(eps, ratio, size, lo, hi, positions, n, scores, norms):
 
 
 def test_critical_selection_equals_the_sort_it_replaces():
-    from policies.core.stages import critical_stages, kth_largest
+    from policies.core.stage_critical import critical_stages, kth_largest
 
     rng = np.random.default_rng(0)
     for it in range(400):
@@ -73,7 +73,7 @@ def test_critical_norm_table_is_what_the_steps_compute():
     """A replay reads every position's projected value norm from the table (computed once per prepared layer); the
     closed loop and the numpy reference project each new value: the same numbers bit for bit, so the same run."""
     from policies import get_policy
-    from policies.core.stages import projected_norms, wo_l1
+    from policies.core.stage_critical import projected_norms, wo_l1
     from sim.replay.layer_inputs import load_layers
     from sim.replay.policy_replay import replay
     from traces.synthetic import make_synthetic_trace

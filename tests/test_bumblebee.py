@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from policies import get_policy
 from policies.core.base import Policy, PolicyError
-from policies._bumblebee_greedy import (COL_W, FULL_MATRIX_MAX, concave, greedy_select, greedy_select_keys,
-                                         sim_columns, similarity_into, similarity_matrix, unit_keys_t)
+from policies._bumblebee_greedy import FULL_MATRIX_MAX, concave, greedy_select, greedy_select_keys
+from policies._bumblebee_similarity import COL_W, sim_columns, similarity_into, similarity_matrix, unit_keys_t
 from policies.bumblebee import CONCAVE, F_ACC, F_NN, F_NNPOS, F_NORM, SIMILARITY, _prefill, _step, objective
 from policies.core.shared_kernels import causal_column_sums, prompt_attention
 from policies.core.scorer import recent_slots

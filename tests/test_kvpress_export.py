@@ -1,7 +1,7 @@
 """Each policy's kvpress counterpart (``Policy.kvpress_press``) and ``kvsim export --kvpress``: the ratio arithmetic,
 every registered policy's declaration (a press or a reason), the refusals that name their cause, and the command's
 output as Python. Whether the declared presses keep kvsim's sets inside kvpress is benchmarks/kvpress_parity.py's
-job (tests/test_kvpress_parity.py checks its table against these declarations)."""
+job (tests/benchmarks/test_kvpress_parity_script.py checks its table against these declarations)."""
 from __future__ import annotations
 
 import ast
@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.core.kvpress_press import MIN_JACCARD, KvpressPress, NoKvpressPress, compression_ratio, export, n_kept
+from policies.core.kvpress_press import (MIN_JACCARD, KvpressPress, NoKvpressPress, compression_ratio, export,
+                                         export_holds, n_kept)
 from policies.core.registry import list_policies
 from sim.cli import main
 from sim.experiments.specs import parse_policy
@@ -23,6 +24,15 @@ def test_the_ratio_keeps_exactly_the_budget(total, data):
     kept = data.draw(st.integers(1, total))
     r = compression_ratio(kept, total)
     assert 0.0 <= r < 1.0 and n_kept(total, r) == kept
+
+
+def test_kvpress_count_rule():
+    assert n_kept(1024, 0.5) == 512 and n_kept(1024, 0.75) == 256 and n_kept(10, 0.99) == 1 and n_kept(8, 1.0) == 0
+
+
+def test_an_export_holds_with_ties_at_the_cut():
+    assert export_holds(1.0, 0.996) and export_holds(255 / 257, 255 / 257) and not export_holds(1.0, 0.98)
+    assert export_holds(0.995, 0.99) and not export_holds(0.98, 1.0)
 
 
 def test_round_ratios_stay_round():

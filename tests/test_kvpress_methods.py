@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from policies import PolicyError, get_policy, list_policies, policy_class
-from policies.core import combinators as comb
+from policies.core.combinators import threshold
+from policies.core.stage_threshold import threshold_evict
 from policies.cur import projection
 from sim.replay.policy_replay import replay
 from sim.experiments.specs import parse_policy, policy_spec
@@ -475,7 +476,7 @@ def test_threshold_at_minus_inf_is_the_scorer_within_budget():
     trace, _ = make_trace(T=40, P=16, hq=4, hkv=2, d=8, seed=11)
     for inner in ("knorm", "qfilter"):
         a = replay(trace, get_policy(inner), 10, record_kept=(16, 24))
-        b = replay(trace, comb.threshold(inner), 10, record_kept=(16, 24))
+        b = replay(trace, threshold(inner), 10, record_kept=(16, 24))
         np.testing.assert_array_equal(a.kept, b.kept)
         np.testing.assert_array_equal(a.metrics, b.metrics)
     big = replay(trace, parse_policy("threshold(knorm, tau=-inf, sliding_window_size=0)"), 40)
@@ -490,13 +491,13 @@ def test_threshold_judges_once_and_waits_for_protection():
     positions = np.arange(n)[None, :].astype(np.int64)
     keep = np.ones((1, n), np.uint8)
     head = np.array([[1.0]])                       # position 0 already judged (kept): not judged again
-    comb.threshold_evict(0.0, 2, True, 5, np.array([10]), np.array([0]), np.array([3]), np.array([n]), positions,
+    threshold_evict(0.0, 2, True, 5, np.array([10]), np.array([0]), np.array([3]), np.array([n]), positions,
                          scores, head, 0, keep)
     # leaves the window: positions < 5 - 2 + 1 = 4, but protected from 3 on: judged [1, 3)
     np.testing.assert_array_equal(keep[0], [1, 1, 0, 1, 1, 1])
     assert head[0, 0] == 3.0
     keep[:] = 1
-    comb.threshold_evict(0.0, 2, False, 5, np.array([10]), np.array([0]), np.array([3]), np.array([n]), positions,
+    threshold_evict(0.0, 2, False, 5, np.array([10]), np.array([0]), np.array([3]), np.array([n]), positions,
                          scores, head, 0, keep)
     np.testing.assert_array_equal(keep[0], 1)                        # on_decode=False: nothing judged at decode
 

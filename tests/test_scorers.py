@@ -236,7 +236,7 @@ def test_expected_attention_prompt_matches_numpy_reference(seed):
 # ----- critical(): CriticalKV's W_O rescaling -----
 
 def test_critical_projected_norm_and_two_stages_worked_example():
-    from policies.core.stages import critical_stages, wo_l1
+    from policies.core.stage_critical import critical_stages, wo_l1
 
     pol = parse_policy("critical(knorm)")
     # one KV head, two query heads, d = 2, hidden = 2: W_O^(0) = I, W_O^(1) = [[2, 0], [0, 0]]

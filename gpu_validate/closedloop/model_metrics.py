@@ -13,6 +13,7 @@ from gpu_validate.closedloop.jobs import BatchJob, RunResult
 from gpu_validate.validate_error import ValidateError
 from gpu_validate.closedloop.runner import CompressedRunner, run_batch
 from policies.core.base import Policy
+from sim.replay.kept_sets import compare_kept
 from traces.hf.geometry import model_shape
 from sim.replay.policy_replay import replay
 
@@ -130,20 +131,3 @@ def kept_set_agreement(model, trace, policy: Policy, budget: int, n_steps: int, 
     gpu = runner.run(ids[:P], continuation=ids[P:P + n_steps + 1]).kept
     sim = replay(trace, policy, budget, record_kept=(P, n_steps), threads=1, sliding=sliding, chunk=chunk)
     return compare_kept(gpu[sim.layer_index], sim.kept, n_steps)
-
-
-def compare_kept(gpu: np.ndarray, sim: np.ndarray, n_steps: int) -> dict[str, Any]:
-    """Kept-set agreement of two [L, >= n_steps, Hkv, W] position records (-1 padded): share of equal sets,
-    mean Jaccard overlap, and the most positions in one set's symmetric difference, over (layer, step, KV head)."""
-    equal, jac, n, worst = 0, 0.0, 0, 0
-    for l in range(gpu.shape[0]):
-        for r in range(n_steps):
-            for h in range(gpu.shape[2]):
-                a = set(gpu[l, r, h][gpu[l, r, h] >= 0].tolist())
-                b = set(sim[l, r, h][sim[l, r, h] >= 0].tolist())
-                equal += a == b
-                jac += len(a & b) / max(1, len(a | b))
-                worst = max(worst, len(a ^ b))
-                n += 1
-    return {"kept_agreement": equal / n, "kept_jaccard": jac / n, "symmetric_difference_max": worst,
-            "n_compared": n, "n_steps": n_steps}

@@ -19,6 +19,7 @@ Step contract (per layer, called after the new token ``t`` was appended at slot 
 """
 from __future__ import annotations
 
+import itertools
 import os
 from collections import namedtuple
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import numpy as np
 from numba import njit, types
 
 from policies.core.errors import PolicyError
+from policies.core.kvpress_press import NoKvpressPress
 
 _f8v = types.float64[::1]
 _i8v = types.int64[::1]
@@ -268,8 +270,6 @@ class Policy:
         (a grid over two booleans is four configurations; over one parameter, its values). Each value is checked
         against the schema's type and range, and each axis must start at the paper default, so a changed default
         or a typo fails here, naming the policy, rather than searching a grid that lost its anchor."""
-        import itertools
-
         known = {p.name: p for p in cls.schema}
         axes = []
         for name, values in cls.search_grid.items():
@@ -382,8 +382,6 @@ class Policy:
         ``NoKvpressPress`` saying why there is none. ``prompt_at_once``: the prompt is selected at once by the
         policy's prompt score (``ada(x, floor_alpha=1)``) rather than streamed through its step. Declared by each
         policy next to its rule; read by ``kvsim export --kvpress``, ``kvsim recommend`` and the parity benchmark."""
-        from policies.core.kvpress_press import NoKvpressPress
-
         raise NoKvpressPress(f"{self.name}: kvpress has no press with its rule")
 
     def kernels(self) -> tuple[Callable, Callable, Callable]:

@@ -197,6 +197,14 @@ def export(policy: Any, budget: int, prompt_tokens: int, spec: str | None = None
     return Export(spec, c, int(budget), int(prompt_tokens), ratio, kept, floor)
 
 
+def export_holds(floor: float, measured: float) -> bool:
+    """Whether a measured Jaccard index of the kept sets keeps an export's promise (``Export.jaccard_floor``): the bar
+    `MIN_JACCARD` (an export never promises less), not the floor itself, since equal scores at the cut are kept in
+    an order neither side specifies (torch.topk; kvpress's float32 scores against kvsim's float64), which can cost
+    a token on top of the floor's protected ones."""
+    return bool(min(floor, measured) >= MIN_JACCARD - 1e-12)
+
+
 def export_summary(policy: Any, budget: int, prompt_tokens: int, spec: str | None = None) -> dict[str, Any]:
     """`export`'s JSON, or ``{"refused": why}``: what a recommendation shows beside its ``kvsim generate`` line."""
     try:

@@ -14,6 +14,7 @@ import warnings
 from importlib.metadata import entry_points
 from typing import Any, Callable, NamedTuple
 
+import policies
 from policies.core.base import Policy, PolicyError
 
 #: entry-point group of policy plug-ins: ``name = "package.module"``; importing the module registers its policies
@@ -73,8 +74,6 @@ def _discover() -> None:
     if _discovered:
         return
     _discovered = True
-    import policies
-
     for mod in pkgutil.iter_modules(policies.__path__):  # every module outside core/ but a policy's private helpers
         if not mod.ispkg and not mod.name.startswith("_"):
             importlib.import_module(f"policies.{mod.name}")

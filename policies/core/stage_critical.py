@@ -1,20 +1,19 @@
-"""The kernels of the combinator stages (policies/core/combinators.py): Ada-KV's head-wise allocation, CriticalKV's
-W_O rescaling and DecodingPress's schedule. Each reads its parameters as arguments and its state from its own
-slice of the head state, at an offset the generated step passes in (``ScorerPolicy.head_offsets``).
+"""The ``critical`` stage: CriticalKV (Feng et al., 2025, arXiv 2502.03805), its class, its kernels and its
+slice of the head state (the group's W_O, packed).
 
-Ada-KV (Feng et al., 2024). Eviction loss and its bound (Theorems 1-2, rebuilt from the prose; the symbols were
-lost in extraction): for one head with full attention weights ``A_j`` and values ``v_j``, keeping the set ``I``
-gives post-eviction weights ``A_j 1[j in I] / F`` with retained mass ``F = sum_{j in I} A_j`` (Theorem 1), so
-with ``C = max_j ||v_j||_1``, ``||o - o'||_1 <= C sum_j A_j |1 - 1[j in I] / F| = 2 C (1 - F)``. The paper states
-it after the output projection and summed over the heads of a layer (Theorem 2); the per-head form is that
-statement with ``W^O_i`` the identity and a per-head ``C``, which is tighter, and the engine's metrics ``l1`` and
-``l1_bound`` are exactly it (tests check both forms). Top-k selection maximises ``F`` for given budgets
-(Theorem 3); Ada-KV picks the budgets by a top-k over the flattened scores of all heads of a layer, which
-maximises ``sum_i F_i`` for the layer's total, hence its bound is never above the uniform allocation's
-(Theorem 4) -- with the safeguard too, see ``ada_allocate``.
+A token's output contribution is its attention times its value *after* the output projection, so the score alone misjudges tokens whose values W_O shrinks
+or amplifies. Two stages per head: the top ``first_stage_ratio`` share of the head's slots for candidates
+(its size less the protected tokens it holds) is kept by the current score; the other candidates compete on
+``(score + critical_epsilon) * mean_j ||W_O^(j) v||_1`` over the group's query heads j (kvpress's L1 norm and
+group mean; paper and kvpress defaults 0.5 and 1e-4). The size is the head's budget, or its allocation when an
+``ada`` stage runs inside. Choices: (a) kvpress applies it once, at prefill; here the two stages run at every
+eviction too; (b) stage 1 ranks the candidates only: kvpress protects nothing and ranks every prompt token,
+here protected tokens are kept anyway, so they take no first-stage slot (with ``first_stage_ratio=1`` the
+policy is the scorer's, as in kvpress); (c) the rescaling assumes non-negative attention-like scores (``expected_attention``
+with ``use_vnorm=False``, SnapKV-like); over a negative score (``knorm``) the product inverts the ranking
+exactly as kvpress's does. W_O comes from the trace (``wo`` arrays, written by ``kvsim record``) or, closed
+loop, from the model's ``o_proj``.
 
-Ada-KV state (2 head-state columns): [0] 1 once the head's decode-time size is set, [1] that size.
-Decoding state (1 column, head 0's): decode steps since the last compression.
 CriticalKV state: [0] the index of its slot field (the slot's projected value norm, 0 = not yet computed),
 [1] G*d, [2] hidden, then the query group's W_O, transposed [d, G * hidden], as float32 pairs packed into the
 float64 head state; in a replay of a recorded trace, then every position's projected value norm (the table
@@ -22,210 +21,24 @@ float64 head state; in a replay of a recorded trace, then every position's proje
 """
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+from typing import Any
+
 import numpy as np
 from numba import njit
 
+from policies.core.base import Param, Policy, PolicyError
+from policies.core.kvpress_press import KvpressPress
+from policies.core.scorer import ScorerPolicy, StageCode
+from policies.core.stage_ada import AdaStage
+from policies.core.stage_base import Stage
 
-#: rounding of Ada-KV's safeguard mixture: exact total by largest remainder, or the released code's int() floor,
-#: round-half-even, no total correction (``ada_allocate``)
-ROUNDING = ("largest_remainder", "released")
+EPSILON = Param("critical_epsilon", 1e-4, "float", 0.0, 1.0,
+                doc="added to the score before the W_O rescaling (CriticalKV, kvpress: epsilon)", searchable=False)
+FIRST_STAGE_RATIO = Param("first_stage_ratio", 0.5, "float", 0.0, 1.0,
+                          doc="share of the size selected by the plain score before the W_O rescaling (CriticalKV)")
 
-
-# ---------------------------------------------------------------- Ada-KV
-
-@njit(cache=True)
-def ada_allocate(scores, base, alpha, released=False):
-    """Ada-KV head budgets for one layer: int64 [H] summing exactly to ``sum(base)``.
-
-    scores [H, C]: observed (pooled) scores of each head's C candidate tokens; base [H]: the uniform per-head
-    budgets (each <= C). Algorithm 2: take the top ``K = sum(base)`` entries of the flattened scores of all
-    heads; head h's adaptive count ``n_h`` is how many of them are its own. Safeguard (authors' code): the
-    budget is the mixture ``(1 - alpha) * n_h + alpha * base_h``, so every head keeps at least
-    ``floor(alpha * base_h)`` and ``alpha = 1`` is the uniform allocation. The authors round each head
-    independently (``round``) after truncating the floor with ``int``, which can miss the total by a few
-    slots; here the mixture is rounded by largest remainder (ties: larger n_h, then lower head), so the sum is
-    exact and each budget stays between ``n_h`` and ``base_h`` -- which keeps Theorem 4 (the adaptive
-    bound is never above the uniform one) true for every alpha. Flattened ties go to the lower head index.
-    ``released``: the released rounding, ``round_half_even((1 - alpha) * n_h + int(alpha * base_h))``, whose
-    total can fall short of ``sum(base)`` (left short) or exceed it by up to H / 2 slots; an excess would break
-    the layer budget, so it is taken back one slot at a time from the heads that rounded up the most (ties:
-    the higher head), the one deviation from the released code.
-    """
-    h_n, c_n = scores.shape
-    total = 0
-    for h in range(h_n):
-        total += base[h]
-    flat = np.empty(h_n * c_n, np.float64)
-    for h in range(h_n):
-        for i in range(c_n):
-            flat[h * c_n + i] = -scores[h, i]
-    order = np.argsort(flat, kind="mergesort")
-    counts = np.zeros(h_n, np.int64)
-    for j in range(min(total, h_n * c_n)):
-        counts[order[j] // c_n] += 1
-    out = np.zeros(h_n, np.int64)
-    if released:
-        gain = np.zeros(h_n, np.float64)
-        got = 0
-        for h in range(h_n):
-            x = (1.0 - alpha) * counts[h] + np.float64(np.int64(alpha * base[h]))
-            out[h] = np.int64(np.round(x))
-            gain[h] = out[h] - x
-            got += out[h]
-        for _ in range(got - total):
-            best = 0
-            for h in range(1, h_n):
-                if gain[h] >= gain[best]:
-                    best = h
-            out[best] -= 1
-            gain[best] -= 1.0
-        return out
-    rem = np.zeros(h_n, np.float64)
-    given = 0
-    for h in range(h_n):
-        x = (1.0 - alpha) * counts[h] + alpha * base[h]
-        f = np.floor(x + 1e-9)
-        out[h] = np.int64(f)
-        rem[h] = max(0.0, x - f)
-        given += out[h]
-    for _ in range(total - given):
-        best = -1
-        for h in range(h_n):
-            if best < 0 or rem[h] > rem[best] or (rem[h] == rem[best] and counts[h] > counts[best]):
-                best = h
-        out[best] += 1
-        rem[best] = -1.0
-    return out
-
-
-@njit(cache=True)
-def target_size(base, head_state, off, h):
-    """A head's size after each decode step: its prefill allocation, else its base size."""
-    return np.int64(head_state[h, off + 1]) if head_state[h, off] > 0 else base[h]
-
-
-@njit(cache=True)
-def ada_sizes(head_state, off, base, sizes):
-    """Ada-KV at decode (the authors' fixed allocation): every head keeps its prefill-allocated size."""
-    for h in range(sizes.shape[0]):
-        sizes[h] = target_size(base, head_state, off, h)
-
-
-@njit(cache=True)
-def ada_prompt(scores, base, w_e, alpha, released, lo, hi, head_state, off, sizes):
-    """Ada-KV's prompt selection (Algorithm 1 with Algorithm 2's budgets) over any scores [Hkv, P]: sinks (the
-    positions below ``lo[h]``) rank first (+inf; other scores are capped at 1e300), the last ``w_e`` prompt
-    tokens are kept by every head, and the layer's candidate budget ``sum(base - w_e)`` is split across heads by
-    ``ada_allocate`` over the flattened candidate scores (safeguard ``alpha``; ``released`` rounding). Sets
-    ``sizes`` (what each head keeps of the prompt) and ``lo``/``hi`` (its candidates: positions [0, P - w_e)),
-    and stores each head's decode-time size. Heads whose prompt fits keep everything."""
-    h_n, P = scores.shape
-    for h in range(h_n):
-        for i in range(P):
-            scores[h, i] = np.inf if i < lo[h] else min(scores[h, i], 1e300)
-    c_n = P - w_e
-    fits = True
-    for h in range(h_n):
-        lo[h] = 0
-        hi[h] = max(c_n, 0)
-        if base[h] < P:
-            fits = False
-    if fits or c_n <= 0:
-        for h in range(h_n):
-            head_state[h, off] = 1.0
-            head_state[h, off + 1] = base[h]
-            sizes[h] = P
-        return
-    cand = np.empty(h_n, np.int64)
-    for h in range(h_n):
-        cand[h] = min(max(base[h] - w_e, 0), c_n)
-    alloc = ada_allocate(np.ascontiguousarray(scores[:, :c_n]), cand, alpha, released)
-    for h in range(h_n):
-        sizes[h] = alloc[h] + w_e
-        head_state[h, off] = 1.0
-        head_state[h, off + 1] = alloc[h] + w_e if base[h] < P else base[h]
-
-
-@njit(cache=True)
-def evict_flat(scores, positions, lengths, lo_pos, hi_pos, floors, head_state, off, keep):
-    """Ada-KV re-allocation at decode: the layer drops ``sum(lengths) - sum(targets)`` slots, each time the
-    lowest-scored candidate (position in [lo_pos[h], hi_pos[h])) of any head still above its floor (ties: lower
-    head, older token); the heads' new sizes become their targets."""
-    hkv = lengths.shape[0]
-    excess = 0
-    left = np.empty(hkv, np.int64)
-    for h in range(hkv):
-        left[h] = lengths[h]
-        excess += lengths[h] - np.int64(head_state[h, off + 1])
-    for _ in range(excess):
-        bh = -1
-        bi = -1
-        for h in range(hkv):
-            if left[h] <= floors[h]:
-                continue
-            for i in range(lengths[h]):
-                if keep[h, i] == 0 or positions[h, i] < lo_pos[h] or positions[h, i] >= hi_pos[h]:
-                    continue
-                if bh < 0 or scores[h, i] < scores[bh, bi]:
-                    bh = h
-                    bi = i
-        if bh < 0:
-            break
-        keep[bh, bi] = 0
-        left[bh] -= 1
-    for h in range(hkv):
-        head_state[h, off] = 1.0
-        head_state[h, off + 1] = left[h]
-
-
-@njit(cache=True)
-def ada_evict_flat(alpha, base, recent, lo, hi, lengths, positions, scores, head_state, off, sizes, keep):
-    """``decode_alloc='flat'``: Algorithm 2 carried into decode. When a head is over its size, the layer evicts
-    its lowest-scored candidates over the flattened scores of all heads, every head keeping its recent window
-    plus ``floor(alpha * (base - recent))`` slots, so head sizes keep adapting."""
-    hkv = lengths.shape[0]
-    floors = np.empty(hkv, np.int64)
-    over = False
-    for h in range(hkv):
-        floors[h] = recent[h] + int(alpha * (base[h] - recent[h]))
-        if lengths[h] > sizes[h]:
-            over = True
-    if not over:
-        return
-    for h in range(hkv):
-        if head_state[h, off] == 0.0:
-            head_state[h, off] = 1.0
-            head_state[h, off + 1] = base[h]
-    evict_flat(scores, positions, lengths, lo, hi, floors, head_state, off, keep)
-
-
-def allocation_bound(weights: np.ndarray, budgets: np.ndarray, vmax1: np.ndarray | float = 1.0) -> float:
-    """The layer's Theorem 2 bound ``sum_h 2 C_h (1 - top_{b_h}(weights[h]))`` for per-head budgets (Theorem 3:
-    the top-k kept set maximises the retained mass). weights [H, N] observed attention, budgets [H]."""
-    w = np.sort(np.asarray(weights, np.float64), axis=1)[:, ::-1]
-    kept = np.array([w[h, : int(b)].sum() for h, b in enumerate(budgets)])
-    return float((2.0 * np.asarray(vmax1, np.float64) * (1.0 - kept)).sum())
-
-
-# ---------------------------------------------------------------- DecodingPress
-
-@njit(cache=True)
-def decoding_target(budget, every, target):
-    """The size a ``decoding`` stage compresses a head to: ``target``, or ``budget - every + 1`` when 0."""
-    return np.int64(target) if target > 0 else budget - every + 1
-
-
-@njit(cache=True)
-def decoding_tick(head_state, off, every):
-    """Count a step in head 0's slice; True (and restart the count) every ``every`` steps: a compression."""
-    head_state[0, off] += 1.0
-    if head_state[0, off] < every:
-        return False
-    head_state[0, off] = 0.0
-    return True
-
-
-# ---------------------------------------------------------------- CriticalKV
 
 @njit(cache=True, nogil=True)
 def _projected_l1(bt, vec, g_n, prods):
@@ -509,3 +322,91 @@ def critical_prompt(eps, ratio, sizes, lo, hi, v, slot_state, head_state, off, s
             norms = wo_l1(head_state, off, h, np.ascontiguousarray(v[:, h, :]))
         slot_state[h, :, f] = norms
         critical_stages(eps, ratio, sizes[h], lo[h], hi[h], pos, h, P, scores, norms)
+
+
+class CriticalStage(Stage):
+    name = "critical"
+    summary = "CriticalKV's W_O rescaling"
+    params = (EPSILON, FIRST_STAGE_RATIO)
+    head_fields = 4          # its slot-field index, G*d, hidden, norm-table width; the W_O block follows
+    slot_fields = 1          # the slot's projected value norm, computed once
+    policy_attrs = {"needs_wo": True, "reads_values": True}
+
+    @classmethod
+    def refuse(cls, inner: type[ScorerPolicy]) -> str | None:
+        if inner.scorer.ranks_by_position:
+            return (f"{inner.scorer.name} ranks tokens by position only: rescaling a position by the W_O-projected "
+                    f"value norm has no meaning")
+        return None
+
+    @classmethod
+    def code(cls, pol: type[ScorerPolicy]) -> StageCode:
+        off = pol.head_offsets[cls.name]
+        eps, ratio = (cls.index(pol, p.name) for p in cls.params)
+        # the rescored scores of a head within its size are read only by an ``ada`` stage around this one (its flat
+        # eviction compares every head's); else the eviction (evict_to, per head) reads only the heads over size
+        every = any(s is AdaStage for s in pol.chain[pol.chain.index(cls) + 1:])
+        return StageCode(step=f"    critical_step(params[{eps}], params[{ratio}], sizes, lo, hi, lengths, positions, "
+                              f"values, slot_state, head_state, {off}, scores, {every})\n",
+                         prompt=f"    critical_prompt(params[{eps}], params[{ratio}], sizes, lo, hi, v, slot_state, "
+                                f"head_state, {off}, scores)\n",
+                         globals=(("critical_step", critical_step),
+                                  ("critical_prompt", critical_prompt)))
+
+    @classmethod
+    def kvpress(cls, policy: Policy, inner: KvpressPress) -> KvpressPress:
+        """``CriticalKVPress`` around the inner press: kvpress counts the sinks inside stage 1, kvsim outside, so
+        stage 1 differs by about sinks x (1 - first_stage_ratio) tokens."""
+        p = policy.params
+        sinks = int(inner.press.get("n_sink", inner.press.get("num_sinks", 0)))
+        off = math.ceil(sinks * (1.0 - p["first_stage_ratio"]))
+        return replace(inner, press={"cls": "CriticalKVPress", "press": inner.press, "epsilon": p["critical_epsilon"],
+                                     "first_stage_ratio": p["first_stage_ratio"]}, differs_by=inner.differs_by + off,
+                       differs_why=("kvpress counts the sinks inside stage 1" if off else inner.differs_why))
+
+    @classmethod
+    def replay_head_state(cls, policy: Policy, n_kv_heads: int, head_dim: int, layer: Any,
+                          memo: dict | None) -> np.ndarray:
+        """``head_state`` with every position's projected value norm of the trace layer appended (``projected_norms``,
+        computed once per layer and kept in ``memo`` for the other replays of the same inputs)."""
+        key = ("critical.projected_norms", n_kv_heads, head_dim)
+        table = None if memo is None else memo.get(key)
+        if table is None:
+            head = cls.head_state(policy, n_kv_heads, head_dim, layer.wo)
+            table = projected_norms(head, policy.head_offsets[cls.name], np.ascontiguousarray(layer.v, np.float32))
+            if memo is not None:
+                memo[key] = table
+        return cls.head_state(policy, n_kv_heads, head_dim, layer.wo, table)
+
+    @classmethod
+    def head_state(cls, policy: Policy, n_kv_heads: int, head_dim: int, wo: np.ndarray | None,
+                   table: np.ndarray | None = None) -> np.ndarray:
+        """The policy's head state with this stage's slice filled: the index of its slot field, G*d, hidden, the
+        width of the norm table (0 without one), then per KV head its query group's W_O transposed, float32
+        [d, G * hidden] (C order), packed in pairs into the float64 head state (read by ``wo_l1``), then the norm
+        table [Hkv, T] when given."""
+        if wo is None:
+            raise PolicyError(f"{policy.label()} needs the layer's output projection W_O, and this trace has none: "
+                              "record it again with `kvsim record` (which stores W_O for Llama-family models)")
+        wo = np.asarray(wo, np.float32)
+        hidden, width = wo.shape
+        if width % n_kv_heads:
+            raise PolicyError(f"{policy.label()}: W_O has {width} columns, not a multiple of {n_kv_heads} KV heads")
+        gd, d = width // n_kv_heads, head_dim
+        if gd % d:
+            raise PolicyError(f"{policy.label()}: W_O's {gd} columns per KV head are not whole heads of {d}")
+        # [Hkv, d, G, hidden]: row x of a KV head's block is input channel x of its G heads' W_O columns
+        blocks = wo.reshape(hidden, n_kv_heads, gd // d, d).transpose(1, 3, 2, 0).reshape(n_kv_heads, hidden * gd)
+        words = (blocks.shape[1] + 1) // 2          # whole float64 slots: an odd count pads one float32 (never read)
+        off = policy.head_offsets[cls.name]
+        field = policy.slot_fields - sum(s.slot_fields for s in policy.chain[policy.chain.index(cls):])
+        n_table = 0 if table is None else table.shape[1]
+        # filled in place: the scorer's (possibly large, mostly untouched) zero block stays lazily allocated
+        out = np.zeros((n_kv_heads, policy.head_fields + words + n_table))
+        out[:, off:off + 4] = [float(field), float(gd), float(hidden), float(n_table)]
+        packed = out[:, policy.head_fields:policy.head_fields + words]
+        flat = packed.view(np.float32)              # bit-for-bit; copies of the head state keep the bits
+        flat[:, :blocks.shape[1]] = blocks
+        if table is not None:
+            out[:, policy.head_fields + words:] = table
+        return out

@@ -1,6 +1,9 @@
-"""benchmarks/kvpress_parity.py without kvpress or a network: the Jaccard and diagnosis helpers on tiny arrays, the
-table of cases (JSON press specs, kvsim specs the registry accepts), and the kvsim side's "compress the prompt once"
-on a small synthetic trace (prefill selector and streamed prompt alike)."""
+"""benchmarks/kvpress_parity.py itself, without kvpress or a network: its report of a comparison (the worst row, the
+diagnosis of differing tokens by kvpress's scores), the table of cases (JSON press specs, kvsim specs the registry
+accepts, the presses read from the policies' declarations, an explicit press only where a declaration refuses),
+and the kvsim side's "compress the prompt once" on a small synthetic trace (prefill selector and streamed prompt
+alike). The library parts it uses are tested with the library: tests/test_kept_sets.py (masks, Jaccard) and
+tests/test_kvpress_export.py (the declarations, the count rule, whether an export's promise holds)."""
 from __future__ import annotations
 
 import json
@@ -8,23 +11,11 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.kvpress_parity import (CASES, available, diagnosis, file_tag, fill, jaccard, kept_mask, kvsim_kept,
-                                       n_kept, press_repr, summarize)
-from policies.core.kvpress_press import MIN_JACCARD, NoKvpressPress, export
-from sim.replay.policy_replay import layer_inputs
+from benchmarks.kvpress_parity import CASES, available, diagnosis, file_tag, fill, kvsim_kept, summarize
+from policies.core.kvpress_press import MIN_JACCARD, NoKvpressPress, export, press_repr
 from sim.experiments.specs import parse_policy
+from sim.replay.policy_replay import layer_inputs
 from traces.synthetic import make_synthetic_trace
-
-
-def test_jaccard_of_kept_sets():
-    a = np.array([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]], bool)
-    b = np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 0]], bool)
-    assert jaccard(a, b).tolist() == [1.0, 1 / 3, 1.0]      # identical, {0,2} vs {1,2}, two empty sets
-
-
-def test_kept_mask_from_padded_positions():
-    pos = np.array([[[3, 0, -1], [1, -1, -1]]])
-    assert kept_mask(pos, 4).astype(int).tolist() == [[[1, 0, 0, 1], [0, 1, 0, 0]]]
 
 
 def test_summarize_names_the_worst_row():
@@ -46,10 +37,6 @@ def test_diagnosis_tells_ties_at_the_cut_from_far_differences():
     far = np.array([[[0, 1, 1, 0, 0, 1]]], bool)               # the best token dropped for the worst: far from the cut
     assert diagnosis(scores, a, far) == {"differing_tokens": 2, "max_rank_from_cut": 2, "tied_with_cut_score": 0}
     assert diagnosis(scores, a, a) is None
-
-
-def test_kvpress_count_rule():
-    assert n_kept(1024, 0.5) == 512 and n_kept(1024, 0.75) == 256 and n_kept(10, 0.99) == 1 and n_kept(8, 1.0) == 0
 
 
 def test_the_table_is_data():
@@ -109,6 +96,17 @@ def test_fill_replaces_placeholders():
     assert fill("snapkv:window_size=64", {}) == "snapkv:window_size=64"
 
 
+def test_an_explicit_press_only_where_the_declaration_refuses():
+    """A row names its press only to show a difference kvsim's declaration refuses to promise (kvsim's defaults
+    against kvpress's, another rule); every other row compares the press the policy declares, so the mapping from a
+    kvsim policy to its press is written once, in the policy (``Policy.kvpress_press``)."""
+    explicit = [n for n, c in CASES.items() if c.press is not None and c.kvsim is not None and available(c) is None]
+    assert explicit
+    for name in explicit:
+        with pytest.raises(NoKvpressPress):
+            parse_policy(fill(CASES[name].kvsim, {"tau": -1.5})).kvpress_press()
+
+
 @pytest.fixture(scope="module")
 def small():
     trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=33,
@@ -127,13 +125,6 @@ def test_kvsim_side_compresses_the_prompt_once(small):
     expect = np.zeros(32, bool)
     expect[:4] = expect[-8:] = True
     assert (streamed == expect).all()
-
-
-def test_an_export_holds_with_ties_at_the_cut():
-    from benchmarks.kvpress_parity import export_holds
-
-    assert export_holds(1.0, 0.996) and export_holds(255 / 257, 255 / 257) and not export_holds(1.0, 0.98)
-    assert export_holds(0.995, 0.99) and not export_holds(0.98, 1.0)
 
 
 def test_triattention_row_says_why_there_is_no_parity():
