@@ -87,7 +87,7 @@ def run_needle_experiment(spec: NeedleSpec, *, command: str | None = None, progr
     from gpu_validate.studies.needle.prediction import prediction_table, stored_features
     from gpu_validate.studies.needle.prompts import make_grid
     from gpu_validate.studies.needle.scores import passing_cells, prediction_report, seed_reliability, summarize, wrong_calls
-    from gpu_validate.studies.study_pages import run_info
+    from gpu_validate.studies.page_parts import run_info
     from policies.core.registry import get_policy
     from sim.experiments.specs import parse_policy_list
     from sim.experiments.store import ResultStore
@@ -192,7 +192,7 @@ def write_needle_report(result: NeedleResult, out: str | Path, *, log: Callable[
     import json
 
     from gpu_validate.studies.needle.scores import plot_needle
-    from gpu_validate.studies.study_pages import needle_page, needle_tables
+    from gpu_validate.studies.needle.needle_page import needle_page, needle_tables
     from sim.reports.table import print_tables
     from traces.format import atomic_write_text
 

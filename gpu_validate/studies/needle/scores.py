@@ -46,7 +46,7 @@ def confusion_scores(confusion: Mapping[str, int]) -> dict[str, Any]:
     Edge cases: with no cells every rate is NaN; when the truth holds one class only, the rate of the other class is
     undefined and so is ``balanced_accuracy`` (NaN, never a guess); ``mcc`` is 0 when any marginal (a true class or
     a predicted class) is empty, the usual convention: such a call carries no information about the other side.
-    Results stored with only a confusion are scored from it this way (`gpu_validate.studies.study_pages`)."""
+    Results stored with only a confusion are scored from it this way (`gpu_validate.studies.needle.needle_page`)."""
     tp, fn = int(confusion["model_ok_pred_ok"]), int(confusion["model_ok_pred_fail"])
     fp, tn = int(confusion["model_fail_pred_ok"]), int(confusion["model_fail_pred_fail"])
     n, pos, neg = tp + fn + fp + tn, tp + fn, fp + tn

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from gpu_validate.studies.study_pages import run_facts
+from gpu_validate.studies.page_parts import run_facts
 from gpu_validate.studies.recommendation.recommender import LOSS_FLOOR
 from policies.core.kvpress_press import summary_line
 from sim.reports.table import fmt3
