@@ -145,6 +145,7 @@ def summarise(cells: Sequence[dict], judged: Sequence[dict], reliable_only: bool
 
 
 def report(args, load) -> int:
+    """The report stage (see the module docstring) with the model and segments ``load(args)`` gives."""
     from benchmarks._util import machine, write_result
     from gpu_validate.studies.fidelity.rank_fidelity import split_half_reliability
     from gpu_validate.studies.recommendation.recommend_search import (REFINE, SIM_LOSS, SIM_LOSSES, ExecutionSettings,

@@ -12,15 +12,17 @@ from typing import Any
 import numpy as np
 
 
-def report(args, load) -> int:
+def report(args, load, cands: list) -> int:
+    """The report stage on the grid of ``cands`` (benchmarks/recommend_retrieval.py's `grid_candidates`), with the
+    model and prompts ``load(args)`` gives."""
     from benchmarks._util import machine, write_result
     from benchmarks.recommend_report import signal_analysis
-    from benchmarks.recommend_retrieval import grid_candidates
     from gpu_validate.studies.needle.runs import config_key
     from gpu_validate.studies.recommendation.candidates import Target, budget_ladder
     from gpu_validate.studies.recommendation.recommend_evaluation import (confidence_calibration, coverage, judge,
                                                                           random_splits, threshold_scan)
-    from gpu_validate.studies.recommendation.recommend_search import ExecutionSettings, GuaranteeSettings, SearchSettings
+    from gpu_validate.studies.recommendation.recommend_search import (ExecutionSettings, GuaranteeSettings,
+                                                                      SearchSettings)
     from gpu_validate.studies.recommendation.recommend_statistics import MARGIN_Z
     from gpu_validate.studies.recommendation.retrieval import RetrievalRecommender, certifiable
     from sim.reports.runinfo import kvsim_version, now
@@ -32,7 +34,6 @@ def report(args, load) -> int:
     limit_threads(args.threads)
     t0 = time.perf_counter()
     model, tok, mid, prompts, solved = load(args)
-    cands = grid_candidates()
     budgets = budget_ladder(args.prompt, args.budgets)
     grid_store, sim_store = ResultStore(args.store), ResultStore(args.store + "-sim")
     known = grid_store.load()

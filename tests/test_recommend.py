@@ -18,9 +18,8 @@ from gpu_validate.validate_error import ValidateError
 from gpu_validate.studies.recommendation.recommend_search import (REFINE, ExecutionSettings, GuaranteeSettings,
                                                                   Recommender, SearchSettings, refine_points,
                                                                   shortlist)
-from gpu_validate.studies.recommendation.recommend_statistics import (CONFIDENCE, MARGIN_Z, Calibration,
-                                                                      confidence_level, conformal_rank, default_alpha,
-                                                                      fit_calibration)
+from gpu_validate.studies.recommendation.recommend_statistics import (CONFIDENCE, MARGIN_Z, confidence_level,
+                                                                      conformal_rank, default_alpha, fit_calibration)
 from gpu_validate.studies.recommendation.candidates import COMBINATORS, Target, budget_ladder, candidates, families
 from policies import get_policy
 from policies.core.errors import PolicyError

@@ -1,6 +1,6 @@
-"""``kvsim recommend --target retrieval=X`` (gpu_validate.studies.recommendation.retrieval): the target, the binomial bound, the
-full-cache gate, and the search on the tiny model with a stand-in for the model's retrieval outcomes (the shipped
-tiny model answers no pass key, which the CLI test checks)."""
+"""``kvsim recommend --target retrieval=X`` (gpu_validate.studies.recommendation.retrieval): the target, the binomial
+bound, the full-cache gate, and the search on the tiny model with a stand-in for the model's retrieval outcomes (the
+shipped tiny model answers no pass key, which the CLI test checks)."""
 from __future__ import annotations
 
 import json

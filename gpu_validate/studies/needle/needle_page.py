@@ -40,8 +40,8 @@ def _needle_frame(report: Mapping[str, Any]) -> pd.DataFrame:
 
 
 def needle_tables(report: Mapping[str, Any]) -> list[RankedTable]:
-    """Retrieval accuracy per policy and budget as `sim.reports.table` ranked tables (the terminal's and the page's), with
-    the predicted accuracy and the agreement on the held-out seeds when the result has them."""
+    """Retrieval accuracy per policy and budget as `sim.reports.table` ranked tables (the terminal's and the
+    page's), with the predicted accuracy and the agreement on the held-out seeds when the result has them."""
     df = _needle_frame(report)
     extras = [c for c in (PREDICTED_ACCURACY, AGREEMENT) if df[c.key].notna().any()]
     return ranked_tables(df, ACCURACY, extras=extras)
@@ -62,7 +62,8 @@ def needle_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: str
     if plot:
         page.section("Accuracy by length and depth", figure_html(plot, NEEDLE_CAPTION, "needle heatmaps"))
     for task, task_plot in report.get("task_plots", {}).items():
-        page.section(f"{task}: accuracy by length and depth", figure_html(task_plot, NEEDLE_CAPTION, f"{task} heatmaps"))
+        page.section(f"{task}: accuracy by length and depth",
+                     figure_html(task_plot, NEEDLE_CAPTION, f"{task} heatmaps"))
     if pred:
         page.section("The simulator's prediction", _prediction_body(report, pred))
     items = metric_legend_items([ACCURACY] + extras)
@@ -192,7 +193,8 @@ def _prediction_body(report: Mapping[str, Any], pred: Mapping[str, Any]) -> str:
 
 
 def _confusion(c: Mapping[str, int]) -> dict[str, dict[str, int]]:
-    """`gpu_validate.studies.needle.scores.prediction_report`'s flat confusion as rows (model outcome) x columns (prediction)."""
+    """`gpu_validate.studies.needle.scores.prediction_report`'s flat confusion as rows (model outcome) x columns
+    (prediction)."""
     return {"model_ok": {"pred_ok": c["model_ok_pred_ok"], "pred_fail": c["model_ok_pred_fail"]},
             "model_fail": {"pred_ok": c["model_fail_pred_ok"], "pred_fail": c["model_fail_pred_fail"]}}
 

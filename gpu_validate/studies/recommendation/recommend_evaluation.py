@@ -134,7 +134,8 @@ def threshold_scan(judged: Sequence[dict], thresholds: Sequence[float] = (1, 1.5
                    ) -> list[dict[str, Any]]:
     """The margin (``confidence.margin_t``) as a predictor of the outcome, threshold by threshold: of the answers
     that claimed the target, how many had at least that margin and the share of them that held out, and the same
-    below it. `gpu_validate.studies.recommendation.recommend_statistics.CONFIDENCE` was chosen from this scan on SmolLM2 and is judged on Gemma-3."""
+    below it. `gpu_validate.studies.recommendation.recommend_statistics.CONFIDENCE` was chosen from this scan on
+    SmolLM2 and is judged on Gemma-3."""
     claimed = [j for j in judged if j["answer"]["met"]]
     out = []
     for t in thresholds:

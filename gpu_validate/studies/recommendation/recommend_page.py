@@ -73,8 +73,8 @@ def budget_rows(report: Mapping[str, Any]) -> list[list[object]]:
     return rows
 
 
-#: "bound": the measured mean plus the margin (`gpu_validate.studies.recommendation.recommender.MARGIN_Z` standard errors): what must meet
-#: the target
+#: "bound": the measured mean plus the margin (`gpu_validate.studies.recommendation.recommend_statistics.MARGIN_Z`
+#: standard errors): what must meet the target
 BUDGET_HEADERS = ["budget", "choice", "from", "confirmed", "simulated", "predicted", "measured", "bound", "K/V held"]
 
 
@@ -82,8 +82,8 @@ def print_report(report: Mapping[str, Any]) -> None:
     """The per-budget table in the terminal (rich)."""
     table = Table(title=escape(f"kvsim recommend — {report['model']}, target {report['target']} "
                                f"({report['target_column']} ≤ {report['target_limit']:g})"), box=box.SIMPLE_HEAD,
-                  caption="from: confirmed = the configuration run in the model at that budget with the lowest bound; simulator = "
-                          "the simulator's first (not run)")
+                  caption="from: confirmed = the configuration run in the model at that budget with the lowest bound; "
+                          "simulator = the simulator's first (not run)")
     for h in BUDGET_HEADERS:
         table.add_column(h, justify="left" if h in ("choice", "from") else "right", no_wrap=True)
     answer = report["answer"]["budget"]

@@ -1,8 +1,9 @@
 """``kvsim recommend``: which policy, with which hyperparameters, at what budget keeps the quality a user needs on
 their model and texts -- decided by the simulator, confirmed in the model.
 
-1. **Simulate** every candidate (`gpu_validate.studies.recommendation.candidates`: each policy's paper default and the hyperparameter
-   values its module declares) at every budget of a ladder on one teacher-forced trace per text segment
+1. **Simulate** every candidate (`gpu_validate.studies.recommendation.candidates`: each policy's paper default and
+   the hyperparameter values its module declares) at every budget of a ladder on one teacher-forced trace per text
+   segment
    (`gpu_validate.studies.fidelity.segments.simulated`; the trace is recorded once and serves every configuration).
 2. **Calibrate**: the simulator's first choice at every rung runs closed loop in the model on the same segments;
    a power law ``ΔNLL ≈ exp(a) · sim^b`` fitted on those runs turns every simulated loss into a predicted model
@@ -33,10 +34,10 @@ their model and texts -- decided by the simulator, confirmed in the model.
    configuration and the answer's budget are chosen on the same segments, a selection the argument does not
    cover: `benchmarks/recommend.py` measures the coverage over repeated seen/held-out splits.
 
-Every closed-loop run goes into a `sim.experiments.store.ResultStore` under the output folder (the simulated cells into a
-second one), so an interrupted recommendation resumes without repeating a model run. The recommendation states its
-own confidence (`confidence`): a prediction of whether the answer holds on text it has not seen, from the margin by
-which the answer's measured loss met the target in units of the segments' spread (calibrated against held-out
+Every closed-loop run goes into a `sim.experiments.store.ResultStore` under the output folder (the simulated cells
+into a second one), so an interrupted recommendation resumes without repeating a model run. The recommendation states
+its own confidence (`confidence`): a prediction of whether the answer holds on text it has not seen, from the margin
+by which the answer's measured loss met the target in units of the segments' spread (calibrated against held-out
 outcomes in `benchmarks/recommend.py`), besides how often the simulator ordered two confirmed configurations as the
 model did and how far the calibrated predictions were from the measured losses.
 
@@ -62,15 +63,16 @@ from gpu_validate.studies.fidelity.rank_fidelity import SIM_LOSSES as FIDELITY_S
 from gpu_validate.studies.fidelity.rank_fidelity import block_means
 from gpu_validate.studies.fidelity.segments import ENGINE_LOSSES, RayTarget, Segment, cell_key, closed_loop, simulated
 from gpu_validate.studies.recommendation.candidates import Candidate, Target
-from gpu_validate.studies.recommendation.recommend_statistics import (CONFIDENCE_ADVICE, MARGIN_Z, SE_BLOCK, Calibration,
-                                                                      confidence_level, conformal_rank, default_alpha,
-                                                                      fit_calibration)
+from gpu_validate.studies.recommendation.recommend_statistics import (CONFIDENCE_ADVICE, MARGIN_Z, SE_BLOCK,
+                                                                      Calibration, confidence_level, conformal_rank,
+                                                                      default_alpha, fit_calibration)
 from gpu_validate.validate_error import ValidateError
 from policies.core.kvpress_press import export_summary
 from sim.experiments.specs import policy_spec
 from sim.experiments.store import ResultStore
 
-#: the simulated losses of a recommendation's table: `gpu_validate.studies.fidelity.rank_fidelity`'s and the error after W_O
+#: the simulated losses of a recommendation's table: `gpu_validate.studies.fidelity.rank_fidelity`'s and the error
+#: after W_O
 SIM_LOSSES = (*FIDELITY_SIM_LOSSES, "err_wo_mean")
 #: the simulated loss the recommendation ranks by: the L1 distance of the attention distributions. It ranked 31
 #: SmolLM2 configurations of a text kvsim had never seen best (Spearman rho 0.81 against the model's ΔNLL; the error

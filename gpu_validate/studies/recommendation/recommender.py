@@ -38,8 +38,8 @@ def recommend_texts(model: str, texts: Sequence[str], target: str, *, out: str |
                     ray_address: str | None = None, threads: int = 1, alpha: float | None = None) -> dict[str, Any]:
     """`recommend` from names, as ``kvsim recommend`` takes them: a model (registry name, HF folder or .gguf),
     texts (shipped names or UTF-8 files; ``segments`` windows of each), a target (``dnll=0.05``, ``top1=0.95``;
-    ``retrieval=0.9`` runs `gpu_validate.studies.recommendation.retrieval` on ``segments`` pass-key seeds per text instead),
-    families or specs (``all``) and budgets (``auto`` or ``64,128``). On CUDA the closed loop uses the Triton
+    ``retrieval=0.9`` runs `gpu_validate.studies.recommendation.retrieval` on ``segments`` pass-key seeds per text
+    instead), families or specs (``all``) and budgets (``auto`` or ``64,128``). On CUDA the closed loop uses the Triton
     cache, else the torch one. With ``ray_address`` the closed-loop batches run as Ray tasks (``threads`` each,
     one GPU each on CUDA) on workers that load ``model`` themselves. ``alpha``: the level of the distribution-free
     guarantee (default `default_alpha`; a retrieval target's: its Clopper-Pearson level, default 1 - Φ(`MARGIN_Z`)),
