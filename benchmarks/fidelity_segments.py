@@ -89,7 +89,7 @@ def report(model, segments, configs, store, *, args, model_id: str, t0: float) -
     import pandas as pd
 
     from benchmarks._util import RESULTS, machine, write_result
-    from gpu_validate.studies.study_pages import segments_page
+    from gpu_validate.studies.fidelity.fidelity_page import segments_page
     from sim.reports.runinfo import kvsim_version, now
     from gpu_validate.studies.fidelity.rank_fidelity import MODEL_LOSSES, SIM_LOSSES
     from sim.experiments.store import ResultStore

@@ -35,7 +35,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def build_pages(demo: Path, work: Path) -> dict[str, Path]:
     """Every page to look at: the demo's, a report of its store, and the committed model-side results' pages."""
-    from gpu_validate.studies.study_pages import fidelity_page, needle_page, segments_page
+    from gpu_validate.studies.fidelity.fidelity_page import fidelity_page, segments_page
+    from gpu_validate.studies.needle.needle_page import needle_page
     from sim.cli import main as kvsim
 
     pages = {"demo": demo / "demo.html"}

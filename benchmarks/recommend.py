@@ -5,15 +5,15 @@ never saw against an exhaustive closed-loop grid there.
    x 4 hyperparameter values + TOVA, each family's own ``search_grid``) at every budget, closed loop, on
    ``--segments`` segments of each of two shipped texts (resumable store; a segment of each text per round, so a
    stopped run is balanced).
-2. ``--stage report``: the simulator on the same cells; `gpu_validate.studies.recommendation.recommender.recommend` run on the seen
-   segments of each split (benchmarks/recommend_report.py: random draws of ``seen`` segments, folds, cross-text;
-   its simulations and its own closed-loop runs, the refined budgets between rungs included -- those are new runs,
-   stored in the grid's store, and the configurations confirmed there also run on every segment so that the
+2. ``--stage report``: the simulator on the same cells; `gpu_validate.studies.recommendation.recommender.recommend`
+   run on the seen segments of each split (benchmarks/recommend_report.py: random draws of ``seen`` segments, folds,
+   cross-text; its simulations and its own closed-loop runs, the refined budgets between rungs included -- those are
+   new runs, stored in the grid's store, and the configurations confirmed there also run on every segment so that the
    held-out segments judge them), then judged on the held-out segments: whether the budget it recommends meets the
-   target there and how it compares with the smallest budget that does, the coverage of its guarantee, how often
-   each confidence level held, whether its first choice per budget is among the model's three best, its regret
-   against the paper default, and how many model runs it used. Writes benchmarks/results/recommend_<model>.json.
-   CPU-heavy where refinement asks for budgets the store lacks: run it under the heavy lock.
+   target there and how it compares with the smallest budget that does, the coverage of its guarantee, how often each
+   confidence level held, whether its first choice per budget is among the model's three best, its regret against the
+   paper default, and how many model runs it used. Writes benchmarks/results/recommend_<model>.json. CPU-heavy where
+   refinement asks for budgets the store lacks: run it under the heavy lock.
 
     python -m benchmarks.recommend --model smollm2-135m --stage grid
     python -m benchmarks.recommend --model smollm2-135m --stage report
@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+from benchmarks.recommend_report import report
 
 TEXTS = ("default", "idle")
 #: the grid's families (each with its own search grid): a fixed subset of the candidates, for cost
@@ -50,9 +52,11 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--splits", type=int, default=None, help="random splits (default: the model's)")
     ap.add_argument("--verbose", action="store_true", help="the recommendations' own progress lines")
     ap.add_argument("--refine", type=float, default=None,
-                    help="report stage: the refinement ratio (default: gpu_validate.studies.recommendation.recommender.REFINE; 0: rungs only)")
+                    help="report stage: the refinement ratio (default: "
+                         "gpu_validate.studies.recommendation.recommend_search.REFINE; 0: rungs only)")
     ap.add_argument("--margin-z", type=float, default=None,
-                    help="report stage: the bound's level (default: gpu_validate.studies.recommendation.recommender.MARGIN_Z)")
+                    help="report stage: the bound's level (default: "
+                         "gpu_validate.studies.recommendation.recommend_statistics.MARGIN_Z)")
     ap.add_argument("--out", default=None, help="report stage: the JSON (default benchmarks/results/recommend_<model>"
                                                 ".json; another path for a variant)")
     args = ap.parse_args(argv)
@@ -101,11 +105,7 @@ def grid(args) -> int:
 
 def main(argv: list[str]) -> int:
     args = _args(argv)
-    if args.stage == "grid":
-        return grid(args)
-    from benchmarks.recommend_report import report
-
-    return report(args, load)
+    return grid(args) if args.stage == "grid" else report(args, load)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import argparse
 import sys
 import time
 
+from benchmarks.recommend_retrieval_report import report
+
 TEXTS = ("default", "idle")
 #: the grid's configurations: each family's paper default, and SnapKV with an 8-token window
 SPECS = ("h2o", "snapkv", "snapkv:window_size=8", "streaming_llm", "buzz", "d2o", "cascading", "expected_attention",
@@ -107,11 +109,7 @@ def grid(args) -> int:
 
 def main(argv: list[str]) -> int:
     args = _args(argv)
-    if args.stage == "grid":
-        return grid(args)
-    from benchmarks.recommend_retrieval_report import report
-
-    return report(args, load)
+    return grid(args) if args.stage == "grid" else report(args, load, grid_candidates())
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Stage 2 of benchmarks/recommend_retrieval.py: retrieval recommendations made on random subsets of the pass-key
 prompts the full cache answers, judged on the others against the exhaustive grid (see that file's docstring), with
-the measures of benchmarks/recommend_report.py (`judge`, `coverage`, `confidence_calibration`,
-`signal_analysis`)."""
+the measures of benchmarks/recommend.py (`gpu_validate.studies.recommendation.recommend_evaluation` and
+benchmarks/recommend_report.py's `signal_analysis`)."""
 from __future__ import annotations
 
 import sys
@@ -12,14 +12,18 @@ from typing import Any
 import numpy as np
 
 
-def report(args, load) -> int:
+def report(args, load, cands: list) -> int:
+    """The report stage on the grid of ``cands`` (benchmarks/recommend_retrieval.py's `grid_candidates`), with the
+    model and prompts ``load(args)`` gives."""
     from benchmarks._util import machine, write_result
-    from benchmarks.recommend_report import (confidence_calibration, coverage, judge, random_splits,
-                                             signal_analysis, threshold_scan)
-    from benchmarks.recommend_retrieval import grid_candidates
+    from benchmarks.recommend_report import signal_analysis
     from gpu_validate.studies.needle.runs import config_key
-    from gpu_validate.studies.recommendation.recommender import MARGIN_Z
     from gpu_validate.studies.recommendation.candidates import Target, budget_ladder
+    from gpu_validate.studies.recommendation.recommend_evaluation import (confidence_calibration, coverage, judge,
+                                                                          random_splits, threshold_scan)
+    from gpu_validate.studies.recommendation.recommend_search import (ExecutionSettings, GuaranteeSettings,
+                                                                      SearchSettings)
+    from gpu_validate.studies.recommendation.recommend_statistics import MARGIN_Z
     from gpu_validate.studies.recommendation.retrieval import RetrievalRecommender, certifiable
     from sim.reports.runinfo import kvsim_version, now
     from sim.experiments.store import ResultStore
@@ -30,7 +34,6 @@ def report(args, load) -> int:
     limit_threads(args.threads)
     t0 = time.perf_counter()
     model, tok, mid, prompts, solved = load(args)
-    cands = grid_candidates()
     budgets = budget_ladder(args.prompt, args.budgets)
     grid_store, sim_store = ResultStore(args.store), ResultStore(args.store + "-sim")
     known = grid_store.load()
@@ -51,8 +54,11 @@ def report(args, load) -> int:
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 rec = RetrievalRecommender(model, seen, cands, budgets, tg, decode=tok.decode, n_prompt=args.prompt,
-                                           model_id=mid, out=tmp, closed_store=grid_store, sim_store=sim_store,
-                                           margin_z=MARGIN_Z, progress=False, log=lambda s: None, refine=None).run()
+                                           model_id=mid, out=tmp, search=SearchSettings(refine=None),
+                                           guarantee=GuaranteeSettings(margin_z=MARGIN_Z),
+                                           execution=ExecutionSettings(progress=False, log=lambda s: None,
+                                                                       closed_store=grid_store,
+                                                                       sim_store=sim_store)).run()
             table = {k: np.array([v[p.prompt_id] for p in held]) for k, v in failed.items()}
             j = judge(rec, table, tg, budgets, [], len(cands) * len(budgets) * len(held))
             j.update(split=f"random {i}", kind="random", n_seen=len(seen))

@@ -71,7 +71,7 @@ def model_costs(name: str, recommend: bool) -> dict[str, Any]:
     """The ``models`` entry of one real model (see the module docstring)."""
     import torch
 
-    from gpu_validate.studies.recommendation.recommender import SIM_LOSS
+    from gpu_validate.studies.recommendation.recommend_search import SIM_LOSS
     from gpu_validate.studies.recommendation.candidates import budget_ladder, candidates
     from gpu_validate.studies.fidelity.segments import ENGINE_LOSSES, closed_loop, make_segments, simulated
     from sim.experiments.store import ResultStore

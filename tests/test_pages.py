@@ -15,7 +15,8 @@ import pytest
 
 from gpu_validate.studies.fidelity.rank_fidelity import MODEL_COLUMNS, pair_agreement, token_reliability
 from gpu_validate.studies.needle.scores import prediction_report, seed_reliability, summarize
-from gpu_validate.studies.study_pages import fidelity_page, needle_page, segments_page
+from gpu_validate.studies.fidelity.fidelity_page import fidelity_page, segments_page
+from gpu_validate.studies.needle.needle_page import needle_page
 from gpu_validate.studies.fidelity.segments import fidelity_by_text
 from policies import get_policy
 from sim.replay.metrics import column

@@ -15,8 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_validate.validate_error import ValidateError
-from gpu_validate.studies.recommendation.recommender import (CONFIDENCE, REFINE, Calibration, Recommender, confidence_level, conformal_rank,
-                                    default_alpha, fit_calibration, refine_points, shortlist)
+from gpu_validate.studies.recommendation.recommend_search import (REFINE, ExecutionSettings, GuaranteeSettings,
+                                                                  Recommender, SearchSettings, refine_points,
+                                                                  shortlist)
+from gpu_validate.studies.recommendation.recommend_statistics import (CONFIDENCE, MARGIN_Z, confidence_level,
+                                                                      conformal_rank, default_alpha, fit_calibration)
 from gpu_validate.studies.recommendation.candidates import COMBINATORS, Target, budget_ladder, candidates, families
 from policies import get_policy
 from policies.core.errors import PolicyError
@@ -174,7 +177,8 @@ class _TableRecommender(Recommender):
     Configuration i's model loss on unit u at budget b is ``scale[i] * unit[u] * (b0 / b) ** power[i]`` (falling
     with the budget), its simulated loss that times a per-configuration noise factor."""
 
-    def __init__(self, n_cfg: int, n_units: int, budgets, target: float, k: int, tmp_path, seed: int, **kw) -> None:
+    def __init__(self, n_cfg: int, n_units: int, budgets, target: float, k: int, tmp_path, seed: int, *,
+                 refine: float | None = REFINE, margin_z: float = MARGIN_Z) -> None:
         from gpu_validate.studies.recommendation.candidates import Candidate
 
         rng = np.random.default_rng(seed)
@@ -185,7 +189,8 @@ class _TableRecommender(Recommender):
         self.noise = rng.uniform(0.5, 2.0, n_cfg)
         self.index = {c.label: i for i, c in enumerate(cands)}
         super().__init__(None, [object()] * n_units, cands, budgets, Target.parse(f"dnll={target}"), n_prompt=10_000,
-                         model_id="m", out=tmp_path, validate=k, progress=False, **kw)
+                         model_id="m", out=tmp_path, search=SearchSettings(validate=k, refine=refine),
+                         guarantee=GuaranteeSettings(margin_z=margin_z), execution=ExecutionSettings(progress=False))
 
     def model_loss(self, label: str, b: int) -> np.ndarray:
         i = self.index[label]
@@ -298,7 +303,8 @@ def test_recommend_on_the_tiny_model_resumes_without_model_runs(tiny_segments, t
     from gpu_validate.studies.recommendation.recommender import recommend
 
     model, segs = tiny_segments
-    kw = dict(n_prompt=64, model_id="tiny", out=tmp_path, validate=2, progress=False, log=lambda s: None)
+    kw = dict(n_prompt=64, model_id="tiny", out=tmp_path, search=SearchSettings(validate=2),
+              execution=ExecutionSettings(progress=False, log=lambda s: None))
     cands = candidates("h2o;streaming_llm;tova")
     rep = recommend(model, segs, cands, [16, 32, 48], Target.parse("dnll=0.05"), **kw)
     json.dumps(rep, default=float)                                           # JSON-ready

@@ -1,6 +1,6 @@
-"""``kvsim recommend --target retrieval=X`` (gpu_validate.studies.recommendation.retrieval): the target, the binomial bound, the
-full-cache gate, and the search on the tiny model with a stand-in for the model's retrieval outcomes (the shipped
-tiny model answers no pass key, which the CLI test checks)."""
+"""``kvsim recommend --target retrieval=X`` (gpu_validate.studies.recommendation.retrieval): the target, the binomial
+bound, the full-cache gate, and the search on the tiny model with a stand-in for the model's retrieval outcomes (the
+shipped tiny model answers no pass key, which the CLI test checks)."""
 from __future__ import annotations
 
 import json
@@ -50,8 +50,8 @@ def _fake_run_needle(rule):
 def test_retrieval_recommendation_gates_on_the_full_cache_and_bounds_the_failures(tmp_path, monkeypatch):
     import torch
 
-    from gpu_validate.studies.needle import runs as needle
-    from gpu_validate.studies.recommendation.retrieval import recommend_retrieval
+    from gpu_validate.studies.recommendation import retrieval
+    from gpu_validate.studies.recommendation.recommend_search import SearchSettings
     from traces.model import read_text
     from traces.models import load_model
 
@@ -63,8 +63,10 @@ def test_retrieval_recommendation_gates_on_the_full_cache_and_bounds_the_failure
         return p.prompt_id != unsolved if pol.name == "full" else b >= 48
 
     run, calls = _fake_run_needle(rule)
-    monkeypatch.setattr(needle, "run_needle", run)
-    kw = dict(prompt_tokens=160, per_text=2, model_id="tiny", backend="torch", progress=False, validate=2)
+    monkeypatch.setattr(retrieval, "run_needle", run)                 # the closed loop, where retrieval calls it
+    recommend_retrieval = retrieval.recommend_retrieval
+    kw = dict(prompt_tokens=160, per_text=2, model_id="tiny", backend="torch", progress=False,
+              search=SearchSettings(validate=2))
     cands = candidates("h2o;streaming_llm;tova")
     rep = recommend_retrieval(model, tok, {"default": read_text("default")[0]}, cands, [16, 32, 48, 64],
                               Target.parse("retrieval=0.7"), out=tmp_path, **kw)

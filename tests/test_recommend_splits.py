@@ -1,12 +1,14 @@
-"""benchmarks/recommend_report.py's splits: what a recommendation sees and what it is judged on never overlap; the
-random draws are distinct and seeded; the guarantee's and the confidence's summaries count what they say."""
+"""The recommend benchmarks' splits (`gpu_validate.studies.recommendation.recommend_evaluation`): what a
+recommendation sees and what it is judged on never overlap; the random draws are distinct and seeded; the
+guarantee's and the confidence's summaries count what they say."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from benchmarks.recommend_report import confidence_calibration, coverage, random_splits, splits
+from gpu_validate.studies.recommendation.recommend_evaluation import (confidence_calibration, coverage, random_splits,
+                                                                      splits)
 
 
 @pytest.mark.parametrize("n", [3, 4, 6])

@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from gpu_validate.studies.fidelity.rank_fidelity import pair_agreement, plot_fidelity, run_fidelity, token_reliability
-    from gpu_validate.studies.study_pages import fidelity_page, fidelity_tables, run_info
+    from gpu_validate.studies.fidelity.fidelity_page import fidelity_page, fidelity_tables
+    from gpu_validate.studies.page_parts import run_info
     from sim.commands._common import command_line
     from sim.reports.table import print_tables
     from sim.experiments.specs import parse_policy_list

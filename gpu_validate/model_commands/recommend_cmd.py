@@ -65,9 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from gpu_validate.studies.study_pages import run_info
+    from gpu_validate.studies.page_parts import run_info
+    from gpu_validate.studies.recommendation.recommend_page import (answer_lines, plot_front, print_report,
+                                                                    recommend_page)
     from gpu_validate.studies.recommendation.recommender import recommend_texts
-    from gpu_validate.studies.recommendation.recommend_page import answer_lines, plot_front, print_report, recommend_page
     from sim.commands._common import apply_threads, command_line
     from traces.format import atomic_write_text
 

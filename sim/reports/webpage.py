@@ -2,9 +2,9 @@
 
 A page is one file that works offline: images are embedded as base64 PNG, the style and the few lines of script
 that sort a table by a clicked header are inline, and nothing is fetched (no CDN, no font, no URL). Without
-script the tables are still in rank order. `sim.reports.sweep_page` (sweeps) and `gpu_validate.studies.study_pages` (fidelity, retrieval)
-compose their pages from these parts; `ranked_table_html` draws a `sim.reports.table.RankedTable`, the same object the
-terminal prints.
+script the tables are still in rank order. `sim.reports.sweep_page` (sweeps) and the studies' pages in
+`gpu_validate.studies` (fidelity, retrieval, recommendation) compose their pages from these parts;
+`ranked_table_html` draws a `sim.reports.table.RankedTable`, the same object the terminal prints.
 """
 from __future__ import annotations
 

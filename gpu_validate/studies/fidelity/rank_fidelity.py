@@ -10,18 +10,26 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+from scipy.stats import spearmanr
+from tqdm.auto import tqdm
 
 from gpu_validate.closedloop.chunked_forward import full_model_logits
-from gpu_validate.closedloop.model_metrics import compare_kept, metrics_of_run
 from gpu_validate.closedloop.jobs import BatchJob
-from gpu_validate.validate_error import ValidateError
+from gpu_validate.closedloop.model_metrics import compare_kept, metrics_of_run
 from gpu_validate.closedloop.runner import run_batch
-from policies.core.base import Policy
+from gpu_validate.validate_error import ValidateError
+from policies.core.base import Policy, reconstruction_chunk
+from sim.replay.cells import replay_cells
+from sim.replay.layer_inputs import load_layers
 from sim.replay.metrics import Column, column
+from sim.reports.plotting import agg_pyplot, save_figure
+from traces.format import load_trace
+from traces.recorder import record_trace
 
 #: simulated losses (higher = worse) compared with the model's losses, labelled as sim.replay.metrics labels them
 SIM_LOSSES = {key: column(key).label for key in ("err_mean", "err_p95", "kl_mean", "l1_mean", "miss_mass")}
@@ -30,8 +38,6 @@ MODEL_LOSSES = {"delta_nll": "ΔNLL (ranks as ΔPPL)", "top1_disagreement": "top
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Spearman's rho (scipy), NaN when either side is constant."""
-    from scipy.stats import spearmanr
-
     x, y = np.asarray(x, float), np.asarray(y, float)
     if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return float("nan")
@@ -46,8 +52,6 @@ def correlations(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def within_budget_correlations(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Mean over budgets of rho among the lossy policies at one budget: does the simulator rank *policies*,
     not just budgets (pooled rho is dominated by the budget)? NaN where no budget has 3 lossy policies."""
-    import warnings
-
     lossy = [r for r in rows if r["policy"] != "full"]
     budgets = sorted({r["budget"] for r in lossy})
     out: dict[str, dict[str, float]] = {}
@@ -66,14 +70,6 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
                  n_prompt: int, n_open_steps: int = 16, backend: str = "torch", model_id: str = "model",
                  log=print, progress: bool = True, sliding: str = "keep", chunk: int = 1) -> dict[str, Any]:
     """All policies × budgets through the simulator and the model; returns the JSON-ready report."""
-    from tqdm.auto import tqdm
-
-    from sim.replay.layer_inputs import load_layers
-    from sim.replay.cells import replay_cells
-    from traces.format import load_trace
-    from policies.core.base import reconstruction_chunk
-    from traces.recorder import record_trace
-
     ids = [int(x) for x in ids]
     n_decode = len(ids) - n_prompt
     if n_prompt < 1 or n_decode < 2:
@@ -144,8 +140,6 @@ def run_fidelity(model, ids: Sequence[int], policies: Sequence[Policy], budgets:
 
 def plot_fidelity(report: dict[str, Any], path: str | Path) -> Path:
     """Scatter of the best simulated loss vs the model's ΔPPL and top-1 disagreement, one colour per policy."""
-    from sim.reports.plotting import agg_pyplot, save_figure
-
     plt = agg_pyplot()
 
     rows = report["rows"]

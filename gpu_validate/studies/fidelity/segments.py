@@ -17,15 +17,28 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import pandas as pd
+import torch
+from scipy.optimize import nnls
+from tqdm.auto import tqdm
 
 from gpu_validate.closedloop.chunked_forward import full_model_logits
-from gpu_validate.closedloop.model_metrics import metrics_of_run
 from gpu_validate.closedloop.jobs import BatchJob
-from gpu_validate.validate_error import ValidateError
+from gpu_validate.closedloop.model_metrics import metrics_of_run
 from gpu_validate.closedloop.runner import run_batch
-from policies.core.base import Policy
+from gpu_validate.studies.fidelity.rank_fidelity import spearman, split_half_reliability
+from gpu_validate.validate_error import ValidateError
+from policies import get_policy
+from policies.core.base import Policy, reconstruction_chunk
+from sim.experiments.executors import ray_map
+from sim.replay.cells import replay_cells
+from sim.replay.layer_inputs import load_layers
 from sim.replay.metrics import Column
-
+from sim.replay.projected_error import ProjectedReference
+from sim.reports.plotting import agg_pyplot, save_figure
+from traces.format import load_trace
+from traces.models import load_model
+from traces.recorder import record_trace
 
 #: simulated losses of the segment study that are not `sim.replay.metrics` columns (header, label, direction, doc)
 SEGMENT_COLUMNS = {
@@ -109,18 +122,12 @@ class _RemoteBatch:
 @lru_cache(maxsize=1)
 def _worker_model(spec: str, device: str):
     """A Ray worker's model, loaded once per worker process (the tokenizer is not needed: segments are ids)."""
-    import torch
-
-    from traces.models import load_model
-
     torch.set_grad_enabled(False)
     return load_model(spec, device=device, progress=False)[0]
 
 
 def _run_remote_batch(batch: _RemoteBatch) -> list[dict[str, Any]]:
     """A Ray task: the rows of one batch, run on the worker's own copy of the model."""
-    from policies import get_policy
-
     model = _worker_model(batch.target.model, batch.target.device)
     chunk = [(seg, get_policy(name, **dict(params)), b) for seg, name, params, b in batch.cells]
     return _batch_rows(model, chunk, n_prompt=batch.n_prompt, model_id=batch.model_id, backend=batch.backend,
@@ -160,10 +167,6 @@ def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Poli
     run batched through the model (``backend``: the runner's cache kernels), here or, with ``ray``, as one Ray
     task per batch on workers that load the model themselves; each batch is stored as soon as it finishes.
     Returns the store's table."""
-    from tqdm.auto import tqdm
-
-    from sim.experiments.executors import ray_map
-
     done = store.keys()
     todo = [(s, p, b) for s in segments for p, b in configs if cell_key(model_id, s, n_prompt, p, b) not in done]
     if len(todo) < len(segments) * len(configs):
@@ -210,13 +213,6 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
     than the replay. With a ``store`` (a `sim.experiments.store.ResultStore`), segments already simulated (with the losses
     asked for) are read back, new ones added. The progress bar counts configurations. ``threads``: the cells of a
     layer replayed side by side (default: this process's share of the cores, `sim.replay.plan.replay_threads`)."""
-    from tqdm.auto import tqdm
-
-    from policies.core.base import reconstruction_chunk
-    from sim.replay.layer_inputs import load_layers
-    from traces.format import load_trace
-    from traces.recorder import record_trace
-
     unknown = sorted(set(losses) - set(SIMULATED_LOSSES))
     if unknown:
         raise ValidateError(f"unknown simulated loss(es) {unknown}; choose from {SIMULATED_LOSSES}")
@@ -263,9 +259,6 @@ class _Ticker:
 def _segment_rows(trace, inputs, seg: Segment, configs: Sequence[tuple[Policy, int]], keys: Sequence[str],
                   want_wo: bool, tick: Callable[[float], None], threads: int | None) -> list[dict[str, Any]]:
     """The rows of one segment's trace: every configuration replayed in one pass, in the order of ``configs``."""
-    from sim.replay.projected_error import ProjectedReference
-    from sim.replay.cells import replay_cells
-
     P = trace.meta.n_prompt
     n_dec = trace.meta.n_tokens - P
     wo = trace.wo() if want_wo else None
@@ -333,8 +326,6 @@ def fidelity_by_text(merged, sim_losses: Sequence[str], model_losses: Sequence[s
     """Per text and budget: split-half reliability of the model's policy ranking (mean over segments) and the
     Spearman rho of each simulated loss's policy means with each model loss's; plus rho pooled over budgets.
     ``merged`` joins closed-loop and simulated rows (columns text, segment, label, budget and the losses)."""
-    from gpu_validate.studies.fidelity.rank_fidelity import spearman, split_half_reliability
-
     out: dict[str, Any] = {}
     for text, part in merged.groupby("text"):
         labels = sorted(part.label.unique())
@@ -362,8 +353,6 @@ def fidelity_by_text(merged, sim_losses: Sequence[str], model_losses: Sequence[s
 def plot_segment_fidelity(res: dict[str, Any], path: str | Path, title: str = "") -> Path:
     """One panel per (text, budget): each policy's mean simulated error against its mean closed-loop ΔNLL
     over the segments, with the within-budget rho and the model's own split-half reliability in the title."""
-    from sim.reports.plotting import agg_pyplot, save_figure
-
     plt = agg_pyplot()
     texts = list(res)
     budgets = sorted({int(b) for r in res.values() for b in r["by_budget"]})
@@ -400,8 +389,6 @@ def fit_layer_weights(merged, by_layer: str = "err_by_layer", target: str = "del
     """Non-negative per-layer weights w with ``sum_l w_l * err_l`` ≈ the model loss, fitted on the (label, budget)
     means over segments of ``merged`` (one text). Ridge ``ridge`` x mean squared feature keeps the 30 weights
     of a 30-layer model determined by ~40 cells; fixed a priori, not tuned."""
-    from scipy.optimize import nnls
-
     cells = merged.groupby(["label", "budget"])
     X = np.array([np.mean(np.stack([np.asarray(v, float) for v in part[by_layer]]), axis=0) for _, part in cells])
     y = np.array([part[target].mean() for _, part in cells])
@@ -413,6 +400,4 @@ def fit_layer_weights(merged, by_layer: str = "err_by_layer", target: str = "del
 
 def weighted_error(merged, w: np.ndarray, by_layer: str = "err_by_layer"):
     """``sum_l w_l * err_l`` of every row (a pandas Series aligned with ``merged``)."""
-    import pandas as pd
-
     return pd.Series([float(np.dot(w, np.asarray(v, float))) for v in merged[by_layer]], index=merged.index)

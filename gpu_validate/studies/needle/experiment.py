@@ -82,26 +82,16 @@ def run_needle_experiment(spec: NeedleSpec, *, command: str | None = None, progr
     import torch
 
     from gpu_validate.kvcache.backends import pick_device
-    from gpu_validate.closedloop.jobs import check_run_args
-    from gpu_validate.studies.needle.runs import run_needle
-    from gpu_validate.studies.needle.prediction import prediction_table, stored_features
     from gpu_validate.studies.needle.prompts import make_grid
-    from gpu_validate.studies.needle.scores import passing_cells, prediction_report, seed_reliability, summarize, wrong_calls
-    from gpu_validate.studies.study_pages import run_info
-    from policies.core.registry import get_policy
-    from sim.experiments.specs import parse_policy_list
+    from gpu_validate.studies.needle.runs import run_needle
+    from gpu_validate.studies.needle.scores import summarize
+    from gpu_validate.studies.page_parts import run_info
     from sim.experiments.store import ResultStore
     from traces.model import read_text
     from traces.models import load_model, model_id as name_of
 
     device, backend = pick_device(spec.device, spec.backend)
-    policies = parse_policy_list(spec.policies, exclude=("oracle",))
-    configs = []
-    for pol in policies:
-        for b in spec.budgets:
-            check_run_args(pol, b, backend)
-            configs.append((pol, int(b)))
-    full = get_policy("full")
+    policies, configs = _configurations(spec, backend)
     with torch.no_grad():
         model, tok = load_model(spec.model, device=device)
         model_id = name_of(spec.model)
@@ -115,6 +105,8 @@ def run_needle_experiment(spec: NeedleSpec, *, command: str | None = None, progr
         ids = {p.prompt_id for p in prompts}
 
         def run_cells(prompts_, configs_, solved_only=False):
+            """The closed-loop rows of ``prompts_`` x ``configs_`` (run where the store lacks them) of this
+            experiment's grid: its model, prompts, prompt chunk, policies and budgets."""
             df = run_needle(model, prompts_, configs_, store, model_id=model_id, backend=backend,
                             max_rows=spec.max_rows, decode=tok.decode, chunk=spec.prompt_chunk, progress=progress,
                             solved_only=solved_only, min_full_accuracy=spec.min_full_accuracy)
@@ -124,25 +116,7 @@ def run_needle_experiment(spec: NeedleSpec, *, command: str | None = None, progr
                     & (df.budget.isin(spec.budgets) | (df.policy == "full"))]
             return df if "task" in df.columns else df.assign(task="passkey")
 
-        gate = spec.min_full_accuracy > 0 or spec.solved_only
-        solved = None
-        if spec.solved_only:    # one pass: each prompt's full cache first, its policies only where that retrieves
-            first = run_cells(prompts, [(full, 1)] + configs, solved_only=True)
-            solved = set(first[(first.policy == "full") & first.success.astype(bool)].prompt_id)
-        elif gate:              # the full cache first: the policies run only where the model itself can do the task
-            first = run_cells(prompts, [(full, 1)])
-            _, _, dropped = passing_cells(first, spec.min_full_accuracy)
-            run_cells([p for p in prompts if (p.task, p.length) not in dropped], configs)
-        df, kept_cells, dropped = passing_cells(run_cells(prompts, [] if gate else [(full, 1)] + configs),
-                                                spec.min_full_accuracy)
-        if solved is not None:
-            df = df[df.prompt_id.isin(solved)]
-            prompts = [p for p in prompts if p.prompt_id in solved and (p.task, p.length) not in dropped]
-            log(f"{len(prompts)} prompts of the reported cells the full cache retrieves: the policies are judged on "
-                "those")
-        if dropped:
-            log(f"dropped (task, length) cells where the full cache retrieves < {spec.min_full_accuracy:g}: "
-                + ", ".join(f"{t}@{L} ({a:.2f})" for (t, L), a in dropped.items()))
+        df, prompts, solved, kept_cells, dropped = _gated_cells(run_cells, spec, prompts, configs, log)
         report = {"model": model_id, "backend": backend, "device": device, "tasks": list(spec.tasks),
                   "task_max_length": {t: c for t, c in spec.tasks.items() if c is not None}, "lengths": spec.lengths,
                   "depths": spec.depths, "seeds": spec.seeds, "repeats": spec.repeats,
@@ -159,29 +133,91 @@ def run_needle_experiment(spec: NeedleSpec, *, command: str | None = None, progr
             return NeedleResult(report, df)
         report.update({**summarize(df), "by_task": {t: summarize(part) for t, part in df.groupby("task")}})
         if spec.predict:
-            sim_store = ResultStore(spec.sim_store or str(spec.store).rstrip("/") + "-sim")
             prompts = [p for p in prompts if (p.task, p.length) not in dropped]    # (already so when solved_only)
-            feats = stored_features(model, prompts, configs, sim_store, model_id=model_id, chunk=spec.prompt_chunk,
-                                    progress=progress)
-            merged = prediction_table(df, feats)
-            train = spec.train_seeds if spec.train_seeds is not None else spec.seeds[:max(1, len(spec.seeds) // 2)]
-            pred = prediction_report(merged, train, objective=spec.fit_objective)
-            held_out = merged[~merged.seed.isin(train)]
-            report["wrong_calls"] = wrong_calls(held_out, prompts, pred["feature"], pred["threshold"], tok.decode)
-            report.update({"sim_agreement": pred["sim_agreement"], "base_rate": pred["base_rate"],
-                           "balanced_accuracy": pred["balanced_accuracy"], "mcc": pred["mcc"],
-                           "fit_objective": pred["objective"], "sim_store": str(sim_store.root), "prediction": pred,
-                           "model_reliability": seed_reliability(report["accuracy_by_seed"], train),
-                           "predictor": f"{pred['feature']}: retained share of the full-cache attention on the "
-                                        f"key's tokens at the answer steps, {pred['feature_doc']}"})
-            log(f"simulator prediction on held-out seeds {pred['test_seeds']}: agreement {pred['sim_agreement']:.3f} "
-                f"(base rate {pred['base_rate']:.3f}), balanced accuracy {pred['balanced_accuracy']:.3f}, "
-                f"MCC {pred['mcc']:.3f} (predictor {pred['feature']}, threshold {pred['threshold']:.3f}, both "
-                f"chosen by {pred['objective'].replace('_', ' ')} on seeds {pred['train_seeds']}); with the full "
-                f"cache's outcome per prompt: agreement {pred.get('sim_and_full_agreement', float('nan')):.3f}, "
-                f"balanced accuracy {pred.get('sim_and_full_balanced_accuracy', float('nan')):.3f}; "
-                f"confusion {pred['confusion']}")
+            report.update(_prediction(spec, model, tok, prompts, configs, df, report["accuracy_by_seed"],
+                                      model_id=model_id, progress=progress, log=log))
     return NeedleResult(report, df)
+
+
+def _configurations(spec: NeedleSpec, backend: str) -> tuple[list, list]:
+    """The spec's policies (the oracle left out) and their (policy, budget) configurations, each checked to run on
+    ``backend``."""
+    from gpu_validate.closedloop.jobs import check_run_args
+    from sim.experiments.specs import parse_policy_list
+
+    policies = parse_policy_list(spec.policies, exclude=("oracle",))
+    configs = []
+    for pol in policies:
+        for b in spec.budgets:
+            check_run_args(pol, b, backend)
+            configs.append((pol, int(b)))
+    return policies, configs
+
+
+def _gated_cells(run_cells: Callable, spec: NeedleSpec, prompts: list, configs: list,
+                 log: Callable[[str], None]) -> tuple["pd.DataFrame", list, set | None, dict, dict]:
+    """Every cell run, the full cache first where the spec gates on it (``min_full_accuracy``, ``solved_only``), so
+    that the policies run only where the model itself can do the task. Returns the reported rows, the prompts
+    judged, the prompts the full cache solves (None: not ``solved_only``), and the (task, length) cells kept and
+    dropped with the full cache's accuracy in each."""
+    from gpu_validate.studies.needle.scores import passing_cells
+    from policies.core.registry import get_policy
+
+    full = get_policy("full")
+    gate = spec.min_full_accuracy > 0 or spec.solved_only
+    solved = None
+    if spec.solved_only:    # one pass: each prompt's full cache first, its policies only where that retrieves
+        first = run_cells(prompts, [(full, 1)] + configs, solved_only=True)
+        solved = set(first[(first.policy == "full") & first.success.astype(bool)].prompt_id)
+    elif gate:              # the full cache first: the policies run only where the model itself can do the task
+        first = run_cells(prompts, [(full, 1)])
+        _, _, dropped = passing_cells(first, spec.min_full_accuracy)
+        run_cells([p for p in prompts if (p.task, p.length) not in dropped], configs)
+    df, kept_cells, dropped = passing_cells(run_cells(prompts, [] if gate else [(full, 1)] + configs),
+                                            spec.min_full_accuracy)
+    if solved is not None:
+        df = df[df.prompt_id.isin(solved)]
+        prompts = [p for p in prompts if p.prompt_id in solved and (p.task, p.length) not in dropped]
+        log(f"{len(prompts)} prompts of the reported cells the full cache retrieves: the policies are judged on "
+            "those")
+    if dropped:
+        log(f"dropped (task, length) cells where the full cache retrieves < {spec.min_full_accuracy:g}: "
+            + ", ".join(f"{t}@{L} ({a:.2f})" for (t, L), a in dropped.items()))
+    return df, prompts, solved, kept_cells, dropped
+
+
+def _prediction(spec: NeedleSpec, model, tok, prompts: list, configs: list, df: "pd.DataFrame",
+                accuracy_by_seed: dict, *, model_id: str, progress: bool,
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """The report's prediction fields: the simulator's features of every reported cell (``spec.sim_store``), the
+    predictor fitted on the training seeds and judged on the others, its wrong calls and the model's own
+    reliability across seeds."""
+    from gpu_validate.studies.needle.prediction import prediction_table, stored_features
+    from gpu_validate.studies.needle.scores import prediction_report, seed_reliability, wrong_calls
+    from sim.experiments.store import ResultStore
+
+    sim_store = ResultStore(spec.sim_store or str(spec.store).rstrip("/") + "-sim")
+    feats = stored_features(model, prompts, configs, sim_store, model_id=model_id, chunk=spec.prompt_chunk,
+                            progress=progress)
+    merged = prediction_table(df, feats)
+    train = spec.train_seeds if spec.train_seeds is not None else spec.seeds[:max(1, len(spec.seeds) // 2)]
+    pred = prediction_report(merged, train, objective=spec.fit_objective)
+    held_out = merged[~merged.seed.isin(train)]
+    out = {"wrong_calls": wrong_calls(held_out, prompts, pred["feature"], pred["threshold"], tok.decode),
+           "sim_agreement": pred["sim_agreement"], "base_rate": pred["base_rate"],
+           "balanced_accuracy": pred["balanced_accuracy"], "mcc": pred["mcc"],
+           "fit_objective": pred["objective"], "sim_store": str(sim_store.root), "prediction": pred,
+           "model_reliability": seed_reliability(accuracy_by_seed, train),
+           "predictor": f"{pred['feature']}: retained share of the full-cache attention on the "
+                        f"key's tokens at the answer steps, {pred['feature_doc']}"}
+    log(f"simulator prediction on held-out seeds {pred['test_seeds']}: agreement {pred['sim_agreement']:.3f} "
+        f"(base rate {pred['base_rate']:.3f}), balanced accuracy {pred['balanced_accuracy']:.3f}, "
+        f"MCC {pred['mcc']:.3f} (predictor {pred['feature']}, threshold {pred['threshold']:.3f}, both "
+        f"chosen by {pred['objective'].replace('_', ' ')} on seeds {pred['train_seeds']}); with the full "
+        f"cache's outcome per prompt: agreement {pred.get('sim_and_full_agreement', float('nan')):.3f}, "
+        f"balanced accuracy {pred.get('sim_and_full_balanced_accuracy', float('nan')):.3f}; "
+        f"confusion {pred['confusion']}")
+    return out
 
 
 def write_needle_report(result: NeedleResult, out: str | Path, *, log: Callable[[str], None] = _say) -> Path:
@@ -192,7 +228,7 @@ def write_needle_report(result: NeedleResult, out: str | Path, *, log: Callable[
     import json
 
     from gpu_validate.studies.needle.scores import plot_needle
-    from gpu_validate.studies.study_pages import needle_page, needle_tables
+    from gpu_validate.studies.needle.needle_page import needle_page, needle_tables
     from sim.reports.table import print_tables
     from traces.format import atomic_write_text
 

@@ -19,11 +19,16 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
 
-from gpu_validate.studies.needle.runs import fits, prompt_chunk
 from gpu_validate.studies.needle.prompts import NeedlePrompt
-from policies.core.base import Policy
-
+from gpu_validate.studies.needle.runs import fits, prompt_chunk
+from policies.core.base import Policy, reconstruction_chunk
+from sim.replay.layer_inputs import load_layers
+from sim.replay.policy_replay import replay
+from traces.format import load_trace
+from traces.recorder import record_trace
 
 #: candidate predictors of retrieval, each a share in [0, 1] of the full-cache attention that the answer-step
 #: queries put on the key's tokens and that falls on tokens the policy still holds; which one predicts is chosen
@@ -57,12 +62,6 @@ def needle_features(model, prompt: NeedlePrompt, configs: Sequence[tuple[Policy,
     """Per (policy, budget): every `FEATURES` value, the `DIAGNOSTICS` and the K/V bytes held while answering
     (``kv_bytes_mean``), from a teacher-forced trace of prompt + answer replayed in the simulator (with the closed
     loop's prompt ``chunk``, `run_needle`)."""
-    from sim.replay.layer_inputs import load_layers
-    from sim.replay.policy_replay import replay
-    from traces.format import load_trace
-    from policies.core.base import reconstruction_chunk
-    from traces.recorder import record_trace
-
     ids = list(prompt.ids) + list(prompt.answer)
     P, n_ans = len(prompt.ids), len(prompt.answer)
     with tempfile.TemporaryDirectory(prefix="kvsim-needle-") as tmp:
@@ -106,9 +105,6 @@ def stored_features(model, prompts: Sequence[NeedlePrompt], configs: Sequence[tu
     and replayed for those only, then written as its own part file (atomic; an interrupted run resumes at the next
     prompt). Re-fitting the prediction (another ``--train-seeds`` or ``--fit-objective``) thus never re-records a
     trace. Returns one row per requested cell: prompt_id, label, budget and one column per feature."""
-    import pandas as pd
-    from tqdm.auto import tqdm
-
     known = store.load()
     done = set(known.key) if len(known) else set()
     todo = [(p, [(pol, b) for pol, b in configs if fits(p, pol, b)

@@ -13,10 +13,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from gpu_validate.validate_error import ValidateError
+from gpu_validate.studies.fidelity.rank_fidelity import spearman
 from gpu_validate.studies.needle.prediction import DIAGNOSTICS, FEATURES
 from gpu_validate.studies.needle.prompts import NeedlePrompt
+from gpu_validate.validate_error import ValidateError
 from sim.replay.metrics import Column
+from sim.reports.plotting import agg_pyplot, save_figure
 
 #: the retrieval columns of a needle result (header, label, direction, doc) for the page's tables and legend
 ACCURACY = Column("accuracy", "accuracy", "retrieval accuracy", "higher",
@@ -46,7 +48,7 @@ def confusion_scores(confusion: Mapping[str, int]) -> dict[str, Any]:
     Edge cases: with no cells every rate is NaN; when the truth holds one class only, the rate of the other class is
     undefined and so is ``balanced_accuracy`` (NaN, never a guess); ``mcc`` is 0 when any marginal (a true class or
     a predicted class) is empty, the usual convention: such a call carries no information about the other side.
-    Results stored with only a confusion are scored from it this way (`gpu_validate.studies.study_pages`)."""
+    Results stored with only a confusion are scored from it this way (`gpu_validate.studies.needle.needle_page`)."""
     tp, fn = int(confusion["model_ok_pred_ok"]), int(confusion["model_ok_pred_fail"])
     fp, tn = int(confusion["model_fail_pred_ok"]), int(confusion["model_fail_pred_fail"])
     n, pos, neg = tp + fn + fp + tn, tp + fn, fp + tn
@@ -165,7 +167,6 @@ def split_report(train, test, features: Sequence[str] | None = None, *,
     per_policy = per("label")
     per_length = {int(L): v for L, v in per("length").items()} if "length" in test.columns else {}
     per_task = {str(t): v for t, v in per("task").items()} if "task" in test.columns else {}
-    from gpu_validate.studies.fidelity.rank_fidelity import spearman
 
     rho_acc = spearman([v["predicted_accuracy"] for v in per_config.values()],
                        [v["accuracy"] for v in per_config.values()]) if per_config else float("nan")
@@ -248,8 +249,6 @@ def seed_reliability(accuracy_by_seed: dict[str, dict[Any, float]], train_seeds:
     retrieval accuracy on ``train_seeds`` with their accuracy on the other seeds (other keys and haystacks). A
     predictor of the held-out accuracies can hardly rank them better than the model's own accuracies on the
     training seeds do."""
-    from gpu_validate.studies.fidelity.rank_fidelity import spearman
-
     train = {int(s) for s in train_seeds}
     a, b = [], []
     for per_seed in accuracy_by_seed.values():
@@ -264,8 +263,6 @@ def seed_reliability(accuracy_by_seed: dict[str, dict[Any, float]], train_seeds:
 def plot_needle(df, path: str | Path, title: str = "") -> Path:
     """Needle heatmaps in the kvpress / RULER style: one panel per policy (full cache first), context length
     on the y axis, needle depth on the x axis, colour = retrieval accuracy over seeds; one row per budget."""
-    from sim.reports.plotting import agg_pyplot, save_figure
-
     plt = agg_pyplot()
     budgets = sorted(df[df.policy != "full"].budget.unique())
     labels = sorted(df[df.policy != "full"].label.unique())

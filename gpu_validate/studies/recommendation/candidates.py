@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from gpu_validate.validate_error import ValidateError
 
+# ``kvsim --help`` imports this module (the command's help lists `TARGETS` and `COMBINATORS`), so the policy
+# registry and the spec parser, which load numba, are imported in the functions that need them
 if TYPE_CHECKING:
     from policies.core.base import Policy
 

@@ -1,17 +1,25 @@
-"""How a recommendation (`gpu_validate.studies.recommendation.recommender`) is shown: a terminal table per budget and one self-contained HTML
-page (the answer, the per-budget choices, the memory-vs-loss front, every configuration), both from its JSON."""
+"""How a recommendation (`gpu_validate.studies.recommendation.recommender`) is shown: a terminal table per budget
+and one self-contained HTML page (the answer, the per-budget choices, the memory-vs-loss front, every
+configuration), both from its JSON."""
 from __future__ import annotations
 
 import math
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
 import pandas as pd
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.measure import Measurement
+from rich.table import Table
 
-from gpu_validate.studies.study_pages import run_facts
-from gpu_validate.studies.recommendation.recommender import LOSS_FLOOR
+from gpu_validate.studies.page_parts import run_facts
+from gpu_validate.studies.recommendation.recommend_statistics import LOSS_FLOOR
 from policies.core.kvpress_press import summary_line
+from sim.reports.plotting import agg_pyplot, save_figure
 from sim.reports.table import fmt3
 from sim.reports.webpage import Page, esc, figure_html, legend_html, numbers_html, simple_table
 
@@ -65,22 +73,17 @@ def budget_rows(report: Mapping[str, Any]) -> list[list[object]]:
     return rows
 
 
-#: "bound": the measured mean plus the margin (`gpu_validate.studies.recommendation.recommender.MARGIN_Z` standard errors): what must meet
-#: the target
+#: "bound": the measured mean plus the margin (`gpu_validate.studies.recommendation.recommend_statistics.MARGIN_Z`
+#: standard errors): what must meet the target
 BUDGET_HEADERS = ["budget", "choice", "from", "confirmed", "simulated", "predicted", "measured", "bound", "K/V held"]
 
 
 def print_report(report: Mapping[str, Any]) -> None:
     """The per-budget table in the terminal (rich)."""
-    from rich import box
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
     table = Table(title=escape(f"kvsim recommend — {report['model']}, target {report['target']} "
                                f"({report['target_column']} ≤ {report['target_limit']:g})"), box=box.SIMPLE_HEAD,
-                  caption="from: confirmed = the configuration run in the model at that budget with the lowest bound; simulator = "
-                          "the simulator's first (not run)")
+                  caption="from: confirmed = the configuration run in the model at that budget with the lowest bound; "
+                          "simulator = the simulator's first (not run)")
     for h in BUDGET_HEADERS:
         table.add_column(h, justify="left" if h in ("choice", "from") else "right", no_wrap=True)
     answer = report["answer"]["budget"]
@@ -88,8 +91,6 @@ def print_report(report: Mapping[str, Any]) -> None:
         cells = [fmt3(v) if isinstance(v, float) else str(v) for v in row]
         table.add_row(*map(escape, cells),
                       style="bold green" if r["budget"] == answer and report["answer"]["met"] else None)
-    from rich.measure import Measurement
-
     need = Measurement.get(Console(width=400), Console(width=400).options, table).maximum
     Console(width=max(100, Console().width, need)).print(table)
 
@@ -153,8 +154,6 @@ def plot_front(report: dict[str, Any], path: str | Path) -> Path:
     """Memory held (x) against the model loss (y): every configuration's predicted loss (small points, one
     colour per family), the confirmed runs (black rings on their measured loss), the target (dashed) and the
     answer (star)."""
-    from sim.reports.plotting import agg_pyplot, save_figure
-
     plt = agg_pyplot()
     rows = pd.DataFrame(report["configurations"])
     fig, ax = plt.subplots(figsize=(8, 4.8))
@@ -194,8 +193,6 @@ def confidence_note(conf: Mapping[str, Any]) -> str:
 def use_command(report: Mapping[str, Any], prompt: str = "Your prompt") -> str:
     """The ``kvsim generate`` command that uses the answer, with the model as the user named it (``model_spec``:
     a registry name, folder or .gguf, which ``kvsim generate --model`` takes; not the model's id)."""
-    import shlex
-
     ch = report["answer"]["choice"]
     model = report.get("model_spec") or report["model"]
     return (f"kvsim generate --model {shlex.quote(str(model))} --policy {shlex.quote(ch['spec'])} "

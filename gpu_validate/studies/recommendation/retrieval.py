@@ -1,4 +1,5 @@
-"""``kvsim recommend --target retrieval=X``: the recommendation's search (`gpu_validate.studies.recommendation.recommender.Recommender`) on
+"""``kvsim recommend --target retrieval=X``: the recommendation's search
+(`gpu_validate.studies.recommendation.recommend_search.Recommender`) on
 needle retrieval instead of next-token loss.
 
 The units are pass-key prompts (`gpu_validate.studies.needle.prompts.make_grid`) laid into the user's own texts at the
@@ -26,16 +27,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
+from scipy.stats import beta, norm
 
-from gpu_validate.validate_error import ValidateError
-from gpu_validate.studies.needle.prompts import NeedlePrompt
-from gpu_validate.studies.recommendation.recommender import Recommender
+from gpu_validate.studies.needle.prediction import stored_features
+from gpu_validate.studies.needle.prompts import NeedlePrompt, make_grid
+from gpu_validate.studies.needle.runs import config_key, run_needle
 from gpu_validate.studies.recommendation.candidates import Candidate, Target
+from gpu_validate.studies.recommendation.recommend_search import (ExecutionSettings, GuaranteeSettings, Recommender,
+                                                                  SearchSettings)
+from gpu_validate.studies.recommendation.recommend_statistics import MARGIN_Z
+from gpu_validate.validate_error import ValidateError
+from policies import get_policy
+from sim.experiments.store import ResultStore
 
 #: the relative depths of the pass key in each text's prompts
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -47,8 +56,6 @@ SIM_LOSS = "retrieval_sim_loss"
 def needle_units(tokenizer, texts: dict[str, str], prompt_tokens: int, per_text: int) -> list[NeedlePrompt]:
     """``per_text`` seeds × `DEPTHS` pass-key prompts of ``prompt_tokens`` tokens in each of ``texts`` (name ->
     text); each text gets its own seeds, so no two prompts share a store key."""
-    from gpu_validate.studies.needle.prompts import make_grid
-
     out: list[NeedlePrompt] = []
     for i, text in enumerate(texts.values()):
         out += make_grid(tokenizer, text, [prompt_tokens], DEPTHS, range(i * per_text, (i + 1) * per_text))
@@ -64,15 +71,11 @@ def prompts_digest(prompts: Sequence[NeedlePrompt]) -> str:
 def certifiable(n: int, margin_z: float) -> float:
     """The highest retrieval target ``n`` prompts can certify: one minus the Clopper-Pearson upper limit of the
     failure share when all ``n`` are answered."""
-    from scipy.stats import norm
-
     return 1.0 if margin_z <= 0 else float((1.0 - norm.cdf(margin_z)) ** (1.0 / max(n, 1)))
 
 
 def failure_upper_limit(failures: int, n: int, margin_z: float) -> float:
     """One-sided Clopper-Pearson upper limit of a failure share at the level of ``margin_z`` (0: the share)."""
-    from scipy.stats import beta, norm
-
     if margin_z <= 0:
         return failures / n
     return 1.0 if failures >= n else float(beta.ppf(norm.cdf(margin_z), failures + 1, n - failures))
@@ -82,9 +85,6 @@ def solved_prompts(model, prompts: Sequence[NeedlePrompt], store, *, model_id: s
                    decode: Callable[[list[int]], str], progress: bool = True,
                    log: Callable[[str], None] = print) -> list[NeedlePrompt]:
     """The prompts the full cache answers (each run once, stored in ``store``)."""
-    from gpu_validate.studies.needle.runs import run_needle
-    from policies import get_policy
-
     df = run_needle(model, prompts, [(get_policy("full"), 1)], store, model_id=model_id, backend=backend,
                     decode=decode, progress=progress, log=log)
     ok = set(df[(df.policy == "full") & df.success.astype(bool)].prompt_id)
@@ -96,26 +96,24 @@ class RetrievalRecommender(Recommender):
     measurements by closed-loop retrieval, bounds from the binomial failure count."""
 
     def __init__(self, model, prompts: Sequence[NeedlePrompt], cands: Sequence[Candidate], budgets: Sequence[int],
-                 target: Target, *, decode: Callable[[list[int]], str], **kwargs) -> None:
+                 target: Target, *, decode: Callable[[list[int]], str], search: SearchSettings = SearchSettings(),
+                 **kwargs) -> None:
+        """``kwargs``: `Recommender`'s; the search ranks by `SIM_LOSS` whatever ``search`` names."""
         if target.column != "retrieval_failure":
             raise ValidateError(f"RetrievalRecommender takes a retrieval target, got {target}")
-        super().__init__(model, prompts, cands, budgets, target, sim_loss=SIM_LOSS, **kwargs)
+        super().__init__(model, prompts, cands, budgets, target, search=replace(search, sim_loss=SIM_LOSS), **kwargs)
         self.decode = decode
 
     unit_name = "pass-key prompts"
 
     def _certify_rank(self) -> int:
         """No conformal rank: the Clopper-Pearson bound certifies (the level is ``alpha``, from ``margin_z``)."""
-        from scipy.stats import norm
-
         self.alpha = float(1.0 - norm.cdf(self.margin_z))
         return 0
 
     def simulate(self, budgets: Sequence[int] | None = None) -> pd.DataFrame:
         """Per (label, budget) of ``budgets`` (default: the ladder): the mean simulated loss over the prompts and
         the K/V bytes held while answering, added to the table."""
-        from gpu_validate.studies.needle.prediction import stored_features
-
         budgets = self.budgets if budgets is None else budgets
         configs = [(c.policy, b) for c in self.cands.values() for b in budgets if c.policy.min_budget() <= b]
         df = stored_features(self.model, self.segments, configs, self.sim_store, model_id=self.model_id,
@@ -151,8 +149,6 @@ class RetrievalRecommender(Recommender):
 
     def _measure(self, todo: Sequence[tuple[str, int]]) -> list[np.ndarray]:
         """Closed-loop retrieval of the cells ``todo`` on every prompt: each one's failures (1.0) per prompt."""
-        from gpu_validate.studies.needle.runs import config_key, run_needle
-
         configs = [(self.cands[lab].policy, b) for lab, b in todo]
         df = run_needle(self.model, self.segments, configs, self.closed_store, model_id=self.model_id,
                         backend=self.backend, decode=self.decode, progress=self.progress, log=self.log)
@@ -170,15 +166,11 @@ class RetrievalRecommender(Recommender):
 def recommend_retrieval(model, tokenizer, texts: dict[str, str], cands: Sequence[Candidate], budgets: Sequence[int],
                         target: Target, *, prompt_tokens: int, per_text: int, model_id: str, out: str | Path,
                         backend: str, margin_z: float | None = None, alpha: float | None = None, progress: bool = True,
-                        log: Callable[[str], None] | None = None, **kwargs) -> dict[str, Any]:
-    """The retrieval recommendation on ``texts`` (see the module docstring); ``kwargs`` go to `Recommender`.
+                        log: Callable[[str], None] | None = None,
+                        search: SearchSettings = SearchSettings()) -> dict[str, Any]:
+    """The retrieval recommendation on ``texts`` (see the module docstring), searching with ``search``.
     ``alpha``, when given, is the Clopper-Pearson level (``margin_z`` = Φ⁻¹(1 - alpha)). Returns the report, with
     the prompts made, those the full cache answers and the target they can certify."""
-    from scipy.stats import norm
-
-    from gpu_validate.studies.recommendation.recommender import MARGIN_Z
-    from sim.experiments.store import ResultStore
-
     if alpha is not None:
         if not 0 < alpha < 1:
             raise ValidateError(f"--alpha must be in (0, 1), got {alpha}")
@@ -200,8 +192,8 @@ def recommend_retrieval(model, tokenizer, texts: dict[str, str], cands: Sequence
                             "target, a larger --alpha or more prompts (--segments: pass-key seeds per text, each at 5 "
                             "depths)")
     rec = RetrievalRecommender(model, solved, cands, budgets, target, decode=tokenizer.decode, n_prompt=prompt_tokens,
-                               model_id=model_id, out=root, backend=backend, margin_z=z, progress=progress, log=log,
-                               **kwargs)
+                               model_id=model_id, out=root, search=search, guarantee=GuaranteeSettings(margin_z=z),
+                               execution=ExecutionSettings(backend=backend, progress=progress, log=log))
     report = rec.run()
     report.update(model_runs=report["model_runs"] + len(prompts), retrieval_prompts=len(prompts),
                   retrieval_prompts_solved_by_full=len(solved), retrieval_certifiable=best,
