@@ -529,7 +529,7 @@ def kvsim_prefill(trace: Any, inputs: Any, policy: Any, budgets: np.ndarray) -> 
     its base sizes and allocates within the layer). Returns the kept mask [L, H, P] and each layer's head state
     after the prefill (where a policy keeps what it calibrated on the prompt: Q-Filters' filters)."""
     from sim.replay.layer_inputs import layer_memo
-    from sim.replay.policy_replay import initial_head_state
+    from sim.replay.step_plan import initial_head_state
 
     P = trace.meta.n_prompt
     L, H = len(inputs), trace.meta.model.n_kv_heads

@@ -126,7 +126,7 @@ def policy_profile(trace, policy, inputs, budget: int, repeat: int = 2) -> dict:
     the rest of ``replay`` is the engine streaming steps (attention, the step kernel, compaction)."""
     from sim.replay.contract import check_allocation
     from sim.replay.layer_inputs import PromptLayers
-    from sim.replay.policy_replay import initial_head_state
+    from sim.replay.step_plan import initial_head_state
 
     meta = trace.meta
     P, hkv = meta.n_prompt, meta.model.n_kv_heads
