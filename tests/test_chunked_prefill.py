@@ -110,7 +110,7 @@ def test_runner_prompt_forward_in_chunks_is_the_model(model_and_trace, monkeypat
 
 
 def test_whole_prompt_chunk_sums_are_computed_once_per_prepared_layer(monkeypatch):
-    import sim.replay.policy_replay as sr
+    import sim.replay.step_plan as sr
 
     trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=56,
                                  n_prompt=40, seed=9)
