@@ -1,7 +1,9 @@
 """KV-cache eviction policies: one module per policy, a shared interface and a registry.
 
-The names below are imported when first used (PEP 562): ``import policies.core.errors`` (the CLI's error handling) stays
-free of numba, and a command imports the policy machinery only when it runs one.
+Every module of this package is one policy (``_``-prefixed modules are a policy's private helpers); the machinery
+they share is ``policies.core``. The names below are imported when first used (PEP 562): ``import
+policies.core.errors`` (the CLI's error handling) stays free of numba, and a command imports the policy machinery
+only when it runs one.
 """
 from __future__ import annotations
 
