@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"Guarantees": "policies.core.base", "Param": "policies.core.base", "Policy": "policies.core.base",
-            "PolicyError": "policies.core.errors", "param_indices": "policies.core.base", "get_policy": "policies.core.registry",
-            "list_policies": "policies.core.registry", "policy_class": "policies.core.registry", "register": "policies.core.registry"}
+_EXPORTS = {**dict.fromkeys(("Guarantees", "Param", "Policy", "param_indices"), "policies.core.base"),
+            "PolicyError": "policies.core.errors",
+            **dict.fromkeys(("get_policy", "list_policies", "policy_class", "register"), "policies.core.registry")}
 
 __all__ = list(_EXPORTS)
 
