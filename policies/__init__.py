@@ -7,24 +7,10 @@ only when it runs one.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from traces.lazy_exports import lazy_exports
 
 _EXPORTS = {**dict.fromkeys(("Guarantees", "Param", "Policy", "param_indices"), "policies.core.base"),
             "PolicyError": "policies.core.errors",
             **dict.fromkeys(("get_policy", "list_policies", "policy_class", "register"), "policies.core.registry")}
-
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'policies' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

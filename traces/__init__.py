@@ -5,20 +5,8 @@ import numpy.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from traces.lazy_exports import lazy_exports
 
 __all__ = ["InMemoryTrace", "LayerArrays", "ModelInfo", "Trace", "TraceError", "TraceMeta", "TraceWriter",
            "load_trace", "write_trace"]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in __all__:
-        raise AttributeError(f"module 'traces' has no attribute {name!r}")
-    value = getattr(importlib.import_module("traces.format"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(__all__, "traces.format"))

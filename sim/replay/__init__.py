@@ -6,22 +6,9 @@ first used (PEP 562), so that importing a submodule such as ``sim.replay.threads
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from traces.lazy_exports import lazy_exports
 
 _EXPORTS = {"replay": "sim.replay.policy_replay", "replay_budgets": "sim.replay.policy_replay",
             "ReplayResult": "sim.replay.result"}
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'sim.replay' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -5,10 +5,9 @@ so importing this package must not pull in the scheduler, plots or workload gene
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from traces.lazy_exports import lazy_exports
 
-_WHERE = {
+_WHERE = {name: f"sim.serving.{module}" for name, module in {
     "CostModel": "costs",
     **dict.fromkeys(("KernelFit", "KernelTimingError", "fit_kernel_timings", "load_kernel_timings"), "fit"),
     **dict.fromkeys(("MemoryTables", "memory_tables", "policy_footprint", "tabulate_footprint"), "footprint"),
@@ -18,14 +17,7 @@ _WHERE = {
     **dict.fromkeys(("SchedulerConfig", "ServingResult", "kv_pool_bytes", "simulate"), "scheduler"),
     **dict.fromkeys(("Workload", "WorkloadError", "bursty_workload", "load_csv_workload", "poisson_workload"),
                     "workload"),
-}
+}.items()}
 
 __all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
