@@ -16,16 +16,17 @@ from policies.core.kvpress_press import KvpressPress, protected_extra
 
 SCHEMA = protection(n_sink=0, n_recent=1)
 P = param_indices(SCHEMA)
+#: slot state: set once the slot's key norm is in place, and that norm
+_SCORED, _NORM = 0, 1
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})   # SIMD sums (rounding-level differences)
-def anti_cosine(keys, n, out):
-    """out[i] = -cos(keys[i], mean_j keys[j] / ||keys[j]||) for i < n (zero keys count as zero vectors)."""
+def anti_cosine(keys, norms, n, out):
+    """out[i] = -cos(keys[i], mean_j keys[j] / ||keys[j]||) for i < n (zero keys count as zero vectors), given each
+    key's norm ``norms[i]`` (``l2_norm``: a key's norm is computed once, when it is first scored)."""
     d = keys.shape[1]
     anchor = np.zeros(d)
-    norms = np.empty(n)
     for i in range(n):
-        norms[i] = l2_norm(keys[i])
         if norms[i] > 0.0:
             for x in range(d):
                 anchor[x] += np.float64(keys[i, x]) / norms[i]
@@ -41,14 +42,23 @@ def anti_cosine(keys, n, out):
 
 @kernel(SCORE_PROMPT_SIG)
 def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
+    """The prompt keys' scores; each key's norm goes into its slot state (``_NORM``) for the decode steps."""
     for h in range(k.shape[1]):
-        anti_cosine(k[:, h, :], k.shape[0], scores[h])
+        for i in range(k.shape[0]):
+            slot_state[h, i, _SCORED] = 1.0
+            slot_state[h, i, _NORM] = l2_norm(k[i, h])
+        anti_cosine(k[:, h, :], slot_state[h, :, _NORM], k.shape[0], scores[h])
 
 
 @kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
+    """The cached keys' scores against the anchor of the keys cached now; a slot's norm is computed when it is new."""
     for h in range(lengths.shape[0]):
-        anti_cosine(keys[h], lengths[h], scores[h])
+        for i in range(lengths[h]):
+            if slot_state[h, i, _SCORED] == 0.0:
+                slot_state[h, i, _SCORED] = 1.0
+                slot_state[h, i, _NORM] = l2_norm(keys[h, i])
+        anti_cosine(keys[h], slot_state[h, :, _NORM], lengths[h], scores[h])
 
 
 @register
@@ -61,6 +71,7 @@ class KeyDiff(ScorerPolicy):
     summary = "keys least similar to the mean key kept"
     schema = SCHEMA
     P = P
+    slot_fields = 2
     score_prompt = score_prompt
     score_step = score_step
 
