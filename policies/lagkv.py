@@ -139,6 +139,71 @@ def lag_scores(keys, values, positions, n, n_sink, lag, out, cross=True, partial
         i0 = i1
 
 
+#: slot state: the slot's score when its partition was last scored, and what that score was computed from: its
+#: partition's cached slot count and position sum, its reference's count and sum, and whether it was scored at all
+_SCORE, _SIG, _N_SIG = 0, 1, 5
+SLOT_FIELDS = _SIG + _N_SIG
+
+
+@njit(cache=True)
+def lag_scores_cached(keys, values, positions, n, n_sink, lag, out, cross, partial_ref, ddof, state):
+    """``lag_scores`` of n cached slots, rescoring only the partitions whose inputs changed since ``state`` (the slots'
+    slot state, `SLOT_FIELDS` wide) was written. A partition's scores depend on its own cached slots and its
+    reference's (and on whether it is scored); between steps a partition only loses slots and gains newer positions,
+    so an unchanged (count, position sum) of both means the same slots, whose stored scores are then exactly what a
+    recomputation gives. A decode step thus rescores the partitions next to its eviction and its new token, not all
+    of them."""
+    d = keys.shape[1]
+    mn = np.empty(d)
+    mx = np.empty(d)
+    z = np.empty(d)
+    s = np.empty(n)
+    sig = np.empty(_N_SIG)
+    part = np.empty(n, np.int64)
+    for i in range(n):
+        part[i] = (positions[i] - n_sink) // lag if positions[i] >= n_sink else -1
+    seen = positions[n - 1] + 1 if n > 0 else 0     # positions 0 .. seen - 1 have been seen (the newest is cached)
+    i0 = 0
+    while i0 < n:
+        i1 = i0
+        while i1 < n and part[i1] == part[i0]:
+            i1 += 1
+        r1 = i1
+        while r1 < n and part[r1] == part[i1]:
+            r1 += 1
+        scored = i1 < n and part[i0] >= 0 and part[i1] == part[i0] + 1 and (
+            partial_ref or n_sink + (part[i1] + 1) * lag <= seen)
+        sig[0] = i1 - i0
+        sig[1] = 0.0
+        for i in range(i0, i1):
+            sig[1] += positions[i]
+        sig[2] = r1 - i1
+        sig[3] = 0.0
+        for i in range(i1, r1):
+            sig[3] += positions[i]
+        sig[4] = 1.0 if scored else 0.0
+        same = True
+        for f in range(_N_SIG):
+            same = same and state[i0, _SIG + f] == sig[f]
+        if same:
+            for i in range(i0, i1):
+                out[i] = state[i, _SCORE]
+        else:
+            if scored:
+                _norm_std_softmax(keys, i0, i1, i1, r1, out, False, mn, mx, z, s, ddof)
+                _norm_std_softmax(values, i0, i1, i1, r1, out, True, mn, mx, z, s, ddof)
+                if not cross:
+                    _rank_in_partition(out, i0, i1, lag)
+            else:
+                for i in range(i0, i1):
+                    out[i] = np.inf
+            for i in range(i0, i1):
+                state[i, _SCORE] = out[i]
+                for f in range(_N_SIG):
+                    state[i, _SIG + f] = sig[f]
+        i0 = i1
+
+
 @njit(cache=True)
 def _modes(params):
     return params[P.cross_scoring] != 0.0, params[P.partial_reference] != 0.0, int(params[P.std_ddof])
@@ -149,16 +214,16 @@ def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_sta
     pos = np.arange(k.shape[0])
     cross, partial_ref, ddof = _modes(params)
     for h in range(k.shape[1]):
-        lag_scores(k[:, h, :], v[:, h, :], pos, k.shape[0], int(params[P.n_sink]), int(params[P.lag_size]),
-                   scores[h], cross, partial_ref, ddof)
+        lag_scores_cached(k[:, h, :], v[:, h, :], pos, k.shape[0], int(params[P.n_sink]), int(params[P.lag_size]),
+                          scores[h], cross, partial_ref, ddof, slot_state[h])
 
 
 @kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
     cross, partial_ref, ddof = _modes(params)
     for h in range(lengths.shape[0]):
-        lag_scores(keys[h], values[h], positions[h], lengths[h], int(params[P.n_sink]), int(params[P.lag_size]),
-                   scores[h], cross, partial_ref, ddof)
+        lag_scores_cached(keys[h], values[h], positions[h], lengths[h], int(params[P.n_sink]), int(params[P.lag_size]),
+                          scores[h], cross, partial_ref, ddof, slot_state[h])
 
 
 @register
@@ -171,6 +236,7 @@ class LagKV(ScorerPolicy):
     summary = "lag-relative key/value statistics per partition"
     schema = SCHEMA
     P = P
+    slot_fields = SLOT_FIELDS
     score_prompt = score_prompt
     score_step = score_step
 
