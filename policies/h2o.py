@@ -10,7 +10,7 @@ import numpy as np
 from policies.core.base import Param, kernel, param_indices
 from policies.core.shared_kernels import GROUP_REDUCE, group_rows_scores, group_score
 from policies.core.registry import register
-from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
+from policies.core.scorer import PROMPT_TABLE, SCORE_PROMPT_SIG, SCORE_STEP_SIG, Protection, ScorerPolicy
 
 SCHEMA = (
     Param("recent_ratio", 0.5, "float", 0.0, 1.0, doc="share of the budget kept as recent window"),
@@ -22,11 +22,15 @@ P = param_indices(SCHEMA)
 @kernel(SCORE_PROMPT_SIG)
 def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state):
     """Each prompt token's attention accumulated over all prompt queries (GQA-reduced per query); it stays the
-    slot's accumulated score for decode."""
+    slot's accumulated score for decode. A replay hands the sums over in the head state (``PROMPT_TABLE``)."""
     P_ = q.shape[0]
     ring = np.zeros((1, 1), np.float64)
+    at = int(head_state[0, PROMPT_TABLE])
     for h in range(k.shape[1]):
-        group_rows_scores(q, k, scale, h, 0, P_, int(params[P.group_reduce]), scores[h], ring, 0)
+        if at > 0:
+            scores[h, :P_] = head_state[h, at:at + P_]
+        else:
+            group_rows_scores(q, k, scale, h, 0, P_, int(params[P.group_reduce]), scores[h], ring, 0)
         for i in range(P_):
             slot_state[h, i, 0] = scores[h, i]
 
@@ -58,7 +62,12 @@ class H2O(ScorerPolicy):
     schema = SCHEMA
     P = P
     slot_fields = 1
+    head_fields = 1               # PROMPT_TABLE
     protect = Protection(sinks=None, recent="recent_ratio", rule="share")
     stream_prompt = True
     score_prompt = score_prompt
     score_step = score_step
+
+    def prompt_attention_mode(self) -> int | None:
+        """``score_prompt``'s column sums are ``prompt_attention`` in the ``group_reduce`` mode."""
+        return GROUP_REDUCE.index(self.params["group_reduce"])

@@ -26,7 +26,7 @@ import numpy as np
 from policies.core.base import Param, kernel, param_indices
 from policies.core.shared_kernels import causal_attention_scores, group_score
 from policies.core.registry import register
-from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
+from policies.core.scorer import PROMPT_TABLE, SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
 from policies.core.kvpress_press import KvpressPress, protected_extra
 
 DECODE_RULES = ("average", "accumulated", "frozen")
@@ -48,9 +48,13 @@ def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_sta
     hkv = k.shape[1]
     g_n = q.shape[1] // hkv
     ring = np.zeros((1, 1), np.float64)
+    at = int(head_state[0, PROMPT_TABLE])        # a replay's table of these sums (ScorerPolicy.with_prompt_table)
     for h in range(hkv):
         sums = np.zeros(n, np.float64)
-        causal_attention_scores(q, k, scale, h * g_n, g_n, h, 0, n, 0, sums, ring, 0)
+        if at > 0:
+            sums[:] = head_state[h, at:at + n]
+        else:
+            causal_attention_scores(q, k, scale, h * g_n, g_n, h, 0, n, 0, sums, ring, 0)
         for i in range(n):
             seen = np.float64(n - i)
             slot_state[h, i, 0] = sums[i]
@@ -93,8 +97,13 @@ class ObservedAttention(ScorerPolicy):
     schema = SCHEMA
     P = P
     slot_fields = 2
+    head_fields = 1               # PROMPT_TABLE
     score_prompt = score_prompt
     score_step = score_step
+
+    def prompt_attention_mode(self) -> int | None:
+        """``score_prompt``'s sums are ``prompt_attention`` with the group's mean per query row (mode 0)."""
+        return 0
 
     def kvpress_press(self, prompt_at_once: bool = False) -> KvpressPress:
         """kvpress's ``ObservedAttentionPress`` (attention received, averaged over the queries that saw the token; eager attention); kvsim's protected tokens (n_sink, n_recent) may differ from it."""

@@ -93,10 +93,12 @@ class Combined(ScorerPolicy):
         (``CriticalStage.replay_head_state``: the trace's values are known in advance, and a value never changes
         in a scorer's cache), computed once per layer and kept in ``memo`` for the other replays of the same
         inputs. The steps then read a new slot's norm instead of projecting its value through W_O (G * hidden * d
-        multiply-adds per slot, more than the step's attention), and the prefill reads the prompt's."""
+        multiply-adds per slot, more than the step's attention), and the prefill reads the prompt's; then the
+        scorer's prompt attention table (``ScorerPolicy.with_prompt_table``)."""
         if CriticalStage not in self.chain:
             return super().replay_head_state(n_kv_heads, head_dim, layer, memo, n_prompt)
-        return CriticalStage.replay_head_state(self, n_kv_heads, head_dim, layer, memo)
+        head = CriticalStage.replay_head_state(self, n_kv_heads, head_dim, layer, memo)
+        return self.with_prompt_table(head, layer, memo, n_prompt)
 
 
 def _why_not(stage: type[Stage], inner: type[Policy]) -> str | None:

@@ -50,7 +50,7 @@ from numba import njit, types
 
 from policies.core.base import (PREFILL_SIG, STEP_SIG, Guarantees, Kernel, Param, Policy, PolicyError, _f4t, _f8m, _f8t,
                            _f8v, _i8v, compiled)
-from policies.core.shared_kernels import evict_lowest, evict_lowest_sorted
+from policies.core.shared_kernels import evict_lowest, evict_lowest_sorted, prompt_attention_table
 
 #: score_prompt(params, layer, q[P,Hq,d], k[P,Hkv,d], v[P,Hkv,d], scale, hi[Hkv], scores[Hkv,P],
 #:              slot_state[Hkv,P,S], head_state[Hkv,Hs]) -> None
@@ -302,6 +302,11 @@ def _source_hash() -> str:
     return h.hexdigest()[:10]
 
 
+#: the scorer's head field that holds where a replay's prompt attention table starts (0: no table), for scorers
+#: with a ``prompt_attention_mode`` (they reserve it: ``head_fields`` >= 1)
+PROMPT_TABLE = 0
+
+
 class ScorerPolicy(Policy):
     """Base class of scorers: set ``name``, ``summary``, ``schema``, ``P``, ``score_step`` and usually
     ``score_prompt`` (and ``slot_fields``/``head_fields`` if the kernels keep state, ``protect`` if the protected
@@ -311,6 +316,9 @@ class ScorerPolicy(Policy):
     (H2O: its score accumulates over the cached tokens; ``ada(...)`` still uses the prompt score).
     ``ranks_by_position``: the score is the position alone (StreamingLLM), which ``ada`` and ``critical`` refuse;
     the eviction then takes the oldest candidates from the front of the slots without calling ``score_step``.
+    ``prompt_attention_mode``: a scorer whose prompt score is the prompt's causal attention summed per key (H2O,
+    observed attention) names its GQA mode there; a replay then hands its ``score_prompt`` that table, computed once
+    per trace layer (``PROMPT_TABLE``), instead of every configuration computing it again.
     """
 
     score_prompt: ClassVar[Any] = None
@@ -348,6 +356,32 @@ class ScorerPolicy(Policy):
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self.slot_fields = self.scorer_slot_fields() + sum(stage.slot_fields for stage in self.chain)
+
+    def prompt_attention_mode(self) -> int | None:
+        """The GQA mode (``policies.core.shared_kernels.group_rows_scores``) of the prompt attention column sums that
+        ``score_prompt`` starts from, or None: it scores the prompt otherwise (see ``PROMPT_TABLE``)."""
+        return None
+
+    def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None,
+                          n_prompt: int = 0) -> np.ndarray:
+        """``Policy.replay_head_state`` with the prompt attention table appended (``with_prompt_table``)."""
+        head = super().replay_head_state(n_kv_heads, head_dim, layer, memo, n_prompt)
+        return self.with_prompt_table(head, layer, memo, n_prompt)
+
+    def with_prompt_table(self, head: np.ndarray, layer: Any, memo: dict | None, n_prompt: int) -> np.ndarray:
+        """``head`` with the prompt's attention column sums [Hkv, n_prompt] appended and their first column in the
+        scorer's head field ``PROMPT_TABLE``, when the policy selects from the prompt by them
+        (``prompt_attention_mode``): trace-only work, kept in ``memo`` (``prompt_attention_table``, shared with BUZZ
+        and BumbleBee), which ``score_prompt`` would otherwise do for every budget and sibling configuration. The
+        table is what ``score_prompt`` computes (the same kernel, the same bits); the closed loop's head state holds
+        none, so its prefill computes it."""
+        mode = self.prompt_attention_mode()
+        if mode is None or n_prompt < 1 or not type(self).has_prompt_selection():
+            return head
+        table = prompt_attention_table(layer, memo, n_prompt, mode)
+        out = np.concatenate([head, table], axis=1)
+        out[:, PROMPT_TABLE] = head.shape[1]
+        return out
 
     def scorer_slot_fields(self) -> int:
         """Per-slot fields the scorer's own kernels use (SnapKV's depend on its window)."""
