@@ -37,8 +37,10 @@ SPECS = ("h2o", "snapkv", "snapkv:window_size=8", "streaming_llm", "buzz", "d2o"
 MODELS = {
     "smollm2-135m": {"prompt": 512, "seeds": 4, "budgets": "128,192,256,384", "targets": ("retrieval=0.8",
                                                                                            "retrieval=0.7")},
-    "gemma3-270m": {"prompt": 512, "seeds": 4, "budgets": "128,192,256,384", "targets": ("retrieval=0.8",
-                                                                                          "retrieval=0.7")},
+    # Gemma-3-270M (a base model) answers 12 of the 40 single pass-key prompts with its full cache: 6 seen prompts
+    # certify at most 60.7% (`certifiable`), so its targets are lower
+    "gemma3-270m": {"prompt": 512, "seeds": 4, "budgets": "128,192,256,384", "targets": ("retrieval=0.6",
+                                                                                          "retrieval=0.5")},
 }
 
 

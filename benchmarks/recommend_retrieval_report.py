@@ -63,7 +63,9 @@ def report(args, load, cands: list) -> int:
             j = judge(rec, table, tg, budgets, [], len(cands) * len(budgets) * len(held))
             j.update(split=f"random {i}", kind="random", n_seen=len(seen))
             judged.append(j)
-        print(f"[{i + 1}/{args.splits}] {tg} -> {rec['answer']['choice']['label']} @ {rec['answer']['budget']} "
+        made = [f"{j['target']} -> {j['answer']['label']} @ {j['answer']['budget']}" for j in judged
+                if j["split"] == f"random {i}"]
+        print(f"[{i + 1}/{args.splits}] {'; '.join(made) or 'every target refused'} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
     def share(xs) -> float:
