@@ -106,39 +106,6 @@ def _rank_in_partition(out, i0, i1, lag):
         out[i0 + order[r]] = (r - m + 1) / lag
 
 
-@njit(cache=True)
-def lag_scores(keys, values, positions, n, n_sink, lag, out, cross=True, partial_ref=True, ddof=0):
-    """LagKV scores of n cached slots (positions increasing); sinks and the unreferenced tail get +inf. A
-    partition's reference is its successor's cached slots, only once that partition is complete unless
-    ``partial_ref``; ``cross`` False ranks the scores within each partition (``_rank_in_partition``)."""
-    d = keys.shape[1]
-    mn = np.empty(d)
-    mx = np.empty(d)
-    z = np.empty(d)
-    s = np.empty(n)
-    part = np.empty(n, np.int64)
-    for i in range(n):
-        part[i] = (positions[i] - n_sink) // lag if positions[i] >= n_sink else -1
-        out[i] = np.inf
-    seen = positions[n - 1] + 1 if n > 0 else 0     # positions 0 .. seen - 1 have been seen (the newest is cached)
-    i0 = 0
-    while i0 < n:
-        i1 = i0
-        while i1 < n and part[i1] == part[i0]:
-            i1 += 1
-        if i1 == n:
-            break
-        r1 = i1
-        while r1 < n and part[r1] == part[i1]:
-            r1 += 1
-        if part[i0] >= 0 and part[i1] == part[i0] + 1 and (partial_ref or n_sink + (part[i1] + 1) * lag <= seen):
-            _norm_std_softmax(keys, i0, i1, i1, r1, out, False, mn, mx, z, s, ddof)
-            _norm_std_softmax(values, i0, i1, i1, r1, out, True, mn, mx, z, s, ddof)
-            if not cross:
-                _rank_in_partition(out, i0, i1, lag)
-        i0 = i1
-
-
 #: slot state: the slot's score when its partition was last scored, and what that score was computed from: its
 #: partition's cached slot count and position sum, its reference's count and sum, and whether it was scored at all
 _SCORE, _SIG, _N_SIG = 0, 1, 5
@@ -147,12 +114,15 @@ SLOT_FIELDS = _SIG + _N_SIG
 
 @njit(cache=True)
 def lag_scores_cached(keys, values, positions, n, n_sink, lag, out, cross, partial_ref, ddof, state):
-    """``lag_scores`` of n cached slots, rescoring only the partitions whose inputs changed since ``state`` (the slots'
-    slot state, `SLOT_FIELDS` wide) was written. A partition's scores depend on its own cached slots and its
-    reference's (and on whether it is scored); between steps a partition only loses slots and gains newer positions,
-    so an unchanged (count, position sum) of both means the same slots, whose stored scores are then exactly what a
-    recomputation gives. A decode step thus rescores the partitions next to its eviction and its new token, not all
-    of them."""
+    """LagKV scores of n cached slots (positions increasing); sinks and the unreferenced tail get +inf. A
+    partition's reference is its successor's cached slots, only once that partition is complete unless
+    ``partial_ref``; ``cross`` False ranks the scores within each partition (``_rank_in_partition``).
+
+    Only the partitions whose inputs changed since ``state`` (the slots' slot state, `SLOT_FIELDS` wide) was written
+    are rescored. A partition's scores depend on its own cached slots and its reference's (and on whether it is
+    scored); between steps a partition only loses slots and gains newer positions, so an unchanged (count, position
+    sum) of both means the same slots, whose stored scores are then exactly what a recomputation gives. A decode step
+    thus rescores the partitions next to its eviction and its new token, not all of them."""
     d = keys.shape[1]
     mn = np.empty(d)
     mx = np.empty(d)
@@ -202,6 +172,13 @@ def lag_scores_cached(keys, values, positions, n, n_sink, lag, out, cross, parti
                 for f in range(_N_SIG):
                     state[i, _SIG + f] = sig[f]
         i0 = i1
+
+
+@njit(cache=True)
+def lag_scores(keys, values, positions, n, n_sink, lag, out, cross=True, partial_ref=True, ddof=0):
+    """``lag_scores_cached`` scoring every partition afresh (an empty slot state)."""
+    lag_scores_cached(keys, values, positions, n, n_sink, lag, out, cross, partial_ref, ddof,
+                      np.zeros((n, SLOT_FIELDS)))
 
 
 @njit(cache=True)
