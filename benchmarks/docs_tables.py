@@ -166,7 +166,11 @@ def sim_cost_section() -> str:
         if rec:
             out.append("\n" + "; ".join(f"`{m['recommend_command']}`: {fmt(m['recommend_seconds'])} s end to end, "
                                         f"{m.get('recommend_model_runs')} closed-loop runs (load "
-                                        f"{fmt(m.get('recommend_load'))})" for m in rec) + ".\n")
+                                        f"{fmt(m.get('recommend_load'))})" for m in rec) + ".")
+            dflt = [m["recommend_default_threads"] for m in rec if m.get("recommend_default_threads")]
+            out.append("".join(f" With the CLI's default threads (all {r['cores']} cores): `{r['command']}`: "
+                               f"{fmt(r['seconds'])} s, {r.get('model_runs')} closed-loop runs, the same answer "
+                               f"(load {fmt(r.get('load'))}, its own two threads)." for r in dflt) + "\n")
         for name, m in models.items():
             if m.get("families"):
                 fam = m["families"]
@@ -637,7 +641,8 @@ def ruler_lm_eval_page() -> str:
            "--model kvsim ...`). Below: per model, the score per task and the share of docs retrieved (every value "
            "found), per policy and budget; then the simulator's prediction of each (doc, policy, budget) outcome, "
            "fitted on the first doc of every task and judged on the others.\n\n"]
-    for name, title in (("ruler_lm_eval_smollm2-135m", "SmolLM2-135M"), ("ruler_lm_eval_gemma3-270m", "Gemma-3-270M")):
+    for name, title in (("ruler_lm_eval_smollm2-135m", "SmolLM2-135M"), ("ruler_lm_eval_gemma3-270m", "Gemma-3-270M"),
+                        ("ruler_lm_eval_gemma3-270m_8k", "Gemma-3-270M at 8 k")):
         d = load(name)
         out.append(f"## {title}\n\n")
         if d is None:

@@ -47,6 +47,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
     ap.add_argument("--stage", choices=("grid", "report"), required=True)
     ap.add_argument("--segments", type=int, default=None, help="segments per text (default: the model's)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="grid stage: run only the first ROUNDS segments of each text (default: all)")
+    ap.add_argument("--budgets", default=None, help="grid stage: the budget ladder (default: the model's)")
     ap.add_argument("--store", default=None, help="closed-loop store (default results/recommend_<model>)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the closed loop")
     ap.add_argument("--splits", type=int, default=None, help="random splits (default: the model's)")
@@ -62,7 +65,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     d = MODELS[args.model]
     args.segments = args.segments or d["segments"]
-    args.prompt, args.decode, args.budgets, args.target = d["prompt"], d["decode"], d["budgets"], d["target"]
+    args.prompt, args.decode, args.target = d["prompt"], d["decode"], d["target"]
+    args.budgets = args.budgets or d["budgets"]
     args.seen, args.splits, args.families = d["seen"], args.splits or d["splits"], FAMILIES
     args.store = args.store or f"results/recommend_{args.model}"
     return args
@@ -96,7 +100,7 @@ def grid(args) -> int:
     model, _, by_text = load(args)
     configs = [(c.policy, b) for c in candidates(";".join(FAMILIES)) for b in budget_ladder(args.prompt, args.budgets)]
     store = ResultStore(args.store)
-    for i in range(args.segments):
+    for i in range(min(args.segments, args.rounds or args.segments)):
         closed_loop(model, [by_text[t][i] for t in TEXTS], configs, store, n_prompt=args.prompt, model_id=args.model,
                     max_rows=64)
         print(f"round {i + 1}/{args.segments} done at {time.perf_counter() - t0:.0f} s", flush=True)

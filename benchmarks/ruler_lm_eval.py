@@ -31,9 +31,10 @@ benchmark's ``solved_only``).
 
 Resumable: the closed-loop outcomes go to ``benchmarks/.ruler-lm-eval/<model>-<length>/closed.jsonl`` one config
 at a time, the simulator's features to a ``sim.experiments.store.ResultStore`` beside it. Result:
-``benchmarks/results/ruler_lm_eval_<model>.json`` (rewritten after every config, so a stopped run leaves what it
-measured), its page in docs/results/ruler_lm_eval.md (``python -m benchmarks.docs_tables``). Heavy: run under
-``flock /work/heavy.lock``; one thread (``limit_threads(1)``).
+``benchmarks/results/ruler_lm_eval_<model>.json`` (``_<model>_8k.json`` at ``--length 8192``; rewritten after every
+config, so a stopped run leaves what it measured), its page in docs/results/ruler_lm_eval.md
+(``python -m benchmarks.docs_tables``). Heavy: run under ``flock /work/heavy.lock``; one thread
+(``limit_threads(1)``).
 """
 from __future__ import annotations
 
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_avg_1min_at_start": load, "machine": machine(),
             "command": "python -m benchmarks.ruler_lm_eval " + " ".join(argv if argv is not None else
                                                                            __import__("sys").argv[1:])}
-        write_result(f"ruler_lm_eval_{args.model}", payload)
+        write_result(result_name(args.model, args.length), payload)
 
     have = {(r["task"], r["doc"]) for r in done}
     sim_seconds: list[float] = []
@@ -306,6 +307,11 @@ def predict(lm: Any, rows: list[dict], configs: list, work: Path, length: int, m
     except Exception as e:  # noqa: BLE001 -- too few docs on one side: reported, not fatal
         out["error"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def result_name(model: str, length: int) -> str:
+    """The result's name: ``ruler_lm_eval_<model>`` at the default 4 k, ``ruler_lm_eval_<model>_<k>k`` otherwise."""
+    return f"ruler_lm_eval_{model}" + ("" if length == 4096 else f"_{length // 1024}k")
 
 
 def _version(dist: str) -> str | None:

@@ -153,12 +153,14 @@ def _record_and_families(model, seg, P: int, name: str, cands, configs) -> tuple
     return record, fams
 
 
-def recommend_run(name: str) -> dict[str, Any]:
-    """``kvsim recommend --segments 3 --target dnll=0.1`` end to end as a user runs it (its own process, one
-    thread): wall seconds, the closed-loop runs it made and its answer."""
+def recommend_run(name: str, threads: int | None = 1) -> dict[str, Any]:
+    """``kvsim recommend --segments 3 --target dnll=0.1`` end to end as a user runs it (its own process): wall
+    seconds, the closed-loop runs it made and its answer. ``threads=1``: one thread (``recommend_*``, beside the
+    one-thread simulate figures); ``None``: the CLI's default, every core this machine has
+    (``recommend_default_threads``)."""
     with tempfile.TemporaryDirectory(prefix="kvsim-simcost-rec-") as tmp:
-        args = ["recommend", "--model", name, "--segments", "3", "--target", "dnll=0.1", "--threads", "1",
-                "--out", tmp, "--quiet"]
+        args = ["recommend", "--model", name, "--segments", "3", "--target", "dnll=0.1",
+                *(["--threads", str(threads)] if threads else []), "--out", tmp, "--quiet"]
         load0 = load_avg()
         t0 = time.perf_counter()
         proc = subprocess.run([*kvsim_command(), *args], env=user_env(), capture_output=True, text=True)
@@ -166,9 +168,13 @@ def recommend_run(name: str) -> dict[str, Any]:
         if proc.returncode != 0:
             raise RuntimeError(f"kvsim {' '.join(args)} failed: {proc.stderr[-3000:]}")
         rep = json.loads((Path(tmp) / "recommend.json").read_text())
-    return {"recommend_seconds": seconds, "recommend_command": "kvsim " + " ".join("OUT" if a == tmp else a for a in args),
-            "recommend_model_runs": rep.get("model_runs"), "recommend_answer": rep.get("answer", {}).get("choice"),
-            "recommend_load": max(load0, load_avg())}
+    res = {"recommend_seconds": seconds, "recommend_command": "kvsim " + " ".join("OUT" if a == tmp else a for a in args),
+           "recommend_model_runs": rep.get("model_runs"), "recommend_answer": rep.get("answer", {}).get("choice"),
+           "recommend_load": max(load0, load_avg())}
+    if threads:
+        return res
+    return {"recommend_default_threads": {k.removeprefix("recommend_"): v for k, v in res.items()}
+            | {"cores": os.cpu_count()}}
 
 
 # ----- the 8 B geometries -----
@@ -292,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--geometry", default=",".join(GEOMETRIES))
     ap.add_argument("--recommend", action="store_true", help="also time kvsim recommend end to end (minutes)")
+    ap.add_argument("--recommend-threads", choices=("one", "default", "both"), default="both",
+                    help="with --only recommend: time it on one thread, on the CLI's default threads, or both")
     args = ap.parse_args(argv)
     from sim.replay.threads import limit_threads
 
@@ -316,8 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "recommend":
         for name in filter(None, args.models.split(",")):
             print(f"{name}: kvsim recommend...", flush=True)
-            out["models"].setdefault(name, {}).update(recommend_run(name))
-            print(f"  {out['models'][name]['recommend_seconds']:.0f} s", flush=True)
+            for threads in ((1, None) if args.recommend_threads == "both" else
+                            (1,) if args.recommend_threads == "one" else (None,)):
+                res = recommend_run(name, threads)
+                out["models"].setdefault(name, {}).update(res)
+                print(f"  threads {threads or 'default'}: "
+                      f"{res.get('recommend_seconds', res.get('recommend_default_threads', {}).get('seconds')):.0f} s",
+                      flush=True)
             _save(out, path, argv)
     if args.only in (None, "scale"):
         for geometry in filter(None, args.geometry.split(",")):
