@@ -1,9 +1,9 @@
 """benchmarks/ruler_lm_eval.py's own settings: the RULER tasks it names offline and those it lists as downloading
-are disjoint, and its policies parse. (A doc turned into the simulator's prompt is the library's:
+are disjoint, its policies parse, and a run at another length writes a result of its own. (A doc turned into the simulator's prompt is the library's:
 tests/test_lm_eval_docs.py.)"""
 from __future__ import annotations
 
-from benchmarks.ruler_lm_eval import DOWNLOADING_TASKS, OFFLINE_TASKS, POLICIES
+from benchmarks.ruler_lm_eval import DOWNLOADING_TASKS, OFFLINE_TASKS, POLICIES, result_name
 from sim.experiments.specs import parse_policy
 
 
@@ -13,3 +13,8 @@ def test_task_lists_are_disjoint_and_policies_parse():
     assert len(POLICIES) >= 6
     for spec in POLICIES:
         parse_policy(spec)
+
+
+def test_a_longer_run_keeps_the_4k_result():
+    assert result_name("gemma3-270m", 4096) == "ruler_lm_eval_gemma3-270m"
+    assert result_name("gemma3-270m", 8192) == "ruler_lm_eval_gemma3-270m_8k"

@@ -30,7 +30,10 @@ def test_cells_per_run_in_time_and_in_cost():
 def test_speed_page_section(monkeypatch):
     model = {"n_prompt": 512, "n_decode": 128, "cells": 203, "simulate_seconds": 40.0, "record_seconds": 3.0,
              "sim_per_cell": 40.0 / 203, "simulate_seconds_all_losses": 80.0, "closed_per_cell": 4.0,
-             "ratio": 4.0 / (40.0 / 203), "load": 1.0, "families": {"h2o": {"cells": 28, "seconds": 9.0}}}
+             "ratio": 4.0 / (40.0 / 203), "load": 1.0, "families": {"h2o": {"cells": 28, "seconds": 9.0}},
+             "recommend_seconds": 700.0, "recommend_command": "kvsim recommend --threads 1", "recommend_model_runs": 45,
+             "recommend_load": 2.0, "recommend_default_threads": {"seconds": 460.0, "command": "kvsim recommend",
+                                                                  "model_runs": 45, "load": 1.9, "cores": 2}}
     ctx = {"budget": 512, "per_cell": {"h2o": {"replay_seconds": 60.0, "trace_only_seconds": 1.0}},
            "closed_loop": {"measured_seconds": 100.0, "floor_seconds": 1.5, "source": "the check"}}
     ctx["comparison"] = sim_cost.compare(ctx)
@@ -41,3 +44,5 @@ def test_speed_page_section(monkeypatch):
     assert "| smollm2-135m | 512 + 128 | 203 |" in text
     assert "Where simulating first does not pay" in text and "h2o at 4096 + 256" in text
     assert "$2.99 per GPU-hour" in text
+    assert "`kvsim recommend --threads 1`: 700 s end to end" in text
+    assert "default threads (all 2 cores): `kvsim recommend`: 460 s" in text
