@@ -659,7 +659,10 @@ def ruler_lm_eval_page() -> str:
         hc = d.get("harness_check")
         if hc:
             out.append(f"\nThe batched closed loop against lm-eval's own evaluation of the `kvsim` model (full cache): "
-                       f"{hc['same_generation']} of {hc['docs']} generations identical.\n")
+                       f"{hc['same_generation']} of {hc.get('compared', hc['docs'])} generations identical"
+                       + (f" ({hc['other_prompt']} of the {hc['docs']} docs were drawn differently by lm-eval's "
+                          "unseeded generator in the run that scored them, so not compared)"
+                          if hc.get("other_prompt") else "") + ".\n")
         pr = d.get("prediction")
         if pr and "balanced_accuracy" in pr:
             out.append(f"\nPrediction (held out: fitted on docs {pr['train_seeds']}, judged on {pr['test_seeds']}, "
