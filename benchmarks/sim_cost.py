@@ -170,7 +170,7 @@ def recommend_run(name: str, threads: int | None = 1) -> dict[str, Any]:
         rep = json.loads((Path(tmp) / "recommend.json").read_text())
     res = {"recommend_seconds": seconds, "recommend_command": "kvsim " + " ".join("OUT" if a == tmp else a for a in args),
            "recommend_model_runs": rep.get("model_runs"), "recommend_answer": rep.get("answer", {}).get("choice"),
-           "recommend_load": max(load0, load_avg())}
+           "recommend_load": max(load0, load_avg()), "recommend_stage_seconds": rep.get("stage_seconds")}
     if threads:
         return res
     return {"recommend_default_threads": {k.removeprefix("recommend_"): v for k, v in res.items()}

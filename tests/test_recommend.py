@@ -321,6 +321,9 @@ def test_recommend_on_the_tiny_model_resumes_without_model_runs(tiny_segments, t
     assert (g["n_units"], g["units_needed"], g["alpha"]) == (2, 2, pytest.approx(1 / 3))
     assert g["budget"] is None or g["budget"] >= a["budget"]
     assert rep["confidence"]["level"] in ("high", "medium", "low")
+    stages = rep["stage_seconds"]                # where the wall time went, for the speed page
+    assert set(stages) == {"simulate", "search", "certify"} and min(stages.values()) >= 0
+    assert sum(stages.values()) <= rep["seconds"]
 
     def no_model(*args, **kwargs):
         raise AssertionError("a resumed recommendation ran the model")

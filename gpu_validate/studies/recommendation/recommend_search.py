@@ -372,10 +372,13 @@ class Recommender:
     def run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         self.simulate()
+        t_sim = time.perf_counter()
         found = self.search()
         b = found if found is not None else self.budgets[-1]
         choice = self.best_measured(b)[0]
+        t_search = time.perf_counter()
         guarantee = self.certify(choice, b)
+        t_certify = time.perf_counter()
         cal = fit_calibration([self._sim(lab, bb) for lab, bb in self.measured], list(self.measured.values()))
         self.table["predicted"] = cal.predict(self.table[self.sim_loss])
         self.table["measured"] = [self.measured.get((lab, int(bb)), float("nan"))
@@ -390,7 +393,8 @@ class Recommender:
                 "answer": answer, "guarantee": guarantee, "per_budget": per_budget,
                 "calibration": {"a": cal.a, "b": cal.b, "n": cal.n, "rms_log": cal.rms_log},
                 "confidence": self._confidence(cal, answer), "model_runs": self.runs, "front": front(self.table),
-                "configurations": self.table.to_dict("records"), "seconds": time.perf_counter() - t0}
+                "configurations": self.table.to_dict("records"), "seconds": time.perf_counter() - t0,
+                "stage_seconds": {"simulate": t_sim - t0, "search": t_search - t_sim, "certify": t_certify - t_search}}
 
     # ----- the report's parts -----
 
