@@ -33,7 +33,9 @@ def test_speed_page_section(monkeypatch):
              "ratio": 4.0 / (40.0 / 203), "load": 1.0, "families": {"h2o": {"cells": 28, "seconds": 9.0}},
              "recommend_seconds": 700.0, "recommend_command": "kvsim recommend --threads 1", "recommend_model_runs": 45,
              "recommend_load": 2.0, "recommend_default_threads": {"seconds": 460.0, "command": "kvsim recommend",
-                                                                  "model_runs": 45, "load": 1.9, "cores": 2}}
+                                                                  "model_runs": 45, "load": 1.9, "cores": 2,
+                                                                  "stage_seconds": {"simulate": 300.0, "search": 120.0,
+                                                                                    "certify": 20.0}}}
     ctx = {"budget": 512, "per_cell": {"h2o": {"replay_seconds": 60.0, "trace_only_seconds": 1.0}},
            "closed_loop": {"measured_seconds": 100.0, "floor_seconds": 1.5, "source": "the check"}}
     ctx["comparison"] = sim_cost.compare(ctx)
@@ -46,3 +48,5 @@ def test_speed_page_section(monkeypatch):
     assert "$2.99 per GPU-hour" in text
     assert "`kvsim recommend --threads 1`: 700 s end to end" in text
     assert "default threads (all 2 cores): `kvsim recommend`: 460 s" in text
+    assert "of which simulating 300 s, the search (its closed-loop runs, refinement included) 120 s, certifying 20 s" \
+        in text
