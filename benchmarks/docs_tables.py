@@ -142,6 +142,15 @@ def gemma3_sliding_section(budgets: Sequence[int] = (64, 128, 256), mb_budget: i
         measured_on(comp, "policies_gemma3_compress")
 
 
+def _stages(stages: dict[str, float] | None) -> str:
+    """Where a recommend run's wall time went, from its report's ``stage_seconds`` (empty without them)."""
+    if not stages:
+        return ""
+    return (f"; of which simulating {fmt(stages['simulate'])} s, the search (its closed-loop runs, refinement "
+            f"included) {fmt(stages['search'])} s, certifying {fmt(stages['certify'])} s, the rest loading the model "
+            "and writing the page")
+
+
 def sim_cost_section() -> str:
     """The simulator's cost per cell beside the model's: the real models here, and the 8 B geometries projected."""
     out = ["\n## The simulator's cost beside the model's (`benchmarks/sim_cost.py`)\n\n"]
@@ -170,7 +179,7 @@ def sim_cost_section() -> str:
             dflt = [m["recommend_default_threads"] for m in rec if m.get("recommend_default_threads")]
             out.append("".join(f" With the CLI's default threads (all {r['cores']} cores): `{r['command']}`: "
                                f"{fmt(r['seconds'])} s, {r.get('model_runs')} closed-loop runs, the same answer "
-                               f"(load {fmt(r.get('load'))}, its own two threads)" + _stages(r.get("stage_seconds"))
+                               f"(load {fmt(r.get('load'))}, its own {r['cores']} threads)" + _stages(r.get("stage_seconds"))
                                + "." for r in dflt) + "\n")
         for name, m in models.items():
             if m.get("families"):
@@ -631,15 +640,6 @@ def export_section(d: dict[str, Any]) -> str:
             "same rule, equal scores at the cut aside, which neither side orders the same way, so the bar is 0.99; "
             "below 1: tokens kvsim protects and the press may not keep), the Jaccard measured at kvsim's own budget "
             "on rows that compare the declared press, and whether the promise held.\n\n" + table(["row", "kvsim spec", "export", "promised Jaccard >=", "measured min", "holds"], rows))
-
-
-def _stages(stages: dict[str, float] | None) -> str:
-    """Where a recommend run's wall time went, from its report's ``stage_seconds`` (empty without them)."""
-    if not stages:
-        return ""
-    return (f"; of which simulating {fmt(stages['simulate'])} s, the search (its closed-loop runs, refinement "
-            f"included) {fmt(stages['search'])} s, certifying {fmt(stages['certify'])} s, the rest loading the model "
-            "and writing the page")
 
 
 def ruler_lm_eval_page() -> str:

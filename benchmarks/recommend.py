@@ -101,10 +101,11 @@ def grid(args) -> int:
     model, _, by_text = load(args)
     configs = [(c.policy, b) for c in candidates(";".join(FAMILIES)) for b in budget_ladder(args.prompt, args.budgets)]
     store = ResultStore(args.store)
-    for i in range(min(args.segments, args.rounds or args.segments)):
+    rounds = min(args.segments, args.rounds or args.segments)
+    for i in range(rounds):
         closed_loop(model, [by_text[t][i] for t in TEXTS], configs, store, n_prompt=args.prompt, model_id=args.model,
                     max_rows=64)
-        print(f"round {i + 1}/{args.segments} done at {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"round {i + 1}/{rounds} done at {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
 
 

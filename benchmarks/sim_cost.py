@@ -153,6 +153,10 @@ def _record_and_families(model, seg, P: int, name: str, cands, configs) -> tuple
     return record, fams
 
 
+#: ``--recommend-threads``: the thread settings recommend is timed with (1: one thread; None: the CLI's default)
+RECOMMEND_THREADS = {"one": (1,), "default": (None,), "both": (1, None)}
+
+
 def recommend_run(name: str, threads: int | None = 1) -> dict[str, Any]:
     """``kvsim recommend --segments 3 --target dnll=0.1`` end to end as a user runs it (its own process): wall
     seconds, the closed-loop runs it made and its answer. ``threads=1``: one thread (``recommend_*``, beside the
@@ -298,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--geometry", default=",".join(GEOMETRIES))
     ap.add_argument("--recommend", action="store_true", help="also time kvsim recommend end to end (minutes)")
-    ap.add_argument("--recommend-threads", choices=("one", "default", "both"), default="both",
+    ap.add_argument("--recommend-threads", choices=tuple(RECOMMEND_THREADS), default="both",
                     help="with --only recommend: time it on one thread, on the CLI's default threads, or both")
     args = ap.parse_args(argv)
     from sim.replay.threads import limit_threads
@@ -324,13 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "recommend":
         for name in filter(None, args.models.split(",")):
             print(f"{name}: kvsim recommend...", flush=True)
-            for threads in ((1, None) if args.recommend_threads == "both" else
-                            (1,) if args.recommend_threads == "one" else (None,)):
+            for threads in RECOMMEND_THREADS[args.recommend_threads]:
                 res = recommend_run(name, threads)
                 out["models"].setdefault(name, {}).update(res)
-                print(f"  threads {threads or 'default'}: "
-                      f"{res.get('recommend_seconds', res.get('recommend_default_threads', {}).get('seconds')):.0f} s",
-                      flush=True)
+                seconds = res["recommend_seconds"] if threads else res["recommend_default_threads"]["seconds"]
+                print(f"  threads {threads or 'default'}: {seconds:.0f} s", flush=True)
             _save(out, path, argv)
     if args.only in (None, "scale"):
         for geometry in filter(None, args.geometry.split(",")):
