@@ -5,6 +5,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (as
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from gpu_validate.closedloop.batch_runner import BatchRunner
@@ -142,13 +144,52 @@ def test_torch_backend_matches_the_per_head_references():
         assert torch.equal(cache.k[s], ref.k[s]) and torch.equal(cache.positions[s], ref.positions[s])
 
 
-def test_batches_hold_budgets_of_one_tier_so_small_caches_are_not_padded_to_large_ones():
-    from gpu_validate.closedloop.runner import _budget_tiers
+def test_budget_batches_pad_small_caches_only_where_a_batch_costs_more():
+    from gpu_validate.closedloop.runner import budget_batches
 
     budgets = [128, 128, 200, 512, 600, 2048]
-    assert _budget_tiers(list(range(6)), budgets, 48) == [[0, 1, 2], [3, 4], [5]]
-    assert _budget_tiers(list(range(6)), budgets, 2) == [[0, 1], [2], [3, 4], [5]]
-    assert _budget_tiers([], [], 4) == []
+    # a batch worth 10 000 padded slots: everything in one batch (6 x 2048 = 12 288 < 10 000 + 5 x 600 + 2048)
+    assert budget_batches(list(range(6)), budgets, 48, 10_000) == [list(range(6))]
+    # a batch worth 500 slots: 2048 alone, the rest split where padding costs more than a batch
+    assert budget_batches(list(range(6)), budgets, 48, 500) == [[0, 1, 2], [3, 4], [5]]
+    # free batches: every distinct budget alone (ties stay together)
+    assert budget_batches(list(range(6)), budgets, 48, 0.0)[:1] == [[0, 1]]
+    assert budget_batches(list(range(6)), budgets, 2, 10_000) == [[0, 1], [2, 3], [4, 5]]
+    assert budget_batches([], [], 4, 1.0) == []
+
+
+@given(budgets=st.lists(st.integers(1, 4096), min_size=1, max_size=30), max_rows=st.integers(1, 8),
+       batch_slots=st.floats(0, 1e5))
+@settings(max_examples=60, deadline=None)
+def test_budget_batches_is_the_cheapest_partition(budgets, max_rows, batch_slots):
+    """Every row in exactly one batch, in order, none over ``max_rows``, and no cheaper cut into consecutive
+    batches exists (checked against brute force on short lists)."""
+    from itertools import combinations
+
+    from gpu_validate.closedloop.runner import budget_batches
+
+    budgets = sorted(budgets)
+    idx = list(range(len(budgets)))
+    out = budget_batches(idx, budgets, max_rows, batch_slots)
+    assert [i for b in out for i in b] == idx and all(0 < len(b) <= max_rows for b in out)
+
+    def cost(parts):
+        return sum(batch_slots + len(p) * budgets[p[-1]] for p in parts)
+
+    if len(budgets) <= 10:
+        best = min(cost([idx[a:b] for a, b in zip((0, *cuts), (*cuts, len(idx)))])
+                   for r in range(len(idx)) for cuts in combinations(range(1, len(idx)), r)
+                   if all(b - a <= max_rows for a, b in zip((0, *cuts), (*cuts, len(idx)))))
+        assert cost(out) <= best * (1 + 1e-9) + 1e-9
+
+
+def test_a_batch_costs_the_weights_over_one_slots_kv_bytes(llama):
+    from gpu_validate.closedloop.runner import batch_cost_in_slots
+
+    cfg = llama.config
+    n_bytes = sum(p.numel() * 4 for p in llama.parameters())
+    slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert batch_cost_in_slots(llama) == pytest.approx(n_bytes / slot)
 
 
 #: a 3-layer Gemma-3: one global layer between two sliding ones
@@ -310,3 +351,28 @@ def test_a_failed_graph_capture_falls_back_to_the_eager_step(llama, monkeypatch)
         assert a.top1.tolist() == b.top1.tolist()
     assert fell_back[0].extra["cuda_graph"] is False
     assert fell_back[0].extra["cuda_graph_fallback"] == "capture failed: simulated"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_skinny_linears_give_the_models_own_products_and_restore_it(llama, rows):
+    """A 2-4-row float32 input on the CPU multiplies as (W x^T)^T: the model's logits to float32 rounding; every
+    other shape goes the usual way; the layers are the model's own again after the block."""
+    from traces.hf.forward import SKINNY_ROWS, skinny_linears
+
+    ids = torch.tensor([_ids(rows, 6) for rows in range(rows)])
+    plain = llama(input_ids=ids).logits
+    calls = []
+    mm = torch.mm
+    with skinny_linears(llama):
+        torch.mm = lambda *a: (calls.append(1), mm(*a))[1]
+        try:
+            skinny = llama(input_ids=ids[:, -1:]).logits, llama(input_ids=ids).logits
+        finally:
+            torch.mm = mm
+    torch.testing.assert_close(skinny[1], plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(skinny[0], llama(input_ids=ids[:, -1:]).logits, rtol=1e-5, atol=1e-5)
+    assert bool(calls) == (rows in SKINNY_ROWS)          # only the one-token forward of 2-4 rows goes skinny
+    assert not any("forward" in vars(m) for m in llama.modules())
+    half = random_llama().to(torch.bfloat16)
+    with skinny_linears(half):
+        assert not any("forward" in vars(m) for m in half.modules())
