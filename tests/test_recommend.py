@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from gpu_validate.validate_error import ValidateError
 from gpu_validate.studies.recommendation.recommend_search import (REFINE, ExecutionSettings, GuaranteeSettings,
-                                                                  Recommender, SearchSettings, refine_points,
-                                                                  shortlist)
+                                                                  Recommender, SearchSettings, race_survivors,
+                                                                  refine_points, shortlist)
 from gpu_validate.studies.recommendation.recommend_statistics import (CONFIDENCE, MARGIN_Z, confidence_level,
                                                                       conformal_rank, default_alpha, fit_calibration)
 from gpu_validate.studies.recommendation.candidates import COMBINATORS, Target, budget_ladder, candidates, families
@@ -255,7 +255,7 @@ def test_search_answers_the_smallest_confirmed_budget_and_refines_it(n_cfg, n_bu
             assert found / lo <= REFINE + 1e-9 or found - lo <= 8
         else:
             assert lo in budgets and found in budgets
-    assert rec.runs == n_units * len(rec.measured)
+    assert set(rec.measured) <= rec.sent and rec.runs == n_units * len(rec.sent)     # confirmed or run ahead
 
 
 @settings(max_examples=40, deadline=None)
@@ -313,7 +313,8 @@ def test_recommend_on_the_tiny_model_resumes_without_model_runs(tiny_segments, t
     assert a["budget"] in by_budget and a["choice"]["measured"] is not None
     if a["met"]:                          # met with its margin: the upper bound, above the mean, is within
         assert a["choice"]["measured"] <= a["choice"]["upper_bound"] <= 0.05
-    assert rep["model_runs"] == 2 * sum(len(r["confirmed"]) for r in rep["per_budget"])
+    assert rep["model_runs"] == 2 * sum(len(r["confirmed"]) for r in rep["per_budget"]) + \
+        rep["model_runs_ahead_unused"]
     measured = [c for c in rep["configurations"] if not np.isnan(c["measured"])]
     assert len(measured) == rep["model_runs"] // 2 and all(c["predicted"] > 0 for c in rep["configurations"])
     assert [f["budget"] for f in rep["front"]] == rep["rungs"] and {16, 32, 48} <= set(rep["rungs"])
@@ -331,6 +332,69 @@ def test_recommend_on_the_tiny_model_resumes_without_model_runs(tiny_segments, t
     monkeypatch.setattr(seg_mod, "run_batch", no_model)
     again = recommend(model, segs, cands, [16, 32, 48], Target.parse("dnll=0.05"), **kw)
     assert again["answer"] == rep["answer"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_cfg=st.integers(2, 6), n_budgets=st.integers(1, 5), n_units=st.integers(2, 6), k=st.integers(1, 3),
+       target=st.floats(0.02, 0.5), refine=st.booleans(), seed=st.integers(0, 10 ** 6))
+def test_looking_ahead_changes_the_batches_not_the_decisions(n_cfg, n_budgets, n_units, k, target, refine, seed,
+                                                            tmp_path_factory):
+    """The search with its next rounds run ahead measures, bounds and answers exactly what the round-by-round
+    search does, in no more rounds of model runs."""
+    budgets = [64 * 2 ** j for j in range(n_budgets)]
+    out = {}
+    for ahead in (False, True):
+        rec = _TableRecommender(n_cfg, n_units, budgets, target, k, tmp_path_factory.mktemp("rec"), seed,
+                                refine=REFINE if refine else None)
+        rec.lookahead = ahead
+        rounds = []
+        measure = rec._measure
+        rec._measure = lambda todo: (rounds.append(len(todo)), measure(todo))[1]
+        rec.simulate()
+        out[ahead] = (rec.search(), rec.measured, rec.bound, rec.rungs, len(rounds))
+    assert out[True][:4] == out[False][:4]
+    assert out[True][4] <= out[False][4]
+
+
+def test_race_survivors_are_the_best_few_at_some_budget():
+    rows = pd.DataFrame({"label": ["a", "b", "c", "d"] * 2, "budget": [16] * 4 + [32] * 4,
+                         "l1_mean": [0.1, 0.2, 0.3, 0.4, 0.9, 0.5, 0.1, 0.8]})
+    assert race_survivors(rows, "l1_mean", 1) == {"a", "c"}
+    assert race_survivors(rows, "l1_mean", 2) == {"a", "b", "c"}
+    assert race_survivors(rows, "l1_mean", 4) == {"a", "b", "c", "d"}
+    tie = pd.DataFrame({"label": ["b", "a"], "budget": [16, 16], "l1_mean": [0.1, 0.1]})
+    assert race_survivors(tie, "l1_mean", 1) == {"a"}               # ties by label, as the search ranks
+
+
+def test_a_raced_recommendation_simulates_the_survivors_on_the_other_segments(tiny_segments, tmp_path):
+    """Racing on the first segment: every candidate simulated there, the survivors on the others; only the
+    survivors are ranked, confirmed and in the front; with a race as wide as the candidates, the recommendation
+    is the unraced one."""
+    from gpu_validate.studies.recommendation.recommender import recommend
+    from sim.experiments.store import ResultStore
+
+    model, segs = tiny_segments
+    cands = candidates("h2o;streaming_llm;tova;knorm;random")
+    budgets = [16, 32]
+
+    def run(race, out):
+        return recommend(model, segs, cands, budgets, Target.parse("dnll=0.05"), n_prompt=64, model_id="tiny",
+                         out=tmp_path / out, search=SearchSettings(validate=2, race=race, refine=None),
+                         execution=ExecutionSettings(progress=False, log=lambda s: None))
+
+    raced = run(1, "raced")
+    survivors = set(raced["raced"]["survivors"])
+    assert 1 <= len(survivors) <= len(budgets) < len(cands)
+    sim = ResultStore(tmp_path / "raced" / "simulated").load()
+    per_segment = sim.groupby("segment").label.nunique()
+    assert per_segment[segs[0].name] == len(cands) and per_segment[segs[1].name] == len(survivors)
+    units = {c["label"]: c["units"] for c in raced["configurations"]}
+    assert all(units[lab] == (2 if lab in survivors else 1) for lab in units)
+    confirmed = {lab for r in raced["per_budget"] for lab in r["confirmed"]}
+    assert confirmed <= survivors and {f["label"] for f in raced["front"]} <= survivors
+    wide, unraced = run(len(cands), "wide"), run(None, "unraced")
+    assert unraced["raced"] is None and set(wide["raced"]["survivors"]) == {c.label for c in cands}
+    assert wide["answer"] == unraced["answer"] and wide["per_budget"] == unraced["per_budget"]
 
 
 def test_closed_loop_on_ray_workers_equals_in_process(tiny_segments, tmp_path):

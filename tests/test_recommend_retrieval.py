@@ -34,16 +34,19 @@ def test_clopper_pearson_bound_and_what_n_prompts_can_certify():
 
 def _fake_run_needle(rule):
     """A stand-in for the closed loop: every (prompt, config) cell's success from ``rule(prompt, policy, budget)``,
-    keyed as `gpu_validate.studies.needle.runs.run_needle` keys them."""
+    keyed as `gpu_validate.studies.needle.runs.run_needle` keys them; ``calls`` counts the cells each call ran
+    (those not run before: the store's)."""
     from gpu_validate.studies.needle.runs import config_key
 
-    calls = []
+    calls, done = [], set()
 
     def run(model, prompts, configs, store, *, model_id, **kwargs):
-        calls.append(len(prompts) * len(configs))
-        return pd.DataFrame([{"key": config_key(p, pol, b, model_id), "prompt_id": p.prompt_id, "policy": pol.name,
-                              "label": pol.label(), "budget": int(b), "success": rule(p, pol, b)}
-                             for p in prompts for pol, b in configs])
+        rows = [{"key": config_key(p, pol, b, model_id), "prompt_id": p.prompt_id, "policy": pol.name,
+                 "label": pol.label(), "budget": int(b), "success": rule(p, pol, b)}
+                for p in prompts for pol, b in configs]
+        calls.append(len({r["key"] for r in rows} - done))
+        done.update(r["key"] for r in rows)
+        return pd.DataFrame(rows)
     return run, calls
 
 

@@ -162,10 +162,13 @@ def _batch_rows(model, chunk: Sequence[tuple[Segment, Policy, int]], *, n_prompt
 
 def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy, int]], store, *, n_prompt: int,
                 model_id: str, max_rows: int = 48, progress: bool = True, backend: str = "torch",
-                log: Callable[[str], None] = print, ray: RayTarget | None = None) -> "Any":
+                log: Callable[[str], None] = print, ray: RayTarget | None = None,
+                fulls: dict[str, np.ndarray] | None = None) -> "Any":
     """ΔNLL and top-1 disagreement (vs the full cache) of every segment × (policy, budget) not yet in ``store``,
     run batched through the model (``backend``: the runner's cache kernels), here or, with ``ray``, as one Ray
     task per batch on workers that load the model themselves; each batch is stored as soon as it finishes.
+    ``fulls``: the segments' full-cache logits by segment name, filled as they are computed, so that a caller
+    that calls again (a search confirming a few cells at a time) runs each segment's full forward once.
     Returns the store's table."""
     done = store.keys()
     todo = [(s, p, b) for s in segments for p, b in configs if cell_key(model_id, s, n_prompt, p, b) not in done]
@@ -176,7 +179,7 @@ def closed_loop(model, segments: Sequence[Segment], configs: Sequence[tuple[Poli
     chunks = [todo[c:c + max_rows] for c in range(0, len(todo), max_rows)]
     with tqdm(total=len(todo), desc="closed loop", unit="run", disable=not progress) as bar:
         if ray is None:
-            fulls: dict[str, np.ndarray] = {}
+            fulls = {} if fulls is None else fulls
             batches = (_batch_rows(model, chunk, n_prompt=n_prompt, model_id=model_id, backend=backend,
                                    max_rows=max_rows, fulls=fulls, on_row=lambda: bar.update(1)) for chunk in chunks)
         else:
@@ -204,7 +207,8 @@ SIMULATED_LOSSES = (*ENGINE_LOSSES, "err_wo_mean")
 
 def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy, int]], *, n_prompt: int,
               model_id: str, store=None, progress: bool = True,
-              losses: Sequence[str] = SIMULATED_LOSSES, threads: int | None = None) -> list[dict[str, Any]]:
+              losses: Sequence[str] = SIMULATED_LOSSES, threads: int | None = None,
+              trace_dir: str | Path | None = None) -> list[dict[str, Any]]:
     """The simulator's losses of every segment × (policy, budget): one teacher-forced trace per segment, every
     configuration replayed on it in one pass (`sim.replay.cells.replay_cells`: layer by layer, results those of
     replaying each alone). One row per cell, with the engine's losses (`ENGINE_LOSSES`), the per-layer mean error
@@ -212,13 +216,16 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
     projection W_O (`sim.replay.projected_error`; ``err_wo_mean``, ``err_wo_by_layer``), the only loss that costs more
     than the replay. With a ``store`` (a `sim.experiments.store.ResultStore`), segments already simulated (with the losses
     asked for) are read back, new ones added. The progress bar counts configurations. ``threads``: the cells of a
-    layer replayed side by side (default: this process's share of the cores, `sim.replay.plan.replay_threads`)."""
+    layer replayed side by side (default: this process's share of the cores, `sim.replay.plan.replay_threads`).
+    ``trace_dir``: where each segment's trace is kept between calls (a search that simulates new budgets later
+    records each segment once, not once per call); None: a temporary folder removed on return."""
     unknown = sorted(set(losses) - set(SIMULATED_LOSSES))
     if unknown:
         raise ValidateError(f"unknown simulated loss(es) {unknown}; choose from {SIMULATED_LOSSES}")
     want_wo = "err_wo_mean" in losses
     rows: list[dict[str, Any]] = []
     known = _stored_cells(store, want_wo)
+    chunk = reconstruction_chunk([pol for pol, _ in configs])
     with tempfile.TemporaryDirectory(prefix="kvsim-segments-") as tmp, \
             tqdm(total=len(segments) * len(configs), desc="simulate", unit="cfg", disable=not progress) as bar:
         for si, seg in enumerate(segments):
@@ -228,11 +235,12 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
                 rows += [_row_lists(r) for r in part.drop(columns=["model"]).to_dict("records")]
                 bar.update(len(configs))
                 continue
-            bar.set_postfix_str(f"segment {si + 1}/{len(segments)}: recording")
-            path = Path(tmp) / f"s{si}"
-            record_trace(model, list(seg.ids), path, n_prompt=n_prompt, n_decode=len(seg.ids) - n_prompt,
-                         teacher_forced=True, single_pass=True, progress=False, model_id=model_id,
-                         reconstruction_chunk=reconstruction_chunk([pol for pol, _ in configs]))
+            path = Path(trace_dir or tmp) / _trace_name(model_id, seg, n_prompt, chunk)
+            if not (path / "manifest.json").is_file():     # a trace folder is renamed into place when complete
+                bar.set_postfix_str(f"segment {si + 1}/{len(segments)}: recording")
+                record_trace(model, list(seg.ids), path, n_prompt=n_prompt, n_decode=len(seg.ids) - n_prompt,
+                             teacher_forced=True, single_pass=True, progress=False, model_id=model_id,
+                             reconstruction_chunk=chunk)
             trace = load_trace(path)
             bar.set_postfix_str(f"segment {si + 1}/{len(segments)}")
             seg_rows = _segment_rows(trace, load_layers(trace), seg, configs, keys, want_wo, _Ticker(bar), threads)
@@ -254,6 +262,14 @@ class _Ticker:
         if whole > self.shown:
             self.bar.update(whole - self.shown)
             self.shown = whole
+
+
+def _trace_name(model_id: str, seg: Segment, n_prompt: int, chunk: int | None) -> str:
+    """The folder name of a segment's trace: everything the recording depends on (the model, the segment's tokens,
+    the prompt split, the reconstruction chunk that KVzip-style policies need recorded)."""
+    payload = json.dumps([model_id, seg.name, hashlib.sha256(str(seg.ids).encode()).hexdigest()[:16], n_prompt,
+                          chunk], default=str)
+    return "trace-" + hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def _segment_rows(trace, inputs, seg: Segment, configs: Sequence[tuple[Policy, int]], keys: Sequence[str],

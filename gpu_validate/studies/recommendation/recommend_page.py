@@ -139,13 +139,20 @@ def recommend_page(report: Mapping[str, Any], path: str | os.PathLike, *, plot: 
     if plot:
         page.section("Memory against loss", figure_html(plot, FRONT_CAPTION, "memory vs loss front"))
     cfg = pd.DataFrame(report["configurations"]).sort_values(["budget", "predicted"])
-    rows = [[int(r.budget), r.label, r.family, float(r[report["sim_loss"]]), float(r.predicted),
+    units = cfg["units"] if "units" in cfg else pd.Series(len(report["segments"]), index=cfg.index)
+    rows = [[int(r.budget), r.label, r.family, float(r[report["sim_loss"]]), int(n), float(r.predicted),
              "—" if pd.isna(r.measured) else float(r.measured), _mib(float(r.kv_bytes_mean))]
-            for _, r in cfg.iterrows()]
+            for (_, r), n in zip(cfg.iterrows(), units)]
+    raced = report.get("raced")
+    race_note = ("" if not raced else
+                 f" Segments: how many the simulated loss is a mean over; a candidate outside the {raced['keep']} "
+                 f"best at every budget on the first segment was not simulated on the others and not ranked "
+                 f"({len(raced['survivors'])} of {raced['candidates']} went on).")
     page.section("Every configuration", simple_table(
-        ["budget", "configuration", "family", "simulated", "predicted", "measured", "K/V held"], rows, label_columns=3,
+        ["budget", "configuration", "family", "simulated", "segments", "predicted", "measured", "K/V held"], rows,
+        label_columns=3,
         caption=f"Simulated: {report['sim_loss']}; predicted: calibrated model loss; measured: closed loop "
-                "(confirmed configurations only)."))
+                f"(confirmed configurations only).{race_note}"))
     page.section("Legend", legend_html(TERMS.items()))
     return page.write(path)
 

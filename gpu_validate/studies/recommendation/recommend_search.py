@@ -10,7 +10,10 @@ their model and texts -- decided by the simulator, confirmed in the model.
    loss (the front, and the rungs nobody confirmed).
 3. **Confirm** near the decision: at the smallest rung whose confirmed best meets the target, and at the rung
    below it, the simulator's ``validate`` best configurations run closed loop; while the rung below has a
-   configuration that meets the target, the search steps down.
+   configuration that meets the target, the search steps down. A round's batch also runs, ahead, what the next
+   rounds would confirm if the rung meets the target (the rung below, the first refined budget: `next_cells`):
+   on the CPU a 3-row batch costs nearly what a 12-row one does (the model's weights are read once a step), so
+   the typical search's three rounds cost one batch; the decisions are those of the round-by-round search.
 4. **Refine**: between that rung and the one below it, budgets spaced at most `REFINE` apart (`refine_points`) are
    bisected the same way (simulated, then the simulator's best confirmed), so that the answer is within `REFINE` of
    the smallest budget whose confirmed best meets the target rather than a whole rung (1.33-2x) above it.
@@ -50,6 +53,7 @@ in `gpu_validate.studies.recommendation.recommender`; the retrieval target's sub
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +85,13 @@ SIM_LOSSES = (*FIDELITY_SIM_LOSSES, "err_wo_mean")
 SIM_LOSS = "l1_mean"
 #: the largest ratio between two budgets the search leaves untried near its answer (`refine_points`)
 REFINE = 1.25
+#: the candidates that go on from the first segment to the others (`race_survivors`): those among the RACE best at
+#: some budget on it. On the recommend benchmark's stored simulations (29 candidates, 10 budgets, 10 segments of two
+#: texts; every choice of three segments of a text and of the one raced on), each budget's three best over three
+#: segments (at most two of a family) were always among the 12 best at some budget on the raced segment, and on a
+#: recommendation of all 126 candidates among its 3 best; 16 of 126 keeps 25-33 candidates, so the other segments
+#: simulate a quarter of the cells
+RACE = 16
 
 
 @dataclass(frozen=True)
@@ -88,12 +99,18 @@ class SearchSettings:
     """How the search confirms its answer: ``validate`` configurations confirmed in the model per budget near the
     target, at most ``per_family`` of one family (so that a round also tests the simulator's choice between
     families), ranked by the simulated loss ``sim_loss``; ``refine``: the largest ratio between two budgets left
-    untried near the answer (`refine_points`; None: the ladder's rungs only)."""
+    untried near the answer (`refine_points`; None: the ladder's rungs only); ``race``: the candidates simulated on
+    every segment are those among the ``race`` best at some budget on the first (`race_survivors`; None: every
+    candidate on every segment); ``lookahead``: a rung's confirmations run in one batch with the ones the search
+    would ask for next if the rung meets the target (`Recommender.next_cells`), since a model batch costs little
+    more for more rows."""
 
     validate: int = 3
     per_family: int = 2
     sim_loss: str = SIM_LOSS
     refine: float | None = REFINE
+    race: int | None = RACE
+    lookahead: bool = True
 
 
 @dataclass(frozen=True)
@@ -137,6 +154,14 @@ def refine_points(lo: int, hi: int, ratio: float = REFINE) -> list[int]:
     return sorted({*out, *(b for a, c in zip(chain, chain[1:]) for b in refine_points(a, c, ratio))})
 
 
+def race_survivors(rows: pd.DataFrame, sim_loss: str, keep: int) -> set[str]:
+    """The labels among the ``keep`` best by ``sim_loss`` at some budget of ``rows`` (one segment's simulated
+    cells; ties broken by label): the candidates worth simulating on the other segments. A candidate outside every
+    budget's ``keep`` best on one segment is far from any shortlist the search confirms (`RACE`)."""
+    ranked = rows.sort_values([sim_loss, "label"]).groupby("budget", sort=False).head(keep)
+    return set(ranked.label)
+
+
 def shortlist(ranked: Sequence[str], families: dict[str, str], k: int, per_family: int) -> list[str]:
     """The first ``k`` labels of ``ranked`` (best first) taking at most ``per_family`` from one family, so that
     a confirmation round also tests the simulator's choice *between* families."""
@@ -171,6 +196,8 @@ class Recommender:
         self.budgets = sorted(int(b) for b in budgets)
         self.n_prompt, self.model_id, self.backend = n_prompt, model_id, execution.backend
         self.validate, self.per_family, self.sim_loss = search.validate, search.per_family, search.sim_loss
+        self.race, self.lookahead = search.race, search.lookahead
+        self.survivors: set[str] | None = None      # the candidates simulated on every segment (None: all)
         self.progress, self.log = execution.progress, execution.log
         self.out = Path(out)
         # the stores a rerun resumes from (a benchmark may share them between recommendations)
@@ -182,12 +209,17 @@ class Recommender:
         self.block_se: dict[tuple[str, int], float] = {}     # its standard error over token blocks
         self.margin_z = guarantee.margin_z
         self.ray = execution.ray                             # closed-loop batches on Ray workers (``closed_loop``)
-        self.runs = 0
+        self.runs = 0                                        # model runs made (cells sent x units)
+        self.sent: set[tuple[str, int]] = set()              # the cells sent to the model, confirmed or run ahead
         self.refine = search.refine                          # None: the ladder's rungs only
         self.rungs = list(self.budgets)                      # the ladder and the budgets refinement added
         # the guarantee's level, checked before anything runs: the units must be able to certify it
         self.alpha = default_alpha(len(self.segments)) if guarantee.alpha is None else float(guarantee.alpha)
         self.certify_rank = self._certify_rank()
+        # what every call of the search reuses: each segment's recorded trace (refinement simulates new budgets on
+        # it) and its full-cache logits (each round of confirmations compares against them)
+        self._traces = tempfile.TemporaryDirectory(prefix="kvsim-recommend-")
+        self._fulls: dict[str, np.ndarray] = {}
 
     # ----- the two sides -----
 
@@ -197,21 +229,40 @@ class Recommender:
 
     def simulate(self, budgets: Sequence[int] | None = None) -> pd.DataFrame:
         """Mean over the segments of every simulated loss asked for, per (label, budget), for ``budgets`` (default:
-        the ladder), added to the table; the candidates whose minimum budget exceeds a rung are left out of it."""
+        the ladder), added to the table; the candidates whose minimum budget exceeds a rung are left out of it.
+        With ``race`` (and more than one segment), the first call simulates every candidate on the first segment and
+        only `race_survivors` on the others; a later call (refinement) simulates the survivors. A candidate raced
+        out keeps its first segment's losses in the table (``units`` 1) and is not ranked (`ranked`)."""
         if self.sim_loss not in SIM_LOSSES:
             raise ValidateError(f"unknown simulated loss {self.sim_loss!r}; choose from {SIM_LOSSES}")
         budgets = self.budgets if budgets is None else budgets
-        configs = [(c.policy, b) for c in self.cands.values() for b in budgets if c.policy.min_budget() <= b]
-        # the engine's losses come with every replay; the error after W_O only when it ranks (it costs more than
-        # the replay itself)
-        rows = simulated(self.model, self.segments, configs, n_prompt=self.n_prompt, model_id=self.model_id,
-                         store=self.sim_store, progress=self.progress, losses=(*ENGINE_LOSSES, self.sim_loss))
+        labels = list(self.cands) if self.survivors is None else sorted(self.survivors)
+        if self.race is None or len(self.segments) == 1 or self.survivors is not None:
+            rows = self._simulated(self.segments, labels, budgets)
+        else:
+            rows = self._simulated(self.segments[:1], labels, budgets)
+            self.survivors = race_survivors(pd.DataFrame(rows), self.sim_loss, self.race)
+            if self.progress:
+                self.log(f"raced on the first segment: {len(self.survivors)} of {len(self.cands)} candidates (the "
+                         f"{self.race} best at some budget) go on to the other {len(self.segments) - 1}")
+            rows += self._simulated(self.segments[1:], sorted(self.survivors), budgets)
         df = pd.DataFrame(rows)
         return self._add_table(df, [*(c for c in SIM_LOSSES if c in df), "kv_bytes_mean"])
 
+    def _simulated(self, segments: Sequence[Segment], labels: Sequence[str], budgets: Sequence[int]) -> list[dict]:
+        """The simulated rows of ``labels`` at ``budgets`` on ``segments``: the engine's losses come with every
+        replay; the error after W_O only when it ranks (it costs more than the replay itself)."""
+        configs = [(self.cands[lab].policy, b) for lab in labels for b in budgets
+                   if self.cands[lab].policy.min_budget() <= b]
+        return simulated(self.model, segments, configs, n_prompt=self.n_prompt, model_id=self.model_id,
+                         store=self.sim_store, progress=self.progress, losses=(*ENGINE_LOSSES, self.sim_loss),
+                         trace_dir=self._traces.name)
+
     def _add_table(self, df: pd.DataFrame, cols: Sequence[str]) -> pd.DataFrame:
         """The per-(label, budget) means of ``cols`` over the units, appended to the simulated table."""
-        table = df.groupby(["label", "budget"])[list(cols)].mean().reset_index()
+        grouped = df.groupby(["label", "budget"])
+        table = grouped[list(cols)].mean().reset_index()
+        table["units"] = grouped.size().to_numpy()          # how many units each mean is over
         table["family"] = table.label.map(self.family)
         old = getattr(self, "table", None)
         self.table = table if old is None else pd.concat([old, table[~table.budget.isin(old.budget)]],
@@ -219,19 +270,28 @@ class Recommender:
         return self.table
 
     def ranked(self, budget: int) -> list[str]:
-        part = self.table[self.table.budget == budget].sort_values([self.sim_loss, "label"])
-        return part.label.tolist()
+        """The labels simulated at ``budget``, best first by the simulated loss (raced-out candidates left out)."""
+        part = self.table[self.table.budget == budget]
+        if self.survivors is not None:
+            part = part[part.label.isin(self.survivors)]
+        return part.sort_values([self.sim_loss, "label"]).label.tolist()
 
-    def confirm(self, cells: Sequence[tuple[str, int]]) -> None:
+    def confirm(self, cells: Sequence[tuple[str, int]], ahead: Sequence[tuple[str, int]] = ()) -> None:
         """Closed-loop runs of the (label, budget) cells not yet measured, on every segment (`_measure`): their
-        losses per segment, their mean (``measured``) and the rungs' upper bounds (`_bound_rung`)."""
+        losses per segment, their mean (``measured``) and the rungs' upper bounds (`_bound_rung`). The cells
+        ``ahead`` run in the same batch but are not measured yet: they go into the store, where a later `confirm`
+        finds them without a model run, so the search decides exactly as it would without them."""
         todo = [(lab, int(b)) for lab, b in dict.fromkeys(cells) if (lab, int(b)) not in self.measured]
         if not todo:
             return
-        for cell, losses in zip(todo, self._measure(todo)):
+        extra = [(lab, int(b)) for lab, b in dict.fromkeys(ahead)
+                 if (lab, int(b)) not in self.measured and (lab, int(b)) not in todo]
+        new = [c for c in (*todo, *extra) if c not in self.sent]
+        self.sent.update(new)
+        self.runs += len(new) * len(self.segments)
+        for cell, losses in zip(todo, self._measure([*todo, *extra])):
             self.segment_losses[cell] = losses
             self.measured[cell] = float(losses.mean())
-            self.runs += len(losses)
         for b in {b for _, b in todo}:
             self._bound_rung(b)
 
@@ -241,7 +301,7 @@ class Recommender:
         configs = [(self.cands[lab].policy, b) for lab, b in todo]
         df = closed_loop(self.model, self.segments, configs, self.closed_store, n_prompt=self.n_prompt,
                          model_id=self.model_id, progress=self.progress, backend=self.backend, log=self.log,
-                         ray=self.ray)
+                         ray=self.ray, fulls=self._fulls)
         by_key = df.set_index("key")
         out = []
         for cell, (pol, b) in zip(todo, configs):
@@ -288,9 +348,32 @@ class Recommender:
         v, lab = min(found)
         return lab, v
 
-    def _confirm_rung(self, budget: int) -> None:
-        top = shortlist(self.ranked(budget), self.family, self.validate, self.per_family)
-        self.confirm([(lab, budget) for lab in top])
+    def _shortlist(self, budget: int) -> list[tuple[str, int]]:
+        """The cells a rung's confirmation runs: the simulator's `shortlist` at ``budget``."""
+        return [(lab, budget) for lab in shortlist(self.ranked(budget), self.family, self.validate, self.per_family)]
+
+    def _confirm_rung(self, budget: int, ahead: Sequence[tuple[str, int]] = ()) -> None:
+        self.confirm(self._shortlist(budget), ahead)
+
+    def next_cells(self, i: int) -> list[tuple[str, int]]:
+        """What the search confirms next if rung ``i`` meets the target (empty without ``lookahead``): the shortlist
+        of the rung below and, with refinement, of the first budget `_refine` would try between the two (simulated
+        here if it is not yet). Run ahead with rung ``i``'s own confirmations, they make the two or three rounds of a
+        typical search one model batch; if the rung misses, they are runs spent for nothing."""
+        if not self.lookahead or i == 0:
+            return []
+        cells = self._shortlist(self.budgets[i - 1])
+        points = [] if self.refine is None else refine_points(self.budgets[i - 1], self.budgets[i], self.refine)
+        if points:
+            mid = points[len(points) // 2]
+            self._simulate_new(mid)
+            cells += self._shortlist(mid)
+        return cells
+
+    def _simulate_new(self, budget: int) -> None:
+        """Simulate ``budget`` unless the table has it."""
+        if budget not in set(self.table.budget):
+            self.simulate([budget])
 
     def search(self) -> int | None:
         """The smallest budget whose confirmed best meets the target (None: no rung does): the smallest rung of
@@ -306,7 +389,7 @@ class Recommender:
         met = [i for i, b in enumerate(self.budgets) if self.target.met(self.best_measured(b)[1])]
         i = met[0] if met else len(self.budgets) - 1
         while True:
-            self._confirm_rung(self.budgets[i])
+            self._confirm_rung(self.budgets[i], self.next_cells(i))
             if not self.target.met(self.best_measured(self.budgets[i])[1]):
                 return None                                               # only when i is the top rung
             if i == 0:
@@ -325,7 +408,7 @@ class Recommender:
             mid = points[len(points) // 2]
             if self.progress:
                 self.log(f"refining between budgets {lo} and {hi}: trying {mid}")
-            self.simulate([mid])
+            self._simulate_new(mid)
             self.rungs = sorted({*self.rungs, mid})
             self._confirm_rung(mid)
             best = self.best_measured(mid)
@@ -392,11 +475,24 @@ class Recommender:
                 "sim_loss": self.sim_loss, "validate": self.validate, "per_family": self.per_family,
                 "answer": answer, "guarantee": guarantee, "per_budget": per_budget,
                 "calibration": {"a": cal.a, "b": cal.b, "n": cal.n, "rms_log": cal.rms_log},
-                "confidence": self._confidence(cal, answer), "model_runs": self.runs, "front": front(self.table),
+                "confidence": self._confidence(cal, answer), "model_runs": self.runs,
+                "model_runs_ahead_unused": len(self.sent - set(self.measured)) * len(self.segments),
+                "raced": self._race_report(), "front": front(self._ranked_table()),
                 "configurations": self.table.to_dict("records"), "seconds": time.perf_counter() - t0,
                 "stage_seconds": {"simulate": t_sim - t0, "search": t_search - t_sim, "certify": t_certify - t_search}}
 
     # ----- the report's parts -----
+
+    def _ranked_table(self) -> pd.DataFrame:
+        """The table's rows the search ranks: every candidate's, or the race's survivors'."""
+        return self.table if self.survivors is None else self.table[self.table.label.isin(self.survivors)]
+
+    def _race_report(self) -> dict[str, Any] | None:
+        """How the race cut the simulation (None: every candidate was simulated on every segment)."""
+        if self.survivors is None:
+            return None
+        return {"keep": self.race, "candidates": len(self.cands), "survivors": sorted(self.survivors),
+                "raced_on": self.segments[0].name}
 
     def _sim(self, label: str, budget: int) -> float:
         row = self.table[(self.table.label == label) & (self.table.budget == budget)]
