@@ -444,3 +444,5 @@ def test_recommend_cli_writes_json_page_and_plot(tmp_path, capsys):
     assert main(["recommend", "--model", "tiny", "--segments", "1", "--target", "dnll=0.1", "--alpha", "0.2",
                  "--out", str(out)]) == 2
     assert "certify no level below" in capsys.readouterr().err
+    assert main(["recommend", "--model", "tiny", "--target", "dnll=0.1", "--race", "-1", "--out", str(out)]) == 2
+    assert "--race must be >= 0" in capsys.readouterr().err

@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "recommend", help="the policy, parameters and smallest budget meeting a quality target, confirmed in the model",
         description="Record a trace of each text segment, simulate every candidate configuration (every registered "
                     "policy's paper default and the hyperparameter values its module declares) at a ladder of "
-                    "budgets, calibrate the simulator's losses on a few closed-loop runs of this model, confirm the "
+                    "budgets on the first segment and the best of them (--race) on the others, calibrate the simulator's losses on a few closed-loop runs of this model, confirm the "
                     "simulator's best configurations near the target in the model, refine the budget between the "
                     "rungs, and answer: the smallest budget whose confirmed best meets the target, that "
                     "configuration, its runner-up, their predicted and measured losses, the memory they hold, a "
@@ -44,6 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "1/16 to 3/4 of the prompt")
     p.add_argument("--validate", type=positive_int, default=3, metavar="K",
                    help="configurations confirmed in the model per budget near the target")
+    p.add_argument("--race", type=int, default=None, metavar="N",
+                   help="candidates simulated on every segment: those among the N best at some budget on the first "
+                        "(default 16: on the recommend benchmark's splits no shortlist changed; 0: every candidate "
+                        "on every segment)")
     p.add_argument("--alpha", type=float, default=None, metavar="A",
                    help="level of the distribution-free guarantee: the certified budget meets the target on a new "
                         "window of your text with probability >= 1 - A, assuming only that it is exchangeable with "
@@ -78,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                              prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                              policies=args.policies, budgets=args.budgets or "auto", validate=args.validate,
                              device=args.device, progress=not args.quiet, ray_address=args.ray,
-                             threads=args.threads or 1, alpha=args.alpha)
+                             threads=args.threads or 1, alpha=args.alpha, race=args.race)
     report.update(command=command_line(args), **run_info())
     png = plot_front(report, args.out / "front.png")
     atomic_write_text(args.out / "recommend.json", json.dumps(report, indent=1, default=float))

@@ -228,7 +228,9 @@ def answer_lines(report: dict[str, Any]) -> list[str]:
     lines.append(f"Confidence {c['level']}: {confidence_note(c)}. {c['advice']}.")
     g = report["guarantee"]
     lines.append(f"Guarantee (alpha {g['alpha']:.2g}, {g['n_units']} {g['units']}): {g['statement']}.")
-    lines.append(f"{report['model_runs']} closed-loop runs were used.")
+    ahead = report.get("model_runs_ahead_unused") or 0
+    lines.append(f"{report['model_runs']} closed-loop runs were made" + (
+        f" ({ahead} of them ahead, for rounds the search did not need)." if ahead else "."))
     lines.append(f"Use it: {use_command(report)}")
     if a.get("kvpress"):            # answers written before the kvpress export have none
         lines.append(summary_line(a["kvpress"]))

@@ -86,11 +86,13 @@ SIM_LOSS = "l1_mean"
 #: the largest ratio between two budgets the search leaves untried near its answer (`refine_points`)
 REFINE = 1.25
 #: the candidates that go on from the first segment to the others (`race_survivors`): those among the RACE best at
-#: some budget on it. On the recommend benchmark's stored simulations (29 candidates, 10 budgets, 10 segments of two
-#: texts; every choice of three segments of a text and of the one raced on), each budget's three best over three
-#: segments (at most two of a family) were always among the 12 best at some budget on the raced segment, and on a
-#: recommendation of all 126 candidates among its 3 best; 16 of 126 keeps 25-33 candidates, so the other segments
-#: simulate a quarter of the cells
+#: some budget on it. Racing changes a recommendation only where a label of some budget's shortlist was raced out;
+#: over the recommend benchmark's stored simulations (29 candidates of 8 families on 25 / 28 segments, all 127 / 128
+#: splits, every grid budget: `benchmarks/race_check.py`) that happened to 0 shortlists at 16 on both models (1 of
+#: 768 at 12 on Gemma-3, 38 of 635 at 8 on SmolLM2); a shortlisted label ranked at worst 11th (SmolLM2) and 13th
+#: (Gemma-3) on the raced segment. With all 126 candidates, 16 keeps 25-33 of them, so the other segments simulate
+#: about a quarter of the cells; on a 126-candidate recommendation of three segments, a shortlisted label ranked at
+#: worst 3rd on whichever of them was raced
 RACE = 16
 
 

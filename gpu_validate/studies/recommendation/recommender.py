@@ -12,8 +12,8 @@ import torch
 from gpu_validate.kvcache.backends import pick_device
 from gpu_validate.studies.fidelity.segments import RayTarget, Segment, make_segments
 from gpu_validate.studies.recommendation.candidates import Candidate, Target, budget_ladder, candidates
-from gpu_validate.studies.recommendation.recommend_search import (ExecutionSettings, GuaranteeSettings, Recommender,
-                                                                  SearchSettings)
+from gpu_validate.studies.recommendation.recommend_search import (RACE, ExecutionSettings, GuaranteeSettings,
+                                                                  Recommender, SearchSettings)
 from gpu_validate.studies.recommendation.recommend_statistics import conformal_rank
 from gpu_validate.studies.recommendation.retrieval import recommend_retrieval
 from gpu_validate.validate_error import ValidateError
@@ -35,7 +35,8 @@ def recommend_texts(model: str, texts: Sequence[str], target: str, *, out: str |
                     prompt_tokens: int = 512, decode_tokens: int = 128, policies: str = "all",
                     budgets: str | Sequence[int] = "auto",
                     validate: int = 3, device: str | None = None, progress: bool = True,
-                    ray_address: str | None = None, threads: int = 1, alpha: float | None = None) -> dict[str, Any]:
+                    ray_address: str | None = None, threads: int = 1, alpha: float | None = None,
+                    race: int | None = None) -> dict[str, Any]:
     """`recommend` from names, as ``kvsim recommend`` takes them: a model (registry name, HF folder or .gguf),
     texts (shipped names or UTF-8 files; ``segments`` windows of each), a target (``dnll=0.05``, ``top1=0.95``;
     ``retrieval=0.9`` runs `gpu_validate.studies.recommendation.retrieval` on ``segments`` pass-key seeds per text
@@ -43,11 +44,14 @@ def recommend_texts(model: str, texts: Sequence[str], target: str, *, out: str |
     cache, else the torch one. With ``ray_address`` the closed-loop batches run as Ray tasks (``threads`` each,
     one GPU each on CUDA) on workers that load ``model`` themselves. ``alpha``: the level of the distribution-free
     guarantee (default `default_alpha`; a retrieval target's: its Clopper-Pearson level, default 1 - Φ(`MARGIN_Z`)),
-    refused before any model run when the units cannot certify it. The report also names the texts, device, backend
-    and ``model_spec``, the model as given here (what ``kvsim generate --model`` takes)."""
+    refused before any model run when the units cannot certify it. ``race``: the candidates simulated on every
+    segment, the ``race`` best at some budget on the first (None: `RACE`; 0: all). The report also names the texts,
+    device, backend and ``model_spec``, the model as given here (what ``kvsim generate --model`` takes)."""
     goal = Target.parse(target)
     cands = candidates(policies)
     ladder = budget_ladder(prompt_tokens, budgets)
+    if race is not None and race < 0:
+        raise ValidateError(f"--race must be >= 0 (0: every candidate on every segment), got {race}")
     if goal.name == "retrieval" and ray_address is not None:
         raise ValidateError("--ray confirms text segments; a retrieval target runs its needle prompts here")
     if goal.name != "retrieval" and alpha is not None:      # a level the segments cannot certify: refused now
@@ -65,8 +69,9 @@ def recommend_texts(model: str, texts: Sequence[str], target: str, *, out: str |
     ids = {spec: tok(read_text(spec)[0], verbose=False)["input_ids"] for spec in texts}   # a spec names its segments
     segs = make_segments(ids, segments, prompt_tokens + decode_tokens)
     ray = None if ray_address is None else RayTarget(ray_address, model, device, threads)
+    search = SearchSettings(validate=validate, race=RACE if race is None else (race or None))
     report = recommend(hf, segs, cands, ladder, goal, n_prompt=prompt_tokens, model_id=model_id(model), out=out,
-                       search=SearchSettings(validate=validate), guarantee=GuaranteeSettings(alpha=alpha),
+                       search=search, guarantee=GuaranteeSettings(alpha=alpha),
                        execution=ExecutionSettings(backend=backend, progress=progress, ray=ray))
     report.update(texts=list(texts), device=device, backend=backend, model_spec=model)
     return report
