@@ -340,18 +340,25 @@ def test_recommend_on_the_tiny_model_resumes_without_model_runs(tiny_segments, t
 def test_looking_ahead_changes_the_batches_not_the_decisions(n_cfg, n_budgets, n_units, k, target, refine, seed,
                                                             tmp_path_factory):
     """The search with its next rounds run ahead measures, bounds and answers exactly what the round-by-round
-    search does, in no more rounds of model runs."""
+    search does, in no more batches of model runs (a batch: a call with a cell the store does not hold yet)."""
     budgets = [64 * 2 ** j for j in range(n_budgets)]
     out = {}
     for ahead in (False, True):
         rec = _TableRecommender(n_cfg, n_units, budgets, target, k, tmp_path_factory.mktemp("rec"), seed,
                                 refine=REFINE if refine else None)
         rec.lookahead = ahead
-        rounds = []
+        stored, batches = set(), []
         measure = rec._measure
-        rec._measure = lambda todo: (rounds.append(len(todo)), measure(todo))[1]
+
+        def counted(todo, measure=measure, stored=stored, batches=batches):
+            if set(todo) - stored:
+                batches.append(len(todo))
+            stored.update(todo)
+            return measure(todo)
+
+        rec._measure = counted
         rec.simulate()
-        out[ahead] = (rec.search(), rec.measured, rec.bound, rec.rungs, len(rounds))
+        out[ahead] = (rec.search(), rec.measured, rec.bound, rec.rungs, len(batches))
     assert out[True][:4] == out[False][:4]
     assert out[True][4] <= out[False][4]
 

@@ -10,10 +10,12 @@ their model and texts -- decided by the simulator, confirmed in the model.
    loss (the front, and the rungs nobody confirmed).
 3. **Confirm** near the decision: at the smallest rung whose confirmed best meets the target, and at the rung
    below it, the simulator's ``validate`` best configurations run closed loop; while the rung below has a
-   configuration that meets the target, the search steps down. A round's batch also runs, ahead, what the next
-   rounds would confirm if the rung meets the target (the rung below, the first refined budget: `next_cells`):
-   on the CPU a 3-row batch costs nearly what a 12-row one does (the model's weights are read once a step), so
-   the typical search's three rounds cost one batch; the decisions are those of the round-by-round search.
+   configuration that meets the target, the search steps down. A round that runs the model also runs, ahead, what
+   the next rounds would confirm: with a rung that meets the target, the rung below and the first budget refined
+   between the two (`next_cells`); with the rung below, the budget refined above it, needed if it misses
+   (`refine_cells`). Ahead runs only ride along, never as a batch of their own: on the CPU a 3-row batch costs
+   nearly what a 12-row one does (the model's weights are read once a step), so the typical search's three rounds
+   cost one batch; the decisions are those of the round-by-round search.
 4. **Refine**: between that rung and the one below it, budgets spaced at most `REFINE` apart (`refine_points`) are
    bisected the same way (simulated, then the simulator's best confirmed), so that the answer is within `REFINE` of
    the smallest budget whose confirmed best meets the target rather than a whole rung (1.33-2x) above it.
@@ -281,13 +283,15 @@ class Recommender:
     def confirm(self, cells: Sequence[tuple[str, int]], ahead: Sequence[tuple[str, int]] = ()) -> None:
         """Closed-loop runs of the (label, budget) cells not yet measured, on every segment (`_measure`): their
         losses per segment, their mean (``measured``) and the rungs' upper bounds (`_bound_rung`). The cells
-        ``ahead`` run in the same batch but are not measured yet: they go into the store, where a later `confirm`
-        finds them without a model run, so the search decides exactly as it would without them."""
+        ``ahead`` ride along in the same batch when it runs the model at all (never a batch of their own) but are
+        not measured yet: they go into the store, where a later `confirm` finds them without a model run, so the
+        search decides exactly as it would without them."""
         todo = [(lab, int(b)) for lab, b in dict.fromkeys(cells) if (lab, int(b)) not in self.measured]
         if not todo:
             return
+        due = any(c not in self.sent for c in todo)
         extra = [(lab, int(b)) for lab, b in dict.fromkeys(ahead)
-                 if (lab, int(b)) not in self.measured and (lab, int(b)) not in todo]
+                 if (lab, int(b)) not in self.measured and (lab, int(b)) not in todo] if due else []
         new = [c for c in (*todo, *extra) if c not in self.sent]
         self.sent.update(new)
         self.runs += len(new) * len(self.segments)
@@ -354,23 +358,28 @@ class Recommender:
         """The cells a rung's confirmation runs: the simulator's `shortlist` at ``budget``."""
         return [(lab, budget) for lab in shortlist(self.ranked(budget), self.family, self.validate, self.per_family)]
 
-    def _confirm_rung(self, budget: int, ahead: Sequence[tuple[str, int]] = ()) -> None:
-        self.confirm(self._shortlist(budget), ahead)
+    def _confirm_rung(self, budget: int, ahead: Callable[[], list[tuple[str, int]]] = list) -> None:
+        """Confirm the rung's shortlist; ``ahead()``, asked only when that makes model runs and ``lookahead`` is on,
+        names the cells to run ahead in the same batch (`confirm`)."""
+        cells = self._shortlist(budget)
+        due = self.lookahead and any(c not in self.sent for c in cells)
+        self.confirm(cells, ahead() if due else ())
 
     def next_cells(self, i: int) -> list[tuple[str, int]]:
-        """What the search confirms next if rung ``i`` meets the target (empty without ``lookahead``): the shortlist
-        of the rung below and, with refinement, of the first budget `_refine` would try between the two (simulated
-        here if it is not yet). Run ahead with rung ``i``'s own confirmations, they make the two or three rounds of a
-        typical search one model batch; if the rung misses, they are runs spent for nothing."""
-        if not self.lookahead or i == 0:
+        """What the search confirms next if rung ``i`` meets the target: the shortlist of the rung below and what
+        it refines between the two (`refine_cells`). Run ahead with rung ``i``'s own confirmations, they make the two
+        or three rounds of a typical search one model batch; if the rung misses, they are runs spent for nothing."""
+        return [] if i == 0 else [*self._shortlist(self.budgets[i - 1]), *self.refine_cells(i - 1)]
+
+    def refine_cells(self, j: int) -> list[tuple[str, int]]:
+        """The shortlist of the first budget `_refine` tries between rungs ``j`` and ``j + 1`` (simulated here if
+        it is not yet): what the search confirms next if rung ``j`` misses the target and rung ``j + 1`` meets it."""
+        points = [] if self.refine is None else refine_points(self.budgets[j], self.budgets[j + 1], self.refine)
+        if not points:
             return []
-        cells = self._shortlist(self.budgets[i - 1])
-        points = [] if self.refine is None else refine_points(self.budgets[i - 1], self.budgets[i], self.refine)
-        if points:
-            mid = points[len(points) // 2]
-            self._simulate_new(mid)
-            cells += self._shortlist(mid)
-        return cells
+        mid = points[len(points) // 2]
+        self._simulate_new(mid)
+        return self._shortlist(mid)
 
     def _simulate_new(self, budget: int) -> None:
         """Simulate ``budget`` unless the table has it."""
@@ -391,12 +400,12 @@ class Recommender:
         met = [i for i, b in enumerate(self.budgets) if self.target.met(self.best_measured(b)[1])]
         i = met[0] if met else len(self.budgets) - 1
         while True:
-            self._confirm_rung(self.budgets[i], self.next_cells(i))
+            self._confirm_rung(self.budgets[i], lambda: self.next_cells(i))
             if not self.target.met(self.best_measured(self.budgets[i])[1]):
                 return None                                               # only when i is the top rung
             if i == 0:
                 return 0
-            self._confirm_rung(self.budgets[i - 1])
+            self._confirm_rung(self.budgets[i - 1], lambda: self.refine_cells(i - 1))
             if not self.target.met(self.best_measured(self.budgets[i - 1])[1]):
                 return i
             i -= 1
