@@ -146,9 +146,22 @@ def _stages(stages: dict[str, float] | None) -> str:
     """Where a recommend run's wall time went, from its report's ``stage_seconds`` (empty without them)."""
     if not stages:
         return ""
-    return (f"; of which simulating {fmt(stages['simulate'])} s, the search (its closed-loop runs, refinement "
-            f"included) {fmt(stages['search'])} s, certifying {fmt(stages['certify'])} s, the rest loading the model "
+    sec = {k: fmt(round(v, 1)) for k, v in stages.items()}
+    return (f"; of which simulating {sec['simulate']} s, the search (its closed-loop runs, refinement "
+            f"included) {sec['search']} s, certifying {sec['certify']} s, the rest loading the model "
             "and writing the page")
+
+
+def _default_threads_run(m: dict) -> str:
+    """One sentence on a model's recommend run with the CLI's default threads: its time, runs, answer (said to be
+    the one-thread run's where that run exists and agrees), load and stages."""
+    r = m["recommend_default_threads"]
+    a, one = r.get("answer") or {}, m.get("recommend_answer") or {}
+    answer = f"answer {a.get('label')} at budget {a.get('budget')}"
+    if one and (one.get("label"), one.get("budget")) == (a.get("label"), a.get("budget")):
+        answer += ", the one-thread run's"
+    return (f"`{r['command']}`: {fmt(r['seconds'])} s, {r.get('model_runs')} closed-loop runs, {answer} (load "
+            f"{fmt(r.get('load'))}, its own {r['cores']} threads)" + _stages(r.get("stage_seconds")) + ".")
 
 
 def sim_cost_section() -> str:
@@ -176,11 +189,10 @@ def sim_cost_section() -> str:
             out.append("\n" + "; ".join(f"`{m['recommend_command']}`: {fmt(m['recommend_seconds'])} s end to end, "
                                         f"{m.get('recommend_model_runs')} closed-loop runs (load "
                                         f"{fmt(m.get('recommend_load'))})" for m in rec) + ".")
-            dflt = [m["recommend_default_threads"] for m in rec if m.get("recommend_default_threads")]
-            out.append("".join(f" With the CLI's default threads (all {r['cores']} cores): `{r['command']}`: "
-                               f"{fmt(r['seconds'])} s, {r.get('model_runs')} closed-loop runs, the same answer "
-                               f"(load {fmt(r.get('load'))}, its own {r['cores']} threads)" + _stages(r.get("stage_seconds"))
-                               + "." for r in dflt) + "\n")
+        dflt = [m for m in models.values() if m.get("recommend_default_threads")]
+        if dflt:
+            out.append("".join(f" With the CLI's default threads (all {m['recommend_default_threads']['cores']} "
+                               f"cores): " + _default_threads_run(m) for m in dflt) + "\n")
         for name, m in models.items():
             if m.get("families"):
                 fam = m["families"]
