@@ -80,7 +80,6 @@ def forward_at(model, ids, positions, *, logits: bool = True):
     return out.logits[:, -1].float()
 
 
-
 #: the rows (tokens x batch) of a linear layer's input for which `skinny_linears` computes ``(W x^T)^T``
 SKINNY_ROWS = range(2, 5)
 

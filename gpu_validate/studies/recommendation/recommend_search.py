@@ -280,17 +280,18 @@ class Recommender:
             part = part[part.label.isin(self.survivors)]
         return part.sort_values([self.sim_loss, "label"]).label.tolist()
 
-    def confirm(self, cells: Sequence[tuple[str, int]], ahead: Sequence[tuple[str, int]] = ()) -> None:
+    def confirm(self, cells: Sequence[tuple[str, int]],
+                ahead: Callable[[], Sequence[tuple[str, int]]] = tuple) -> None:
         """Closed-loop runs of the (label, budget) cells not yet measured, on every segment (`_measure`): their
         losses per segment, their mean (``measured``) and the rungs' upper bounds (`_bound_rung`). The cells
-        ``ahead`` ride along in the same batch when it runs the model at all (never a batch of their own) but are
-        not measured yet: they go into the store, where a later `confirm` finds them without a model run, so the
-        search decides exactly as it would without them."""
+        ``ahead()`` names (asked only when this runs the model at all and ``lookahead`` is on: never a batch of
+        their own) ride along in the same batch but are not measured yet: they go into the store, where a later
+        `confirm` finds them without a model run, so the search decides exactly as it would without them."""
         todo = [(lab, int(b)) for lab, b in dict.fromkeys(cells) if (lab, int(b)) not in self.measured]
         if not todo:
             return
-        due = any(c not in self.sent for c in todo)
-        extra = [(lab, int(b)) for lab, b in dict.fromkeys(ahead)
+        due = self.lookahead and any(c not in self.sent for c in todo)
+        extra = [(lab, int(b)) for lab, b in dict.fromkeys(ahead())
                  if (lab, int(b)) not in self.measured and (lab, int(b)) not in todo] if due else []
         new = [c for c in (*todo, *extra) if c not in self.sent]
         self.sent.update(new)
@@ -358,12 +359,9 @@ class Recommender:
         """The cells a rung's confirmation runs: the simulator's `shortlist` at ``budget``."""
         return [(lab, budget) for lab in shortlist(self.ranked(budget), self.family, self.validate, self.per_family)]
 
-    def _confirm_rung(self, budget: int, ahead: Callable[[], list[tuple[str, int]]] = list) -> None:
-        """Confirm the rung's shortlist; ``ahead()``, asked only when that makes model runs and ``lookahead`` is on,
-        names the cells to run ahead in the same batch (`confirm`)."""
-        cells = self._shortlist(budget)
-        due = self.lookahead and any(c not in self.sent for c in cells)
-        self.confirm(cells, ahead() if due else ())
+    def _confirm_rung(self, budget: int, ahead: Callable[[], Sequence[tuple[str, int]]] = tuple) -> None:
+        """Confirm the rung's shortlist, with ``ahead()``'s cells run ahead in the same batch (`confirm`)."""
+        self.confirm(self._shortlist(budget), ahead)
 
     def next_cells(self, i: int) -> list[tuple[str, int]]:
         """What the search confirms next if rung ``i`` meets the target: the shortlist of the rung below and what
