@@ -20,9 +20,10 @@ Trace-specific choices (documented ambiguities):
 - with QK-norm (Qwen3, Gemma-3) the stored queries are normalised before RoPE, so the statistics are those of
   the normalised queries, as the keys they meet are;
 - the logits use 1 / sqrt(d) as kvpress does (Gemma-3's query_pre_attn_scalar 256 gives the same at d 256).
-State: per KV head and query head ``g`` the rotated mean and covariance (head state, laid out for G <= 8 query
-heads per KV head and head_dim <= 256; only the part a layer's G and d use is ever written, the rest of the
-zero-initialised block is never touched), per slot a "logits set" flag and its G logits.
+State: per KV head and query head ``g`` the rotated mean and covariance, in a block [G * (d + d * d)] sized for the
+layer (``prompt_head_state`` appends it once the prompt's geometry is known; head field ``STATS_AT`` holds where it
+starts), per slot a "logits set" flag, its G logits (G <= 8 query heads per KV head) and its value norm (a value never
+changes in the cache: computed once, as the logits are).
 """
 from typing import Any
 
@@ -35,10 +36,13 @@ from policies.core.registry import register
 from policies.core.scorer import SCORE_PROMPT_SIG, SCORE_STEP_SIG, ScorerPolicy, protection
 from policies.core.kvpress_press import KvpressPress, protected_extra, require
 
-MAX_G, MAX_D = 8, 256
-#: head-state column set to 1 when the prompt statistics are already in place (a replay's ``replay_head_state``,
-#: computed once per trace and parameters): ``score_prompt`` then reads them instead of computing them
-STATS_GIVEN = MAX_G * (MAX_D + MAX_D * MAX_D)
+MAX_G = 8
+#: head fields: the column where the statistics block starts (0: none appended yet), and 1 when the block already
+#: holds the prompt's statistics (a replay's ``replay_head_state``, computed once per trace and parameters):
+#: ``score_prompt`` then reads them instead of computing them
+STATS_AT, STATS_GIVEN = 0, 1
+#: slot field of the slot's value norm (after the "logits set" flag and the G logits), computed with its logits
+VNORM = 1 + MAX_G
 _VECTOR_MATH = {"reassoc", "contract"}   # SIMD sums in the per-slot kernels (rounding-level differences)
 SCHEMA = protection(n_sink=4, n_recent=1) + (
     Param("n_future_positions", 512, "int", 1, 1 << 16, doc="future positions the RoPE rotation is averaged over"),
@@ -139,6 +143,12 @@ def logit(key, mu, cov, d, use_cov):
     return out
 
 
+@njit(cache=True, fastmath=_VECTOR_MATH)
+def value_norm(value):
+    """||value|| as the scores have always taken it (``l2_norm`` under the per-slot kernels' SIMD sums)."""
+    return l2_norm(value)
+
+
 @njit(cache=True)
 def prompt_logits(keys, mu, cov, d, use_cov, out):
     """``logit`` of every row of keys [n, d] into out[n]: two BLAS products for the whole prompt."""
@@ -150,8 +160,9 @@ def prompt_logits(keys, mu, cov, d, use_cov, out):
 
 
 @njit(cache=True, fastmath=_VECTOR_MATH)
-def combine(params, logits, values, positions, n, g_n, out):
-    """Per query head softmax of the logits over the non-sink slots, mean over the group, times ||v||."""
+def combine(params, logits, vnorms, positions, n, g_n, out):
+    """Per query head softmax of the logits over the non-sink slots, mean over the group, times ||v|| (``vnorms``,
+    each slot's value norm, ``l2_norm``)."""
     n_sink = int(params[P.n_sink])
     acc = np.zeros(n)
     ex = np.empty(n)
@@ -170,16 +181,22 @@ def combine(params, logits, values, positions, n, g_n, out):
     for i in range(n):
         s = acc[i]
         if params[P.use_vnorm] != 0.0:
-            s = (s + params[P.epsilon]) * l2_norm(values[i])
+            s = (s + params[P.epsilon]) * vnorms[i]
         out[i] = s
 
 
 @njit(cache=True)
 def _stats_at(head_state, h, g, d):
-    base = g * (MAX_D + MAX_D * MAX_D)
+    """Views of query head g's rotated mean [d] and covariance [d, d] in KV head h's statistics block."""
+    base = int(head_state[h, STATS_AT]) + g * (d + d * d)
     mu = head_state[h, base:base + d]
-    cov = head_state[h, base + MAX_D:base + MAX_D + d * d].reshape((d, d))
+    cov = head_state[h, base + d:base + d + d * d].reshape((d, d))
     return mu, cov
+
+
+def stats_block(n_kv_heads: int, g: int, d: int) -> np.ndarray:
+    """The zero statistics block of a layer with ``g`` query heads per KV head and head_dim ``d``."""
+    return np.zeros((n_kv_heads, g * (d + d * d)))
 
 
 @njit(cache=True)
@@ -206,11 +223,12 @@ def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_sta
     every prompt key's logits under them, and the keys' scores (``combine``)."""
     n, hkv, d = k.shape
     g_n = q.shape[1] // hkv
-    if g_n > MAX_G or d > MAX_D:
-        raise ValueError("expected_attention: at most 8 query heads per KV head and head_dim 256")
+    if g_n > MAX_G:
+        raise ValueError("expected_attention: at most 8 query heads per KV head")
     use_cov = params[P.use_covariance] != 0.0
     pos = np.arange(n)
-    given = head_state[0, STATS_GIVEN] != 0.0
+    block = head_state[0, STATS_AT] > 0.0          # no block: a bare head state (the prefill alone, no decode)
+    given = block and head_state[0, STATS_GIVEN] != 0.0
     mus = np.empty((hkv, g_n, d))
     covs = np.empty((hkv, g_n, d, d))
     if not given:
@@ -218,11 +236,12 @@ def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_sta
     for h in range(hkv):
         logits = np.empty((n, g_n))
         for g in range(g_n):
-            smu, scov = _stats_at(head_state, h, g, d)
             if given:
+                smu, scov = _stats_at(head_state, h, g, d)
                 mus[h, g] = smu
                 covs[h, g] = scov
-            else:
+            elif block:
+                smu, scov = _stats_at(head_state, h, g, d)
                 smu[:] = mus[h, g]
                 scov[:, :] = covs[h, g]
             prompt_logits(k[:, h, :], mus[h, g].copy(), covs[h, g].copy(), d, use_cov, logits[:, g])
@@ -230,7 +249,8 @@ def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_sta
                 slot_state[h, i, 1 + g] = logits[i, g]
         for i in range(n):
             slot_state[h, i, 0] = 1.0
-        combine(params, logits, v[:, h, :], pos, n, g_n, scores[h])
+            slot_state[h, i, VNORM] = value_norm(v[i, h])
+        combine(params, logits, slot_state[h, :, VNORM], pos, n, g_n, scores[h])
 
 
 @kernel(SCORE_STEP_SIG)
@@ -238,16 +258,21 @@ def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_s
     d = keys.shape[2]
     g_n = probs.shape[1]
     use_cov = params[P.use_covariance] != 0.0
+    block = head_state[0, STATS_AT] > 0.0          # none: no prompt statistics, every logit 0
     for h in range(lengths.shape[0]):
         n = lengths[h]
         for i in range(n):
             if slot_state[h, i, 0] == 0.0:       # a key appended since: its logits under the prompt's statistics
                 for g in range(g_n):
-                    mu, cov = _stats_at(head_state, h, g, d)
-                    slot_state[h, i, 1 + g] = logit(keys[h, i], mu, cov, d, use_cov)
+                    if block:
+                        mu, cov = _stats_at(head_state, h, g, d)
+                        slot_state[h, i, 1 + g] = logit(keys[h, i], mu, cov, d, use_cov)
+                    else:
+                        slot_state[h, i, 1 + g] = 0.0
+                slot_state[h, i, VNORM] = value_norm(values[h, i])
                 slot_state[h, i, 0] = 1.0
-        combine(params, np.ascontiguousarray(slot_state[h, :n, 1:1 + g_n]), values[h], positions[h], n, g_n,
-                scores[h])
+        combine(params, np.ascontiguousarray(slot_state[h, :n, 1:1 + g_n]), slot_state[h, :n, VNORM], positions[h],
+                n, g_n, scores[h])
 
 
 @register
@@ -260,20 +285,20 @@ class ExpectedAttention(ScorerPolicy):
     summary = "expected future attention from query mean/covariance"
     schema = SCHEMA
     P = P
-    slot_fields = 1 + MAX_G
-    head_fields = STATS_GIVEN + 1
+    slot_fields = 2 + MAX_G
+    head_fields = 2
     score_prompt = score_prompt
     score_step = score_step
 
     def replay_head_state(self, n_kv_heads: int, head_dim: int, layer: Any, memo: dict | None = None,
                           n_prompt: int = 0) -> np.ndarray:
-        """The head state with the prompt queries' statistics in place (``prompt_stats``: the rotations' ~50 k
-        sines and cosines and a d x d covariance per query head, most of the prefill), computed once per trace
-        and parameters and kept in ``memo`` for every budget and sibling configuration; the prefill reads them
-        (the same bits) instead of computing them. The closed loop's head state holds none: its prefill computes
-        them."""
+        """The head state with the statistics block appended holding the prompt queries' statistics
+        (``prompt_stats``: the rotations' ~50 k sines and cosines and a d x d covariance per query head, most of the
+        prefill), computed once per trace and parameters and kept in ``memo`` for every budget and sibling
+        configuration; the prefill reads them (the same bits) instead of computing them. The closed loop's block
+        (``prompt_head_state``) starts empty: its prefill computes them."""
         head = super().replay_head_state(n_kv_heads, head_dim, layer, memo, n_prompt)
-        if n_prompt < 1 or memo is None or head.shape[1] <= STATS_GIVEN:
+        if n_prompt < 1 or memo is None:
             return head
         params = self.param_vector(layer.attention)
         key = ("expected_attention.stats", n_prompt, *(float(params[i]) for i in (
@@ -285,12 +310,21 @@ class ExpectedAttention(ScorerPolicy):
             mus, covs = np.empty((n_kv_heads, g, d)), np.empty((n_kv_heads, g, d, d))
             prompt_stats(params, np.ascontiguousarray(layer.q[:n_prompt]), n_kv_heads, mus, covs)
             stats = memo[key] = np.concatenate([mus, covs.reshape(n_kv_heads, g, d * d)], axis=2)
-        for g in range(stats.shape[1]):
-            base = g * (MAX_D + MAX_D * MAX_D)
-            head[:, base:base + d] = stats[:, g, :d]
-            head[:, base + MAX_D:base + MAX_D + d * d] = stats[:, g, d:]
-        head[:, STATS_GIVEN] = 1.0
-        return head
+        out = np.concatenate([head, stats.reshape(n_kv_heads, -1)], axis=1)
+        out[:, STATS_AT] = head.shape[1]
+        out[:, STATS_GIVEN] = 1.0
+        return out
+
+    def prompt_head_state(self, head_state: np.ndarray, prompt_layers: Any, j: int) -> np.ndarray:
+        """The head state with an empty statistics block appended for compressed layer j's geometry (G query heads
+        per KV head, head_dim d: G * (d + d * d) columns per KV head), unless the replay's already holds one."""
+        if head_state.shape[1] > STATS_AT and head_state[0, STATS_AT] > 0.0:
+            return head_state
+        q, k = prompt_layers[j]
+        hkv = head_state.shape[0]
+        out = np.concatenate([head_state, stats_block(hkv, q.shape[1] // hkv, k.shape[2])], axis=1)
+        out[:, STATS_AT] = head_state.shape[1]
+        return out
 
     def validate(self) -> None:
         super().validate()

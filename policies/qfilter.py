@@ -15,6 +15,10 @@ eigenvector of ``Q^T Q`` (float64), which is the top right singular vector of Q.
 in the head state and scores every key at decode (the step never sees queries, so it is not re-calibrated). With
 no prompt there is no filter: every key scores 0 and the oldest candidates go first.
 
+A key's score never changes once the filter is set (the step does not re-calibrate it), so it is computed once,
+when the key is first scored, and kept in its slot state ([0] 1 once scored, [1] the score): the same bits as scoring
+it at every step.
+
 Protection: kvpress protects nothing; the authors' cache keeps a recent window (64 tokens with a 128-token cache
 in their example); here ``n_sink`` (default 0) and ``n_recent`` (default 1, the new token kept until a query has
 seen it). head_state: [0] 1 once calibrated, [1 : 1 + d] the filter (head_dim <= 256).
@@ -51,14 +55,17 @@ def head_filter(q, hq):
     return -eps * v1
 
 
+#: slot state: set once the slot's key is scored, and its score
+_SCORED, _SCORE = 0, 1
+
+
 @njit(cache=True)
-def key_scores(keys, f, n, out):
-    """out[i] = -<keys[i], f> for i < n, in float64."""
-    for i in range(n):
-        acc = 0.0
-        for x in range(f.shape[0]):
-            acc += np.float64(keys[i, x]) * f[x]
-        out[i] = -acc
+def key_score(key, f):
+    """-<key, f> in float64."""
+    acc = 0.0
+    for x in range(f.shape[0]):
+        acc += np.float64(key[x]) * f[x]
+    return -acc
 
 
 @kernel(SCORE_PROMPT_SIG)
@@ -75,16 +82,23 @@ def score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_sta
         f /= g_n
         head_state[h, 0] = 1.0
         head_state[h, 1:1 + d] = f
-        key_scores(k[:, h, :], f, n, scores[h])
+        for i in range(n):
+            scores[h, i] = key_score(k[i, h], f)
+            slot_state[h, i, _SCORED] = 1.0
+            slot_state[h, i, _SCORE] = scores[h, i]
 
 
 @kernel(SCORE_STEP_SIG)
 def score_step(params, layer, t, lengths, probs, keys, values, positions, slot_state, head_state, hi, scores):
-    """Score every cached key with the head's filter (all 0 before one is calibrated)."""
+    """Every cached key's score under the head's filter (all 0 before one is calibrated), a new key's computed once."""
     d = keys.shape[2]
     for h in range(lengths.shape[0]):
-        f = np.ascontiguousarray(head_state[h, 1:1 + d])
-        key_scores(keys[h], f, lengths[h], scores[h])
+        f = head_state[h, 1:1 + d]
+        for i in range(lengths[h]):
+            if slot_state[h, i, _SCORED] == 0.0:
+                slot_state[h, i, _SCORED] = 1.0
+                slot_state[h, i, _SCORE] = key_score(keys[h, i], f)
+            scores[h, i] = slot_state[h, i, _SCORE]
 
 
 @register
@@ -98,6 +112,7 @@ class QFilter(ScorerPolicy):
     schema = SCHEMA
     P = P
     head_fields = 1 + MAX_D
+    slot_fields = 2
     score_prompt = score_prompt
     score_step = score_step
 

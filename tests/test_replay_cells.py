@@ -119,3 +119,48 @@ def test_engine_entry_points_are_keyed_by_everything_typeof_reads():
     A, B = namedtuple("A", "x"), namedtuple("B", "x")
     assert _fingerprint(A(1)) != _fingerprint(B(1)) != _fingerprint((1,))
     assert _fingerprint(A(1)) != _fingerprint(A(1.0)) and _fingerprint(A(a)) == _fingerprint(A(a.copy()))
+
+
+#: configurations whose budgets share the prompt's scores (plain scorers and chains around them)
+SHARING = ("knorm", "qfilter", "expected_attention", "chunkkv", "ada(expected_attention)",
+           "critical(expected_attention)", "ada(qfilter)", "critical(knorm)", "critical(lagkv)")
+
+
+def test_budgets_share_the_prompt_scores_with_the_same_results(trace):
+    """The cells of one configuration score its prompt once per layer (``ScorerPolicy.with_prompt_scores``), and
+    the prefill that copies those scores leaves what scoring the prompt itself leaves: the same kept sets, slot
+    state and head fields, hence the same results as replaying each budget alone (whose prefill scores it)."""
+    from sim.experiments.specs import parse_policy
+    from sim.replay.step_plan import StepPlan, engine_kernels
+
+    inputs = load_layers(trace)
+    P = trace.meta.n_prompt
+    assert not get_policy("snapkv").shares_prompt_scores()         # its pooling reads the budget's window
+    assert not get_policy("h2o").shares_prompt_scores()            # streams its prompt
+    assert not get_policy("buzz").shares_prompt_scores()           # not a scorer
+    for spec in SHARING:
+        policy = parse_policy(spec)
+        assert policy.shares_prompt_scores(), spec
+        budgets = [b for b in budgets_of(policy, trace) if b < P]
+        plan = StepPlan.make(trace, policy, budgets[0], inputs=inputs)
+        field = type(policy).scorer.given_field
+        for j, layer in enumerate(plan.layers):
+            own, shared = plan.head_init(j), plan.head_init(j, shared=True)
+            assert own[0, field] == 0 and shared[0, field] == own.shape[1], spec
+            li = inputs[layer]
+            prefill = engine_kernels(policy)[1][0]
+            outs = []
+            for head in (own, shared):
+                keep = np.ones((li.k.shape[1], P), np.uint8)
+                slot = np.zeros((li.k.shape[1], P, policy.slot_fields))
+                head = head.copy()
+                prefill(policy.param_vector(li.attention), layer, plan.budgets[j], li.q[:P], li.k[:P], li.v[:P],
+                        float(li.attention.scale), keep, slot, head)
+                head = head[:, :own.shape[1]].copy()
+                head[:, field] = 0          # the given field aside, the head state is the one scoring leaves
+                outs.append((keep, slot, head))
+            for a, b in zip(*outs):
+                np.testing.assert_array_equal(a, b)
+        got = dict(replay_cells(trace, [(policy, b) for b in budgets], inputs=inputs))
+        for i, b in enumerate(budgets):
+            assert_same(got[i], replay(trace, policy, b, inputs=load_layers(trace), threads=1))

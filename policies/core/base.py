@@ -364,6 +364,13 @@ class Policy:
         returned is the replay's own (the engine writes into it)."""
         return self.head_state_init(n_kv_heads, head_dim, layer.wo)
 
+    @classmethod
+    def shares_prompt_scores(cls) -> bool:
+        """Whether the replays of several budgets of one configuration can start from one head state with the
+        prompt already scored (``policies.core.scorer.ScorerPolicy.with_prompt_scores``); no, unless a scorer
+        says so."""
+        return False
+
     def prompt_head_state(self, head_state: np.ndarray, prompt_layers: Any, j: int) -> np.ndarray:
         """The head state of compressed layer j once its prompt is known (``prompt_layers``: the view ``allocate``
         reads, the simulator's or the closed loop's): ``head_state`` itself, unless the policy scores the prompt

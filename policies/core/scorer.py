@@ -169,6 +169,23 @@ def evict_oldest(sizes, lo, hi, lengths, positions, keep):
 
 
 @njit(cache=True)
+def given_prompt_scores(head_state, field, scores, slot_state):
+    """Copy the prompt's scores [Hkv, P] and slot state [Hkv, P, S] out of the block a replay appended to the head
+    state (``ScorerPolicy.with_prompt_scores``; its first column in head field ``field``): what ``score_prompt``
+    computed once for every budget of the configuration."""
+    hkv, P = scores.shape
+    S = slot_state.shape[2]
+    for h in range(hkv):
+        at = int(head_state[h, field])
+        for i in range(P):
+            scores[h, i] = head_state[h, at + i]
+        at += P
+        for i in range(P):
+            for f in range(S):
+                slot_state[h, i, f] = head_state[h, at + i * S + f]
+
+
+@njit(cache=True)
 def evict_to(sizes, lo, hi, lengths, positions, scores, keep):
     """Per head, drop the lowest-scored cached slots among positions [lo[h], hi[h]) down to ``sizes[h]``."""
     for h in range(lengths.shape[0]):
@@ -205,7 +222,10 @@ def {name}_prefill(params, layer, budget, q, k, v, scale, keep, slot_state, head
 {bounds}{window}    for h in range(hkv):
         hi[h] = P - recent[h]
     scores = np.zeros((hkv, P), np.float64)
-    score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state)
+    if head_state[0, {given}] > 0.0:
+        given_prompt_scores(head_state, {given}, scores, slot_state)
+    else:
+        score_prompt(params, layer, q, k, v, scale, hi, scores, slot_state, head_state)
 {sizes}{prompt}    evict_prompt(sizes, lo, hi, scores, keep)
 '''
 
@@ -251,7 +271,7 @@ def _compile_composed(cls: type["ScorerPolicy"], module: str, name: str) -> dict
     sinks, recent = cls.protect.code(cls.schema)
     codes = [stage.code(cls) for stage in cls.chain]
     namespace = {"np": np, "score_prompt": compiled(cls.score_prompt), "score_step": compiled(cls.score_step),
-                 "evict_prompt": evict_prompt, "evict_to": evict_to, "evict_oldest": evict_oldest,
+                 "given_prompt_scores": given_prompt_scores, "evict_prompt": evict_prompt, "evict_to": evict_to, "evict_oldest": evict_oldest,
                  "recent_slots": recent_slots, "protected_window": protected_window}
     for c in codes:
         namespace.update({key: compiled(fn) for key, fn in c.globals})
@@ -272,7 +292,7 @@ def _compile_composed(cls: type["ScorerPolicy"], module: str, name: str) -> dict
     if cls.has_prompt_selection():
         window = ("    w_min = recent.min()\n    for h in range(hkv):\n        recent[h] = w_min\n"
                   if any(c.layer_window for c in codes) else "")
-        src += _PREFILL.format(name=name, bounds=bounds, window=window, sizes=sizes,
+        src += _PREFILL.format(name=name, bounds=bounds, window=window, sizes=sizes, given=cls.scorer.given_field,
                                prompt="".join(c.prompt for c in codes))
     mod = sys.modules.get(module)
     filename = getattr(mod, "__file__", None)    # exec'd code (a notebook, a README test) has none: no disk cache
@@ -319,6 +339,12 @@ class ScorerPolicy(Policy):
     ``prompt_attention_mode``: a scorer whose prompt score is the prompt's causal attention summed per key (H2O,
     observed attention) names its GQA mode there; a replay then hands its ``score_prompt`` that table, computed once
     per trace layer (``PROMPT_TABLE``), instead of every configuration computing it again.
+    ``prompt_score_reads_bounds``: ``score_prompt`` reads ``hi`` (SnapKV's pooling stops there), which depends on
+    the budget, so its scores are not shared across budgets (``shares_prompt_scores``).
+
+    Head state: the scorer's own ``head_fields``, then one field more, ``given_field``: where a replay's block of
+    precomputed prompt scores starts (``with_prompt_scores``; 0: none, the prefill calls ``score_prompt``), then the
+    stages' slices.
     """
 
     score_prompt: ClassVar[Any] = None
@@ -326,6 +352,10 @@ class ScorerPolicy(Policy):
     protect: ClassVar[Protection] = Protection()
     stream_prompt: ClassVar[bool] = False
     ranks_by_position: ClassVar[bool] = False
+    prompt_score_reads_bounds: ClassVar[bool] = False
+    #: the head field holding where a replay's precomputed prompt scores start (set per plain scorer class: right
+    #: after the fields it declares)
+    given_field: ClassVar[int] = 0
     #: the stages wrapped around the scorer, innermost first (set on combined classes by policies/core/combinators.py)
     chain: ClassVar[tuple] = ()
     #: the plain scorer class under the stages (itself for a plain scorer)
@@ -337,6 +367,9 @@ class ScorerPolicy(Policy):
         super().__init_subclass__(**kwargs)
         if not cls.chain:
             cls.scorer = cls  # a plain scorer (a subclass such as PyramidKV too), not a stage around one
+            own = cls.__dict__["head_fields"] if "head_fields" in cls.__dict__ else cls.given_field
+            cls.given_field = own          # the fields the scorer declares, then the given-scores field
+            cls.head_fields = own + 1
         if "score_step" not in cls.__dict__ and "chain" not in cls.__dict__:
             return        # an intermediate base, a subclass with the same kernels, an alias: nothing new to compose
         if cls.score_step is None:
@@ -356,6 +389,33 @@ class ScorerPolicy(Policy):
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self.slot_fields = self.scorer_slot_fields() + sum(stage.slot_fields for stage in self.chain)
+
+    @classmethod
+    def shares_prompt_scores(cls) -> bool:
+        """Whether the replays of several budgets of one configuration can share its prompt scores
+        (``with_prompt_scores``): it selects from the prompt by ``score_prompt``, which does not read the budget's
+        bounds."""
+        return (cls.has_prompt_selection() and cls.score_prompt is not None
+                and not cls.scorer.prompt_score_reads_bounds)
+
+    def with_prompt_scores(self, head: np.ndarray, layer: Any, n_prompt: int, layer_index: int) -> np.ndarray:
+        """``head`` (a replay's initial head state of one layer, ``layer`` its inputs) as ``score_prompt`` leaves
+        it, with the prompt's scores and slot state appended (their first column in ``given_field``): the prefill
+        copies them (``given_prompt_scores``) instead of scoring the prompt again. ``score_prompt`` reads neither the
+        budget nor, where ``shares_prompt_scores``, its bounds, so one such head state serves every budget of the
+        configuration (``sim.replay.step_plan``: a batch's cells of one configuration, layer by layer); the
+        bits are those of scoring in the prefill."""
+        hkv, P, S = head.shape[0], int(n_prompt), self.slot_fields
+        out = np.array(head, np.float64, order="C")
+        scores = np.zeros((hkv, P))
+        slot = np.zeros((hkv, P, S))
+        bounds = np.full(hkv, P, np.int64)          # unread (``shares_prompt_scores``)
+        compiled(type(self).score_prompt)(self.param_vector(layer.attention), layer_index, layer.q[:P],
+                                          layer.k[:P], layer.v[:P], float(layer.attention.scale), bounds, scores,
+                                          slot, out)
+        out = np.concatenate([out, scores, slot.reshape(hkv, P * S)], axis=1)
+        out[:, type(self).scorer.given_field] = head.shape[1]
+        return out
 
     def prompt_attention_mode(self) -> int | None:
         """The GQA mode (``policies.core.shared_kernels.group_rows_scores``) of the prompt attention column sums that

@@ -76,8 +76,23 @@ class StepPlan:
         return cls(trace, policy, int(budget), inputs, layers, budgets, PromptLayers(trace, inputs, layers, P),
                    engine_kernels(policy), chunk, rec_start, max(0, min(n_rec, T - rec_start)), sliding)
 
-    def run_layer(self, j: int) -> LayerOutput:
-        """Replay the j-th compressed layer: its metrics, slots held and kept positions."""
+    def head_init(self, j: int, shared: bool = False) -> np.ndarray:
+        """The head state the j-th compressed layer's replay starts with (``initial_head_state``); ``shared``: with
+        the prompt's scores computed in it (``ScorerPolicy.with_prompt_scores``, where the policy
+        ``shares_prompt_scores``), the same for every budget of the configuration (``replay_plans`` hands one to all
+        of a batch's budgets)."""
+        layer = self.layers[j]
+        li = self.inputs[layer]
+        head = initial_head_state(self.policy, li, layer_memo(self.inputs, layer), self.prompt, j)
+        P = self.trace.meta.n_prompt
+        if shared and P > 0 and self.policy.has_prefill and self.policy.shares_prompt_scores():
+            head = self.policy.with_prompt_scores(head, li, P, layer)
+        return head
+
+    def run_layer(self, j: int, head_init: np.ndarray | None = None) -> LayerOutput:
+        """Replay the j-th compressed layer: its metrics, slots held and kept positions. ``head_init``: the head
+        state to start from (``head_init(j, shared=True)``, copied: the replay writes into its own), else this
+        plan's own."""
         meta, policy = self.trace.meta, self.policy
         T, P = meta.n_tokens, meta.n_prompt
         hkv = meta.model.n_kv_heads
@@ -88,7 +103,7 @@ class StepPlan:
         out = EngineOutputs(metrics=np.zeros((T - P, meta.model.n_q_heads, N_METRICS), np.float64),
                             slots=np.zeros((T - P, hkv), np.int32),
                             kept=np.full((self.n_rec, hkv, cap), -1, np.int32), info=np.zeros(3, np.int64))
-        head_init = initial_head_state(policy, li, layer_memo(self.inputs, layer), self.prompt, j)
+        head_init = self.head_init(j) if head_init is None else head_init.copy()
         cfg = EngineConfig(params=policy.param_vector(li.attention), layer=layer, scale=float(li.attention.scale),
                            has_prefill=policy.has_prefill, metric_start=P, budget=b,
                            head_adaptive=policy.head_adaptive, bounded=not policy.unbounded, cap=cap,
@@ -208,9 +223,11 @@ def _replay_batch(batch: list[tuple[int, StepPlan]], threads: int | None,
         raise ValueError("the cells of a batch must compress the same layers")
     outs: list[list] = [[] for _ in batch]
     n_threads = replay_threads(threads, len(batch))
+    groups = _sharing_groups(batch)
     with blas_per_layer_thread(n_threads), ThreadPoolExecutor(n_threads) as pool:
         for j in range(n_layers):
-            run = (lambda item: item[1].run_layer(j))
+            heads = {key: plan.head_init(j, shared=True) for key, plan in groups.items()}
+            run = (lambda item: item[1].run_layer(j, heads.get(_sharing_key(item[1]))))
             layer = map(run, batch) if n_threads == 1 else pool.map(run, batch)
             for c, out in enumerate(layer):
                 outs[c].append(out)
@@ -218,3 +235,21 @@ def _replay_batch(batch: list[tuple[int, StepPlan]], threads: int | None,
     for (i, plan), layer_outs in zip(batch, outs):
         yield i, plan.result(layer_outs)
 
+
+def _sharing_key(plan: StepPlan) -> tuple:
+    """Plans with the same key start every layer from the same head state: one configuration (its label) on the
+    same prepared inputs and layers."""
+    return plan.policy.label(), id(plan.inputs), tuple(plan.layers), plan.sliding
+
+
+def _sharing_groups(batch: list[tuple[int, StepPlan]]) -> dict[tuple, StepPlan]:
+    """One plan per key shared by several budgets of a batch whose policy ``shares_prompt_scores``: their head
+    states are computed once per layer (``StepPlan.head_init(j, shared=True)``), the prompt scored once."""
+    count: dict[tuple, int] = {}
+    first: dict[tuple, StepPlan] = {}
+    for _, plan in batch:
+        if plan.policy.has_prefill and plan.policy.shares_prompt_scores():
+            key = _sharing_key(plan)
+            count[key] = count.get(key, 0) + 1
+            first.setdefault(key, plan)
+    return {key: plan for key, plan in first.items() if count[key] > 1}
