@@ -148,7 +148,7 @@ class SnapKV(ScorerPolicy):
     schema = SCHEMA
     P = P
     protect = Protection(sinks=None, recent="window_size", rule="window", window_only="window_only")
-    prompt_score_reads_bounds = True      # the pooling stops at the protected window, which the budget sets
+    prompt_score_reads_bounds = True      # the pooling stops at the protected window (``prompt_bounds``)
     score_prompt = score_prompt
     score_step = score_step
 

@@ -123,7 +123,8 @@ def test_engine_entry_points_are_keyed_by_everything_typeof_reads():
 
 #: configurations whose budgets share the prompt's scores (plain scorers and chains around them)
 SHARING = ("knorm", "qfilter", "expected_attention", "chunkkv", "ada(expected_attention)",
-           "critical(expected_attention)", "ada(qfilter)", "critical(knorm)", "critical(lagkv)")
+           "critical(expected_attention)", "ada(qfilter)", "critical(knorm)", "critical(lagkv)",
+           "snapkv:window_size=8", "ada_pyramidkv:window_size=8", "critical(snapkv:window_size=8)")
 
 
 def test_budgets_share_the_prompt_scores_with_the_same_results(trace):
@@ -135,14 +136,17 @@ def test_budgets_share_the_prompt_scores_with_the_same_results(trace):
 
     inputs = load_layers(trace)
     P = trace.meta.n_prompt
-    assert not get_policy("snapkv").shares_prompt_scores()         # its pooling reads the budget's window
+    snap = get_policy("snapkv", window_size=8)                     # its pooling reads the budget's window
+    assert snap.prompt_bounds([9, 9]) == (8, 8) == snap.prompt_bounds([20, 33])
+    assert snap.prompt_bounds([5, 20]) == (4, 8)
+    assert get_policy("knorm").prompt_bounds([5, 20]) == ()         # reads no bound: every budget shares
     assert not get_policy("h2o").shares_prompt_scores()            # streams its prompt
     assert not get_policy("buzz").shares_prompt_scores()           # not a scorer
     for spec in SHARING:
         policy = parse_policy(spec)
         assert policy.shares_prompt_scores(), spec
         budgets = [b for b in budgets_of(policy, trace) if b < P]
-        plan = StepPlan.make(trace, policy, budgets[0], inputs=inputs)
+        plan = StepPlan.make(trace, policy, budgets[-1], inputs=inputs)
         field = type(policy).scorer.given_field
         for j, layer in enumerate(plan.layers):
             own, shared = plan.head_init(j), plan.head_init(j, shared=True)

@@ -340,7 +340,7 @@ class ScorerPolicy(Policy):
     observed attention) names its GQA mode there; a replay then hands its ``score_prompt`` that table, computed once
     per trace layer (``PROMPT_TABLE``), instead of every configuration computing it again.
     ``prompt_score_reads_bounds``: ``score_prompt`` reads ``hi`` (SnapKV's pooling stops there), which depends on
-    the budget, so its scores are not shared across budgets (``shares_prompt_scores``).
+    the budget: its scores are shared only by budgets with the same protected windows (``prompt_bounds``).
 
     Head state: the scorer's own ``head_fields``, then one field more, ``given_field``: where a replay's block of
     precomputed prompt scores starts (``with_prompt_scores``; 0: none, the prefill calls ``score_prompt``), then the
@@ -393,23 +393,42 @@ class ScorerPolicy(Policy):
     @classmethod
     def shares_prompt_scores(cls) -> bool:
         """Whether the replays of several budgets of one configuration can share its prompt scores
-        (``with_prompt_scores``): it selects from the prompt by ``score_prompt``, which does not read the budget's
-        bounds."""
-        return (cls.has_prompt_selection() and cls.score_prompt is not None
-                and not cls.scorer.prompt_score_reads_bounds)
+        (``with_prompt_scores``): it selects from the prompt by ``score_prompt``, which reads no budget (and its
+        bounds only as ``prompt_bounds`` says)."""
+        return cls.has_prompt_selection() and cls.score_prompt is not None
 
-    def with_prompt_scores(self, head: np.ndarray, layer: Any, n_prompt: int, layer_index: int) -> np.ndarray:
-        """``head`` (a replay's initial head state of one layer, ``layer`` its inputs) as ``score_prompt`` leaves
-        it, with the prompt's scores and slot state appended (their first column in ``given_field``): the prefill
-        copies them (``given_prompt_scores``) instead of scoring the prompt again. ``score_prompt`` reads neither the
-        budget nor, where ``shares_prompt_scores``, its bounds, so one such head state serves every budget of the
-        configuration (``sim.replay.step_plan``: a batch's cells of one configuration, layer by layer); the
-        bits are those of scoring in the prefill."""
+    def prompt_bounds(self, budgets: Sequence[int]) -> tuple[int, ...]:
+        """What ``score_prompt`` reads of a layer's per-head budgets: nothing (``()``), or, where
+        ``prompt_score_reads_bounds``, each head's protected recent window (``hi = P - window``), as the generated
+        prefill computes it: from the head's base size (``base_size``), the smallest of the layer's when a stage
+        makes it one window for the layer (``ada``). Budgets with the same bounds share the prompt's scores."""
+        if not type(self).scorer.prompt_score_reads_bounds:
+            return ()
+        recent = [self.protect.recent_of(self.params, self.base_size(int(b))) for b in budgets]
+        if type(self).layer_window():
+            recent = [min(recent)] * len(recent)
+        return tuple(recent)
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def layer_window(cls) -> bool:
+        """Whether a stage makes the prompt's protected window one for the whole layer (``StageCode.layer_window``)."""
+        return any(stage.code(cls).layer_window for stage in cls.chain)
+
+    def with_prompt_scores(self, head: np.ndarray, layer: Any, n_prompt: int, layer_index: int,
+                           budgets: Sequence[int]) -> np.ndarray:
+        """``head`` (a replay's initial head state of one layer, ``layer`` its inputs, ``budgets`` its heads')
+        as ``score_prompt`` leaves it, with the prompt's scores and slot state appended (their first column in
+        ``given_field``): the prefill copies them (``given_prompt_scores``) instead of scoring the prompt again.
+        ``score_prompt`` reads no budget, and its bounds only as ``prompt_bounds`` says, so one such head state
+        serves every budget of the configuration with the same bounds (``sim.replay.step_plan``: a batch's cells
+        of one configuration, layer by layer); the bits are those of scoring in the prefill."""
         hkv, P, S = head.shape[0], int(n_prompt), self.slot_fields
         out = np.array(head, np.float64, order="C")
         scores = np.zeros((hkv, P))
         slot = np.zeros((hkv, P, S))
-        bounds = np.full(hkv, P, np.int64)          # unread (``shares_prompt_scores``)
+        recent = self.prompt_bounds(budgets) or (0,) * hkv      # () : unread
+        bounds = np.array([P - r for r in recent], np.int64)
         compiled(type(self).score_prompt)(self.param_vector(layer.attention), layer_index, layer.q[:P],
                                           layer.k[:P], layer.v[:P], float(layer.attention.scale), bounds, scores,
                                           slot, out)

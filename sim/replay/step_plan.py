@@ -86,7 +86,7 @@ class StepPlan:
         head = initial_head_state(self.policy, li, layer_memo(self.inputs, layer), self.prompt, j)
         P = self.trace.meta.n_prompt
         if shared and P > 0 and self.policy.has_prefill and self.policy.shares_prompt_scores():
-            head = self.policy.with_prompt_scores(head, li, P, layer)
+            head = self.policy.with_prompt_scores(head, li, P, layer, self.budgets[j])
         return head
 
     def run_layer(self, j: int, head_init: np.ndarray | None = None) -> LayerOutput:
@@ -223,12 +223,12 @@ def _replay_batch(batch: list[tuple[int, StepPlan]], threads: int | None,
         raise ValueError("the cells of a batch must compress the same layers")
     outs: list[list] = [[] for _ in batch]
     n_threads = replay_threads(threads, len(batch))
-    groups = _sharing_groups(batch)
     with blas_per_layer_thread(n_threads), ThreadPoolExecutor(n_threads) as pool:
         for j in range(n_layers):
-            heads = {key: plan.head_init(j, shared=True) for key, plan in groups.items()}
-            run = (lambda item: item[1].run_layer(j, heads.get(_sharing_key(item[1]))))
-            layer = map(run, batch) if n_threads == 1 else pool.map(run, batch)
+            keys = [_sharing_key(plan, j) for _, plan in batch]
+            heads = {key: plan.head_init(j, shared=True) for key, plan in _sharing_groups(batch, keys).items()}
+            run = (lambda c: batch[c][1].run_layer(j, heads.get(keys[c])))
+            layer = map(run, range(len(batch))) if n_threads == 1 else pool.map(run, range(len(batch)))
             for c, out in enumerate(layer):
                 outs[c].append(out)
                 tick(1.0 / n_layers)
@@ -236,20 +236,23 @@ def _replay_batch(batch: list[tuple[int, StepPlan]], threads: int | None,
         yield i, plan.result(layer_outs)
 
 
-def _sharing_key(plan: StepPlan) -> tuple:
-    """Plans with the same key start every layer from the same head state: one configuration (its label) on the
-    same prepared inputs and layers."""
-    return plan.policy.label(), id(plan.inputs), tuple(plan.layers), plan.sliding
+def _sharing_key(plan: StepPlan, j: int) -> tuple | None:
+    """Plans with the same key start their j-th layer from the same head state, the prompt scored once: one
+    configuration (its label) on the same prepared inputs and layers, its prompt score reading the same bounds
+    (``ScorerPolicy.prompt_bounds``); None where the policy does not share its prompt scores."""
+    policy = plan.policy
+    if not (policy.has_prefill and policy.shares_prompt_scores()):
+        return None
+    return policy.label(), id(plan.inputs), tuple(plan.layers), plan.sliding, policy.prompt_bounds(plan.budgets[j])
 
 
-def _sharing_groups(batch: list[tuple[int, StepPlan]]) -> dict[tuple, StepPlan]:
-    """One plan per key shared by several budgets of a batch whose policy ``shares_prompt_scores``: their head
-    states are computed once per layer (``StepPlan.head_init(j, shared=True)``), the prompt scored once."""
+def _sharing_groups(batch: list[tuple[int, StepPlan]], keys: list[tuple | None]) -> dict[tuple, StepPlan]:
+    """One plan per key (``_sharing_key``) that several of the batch's plans share: their head state is computed
+    once per layer (``StepPlan.head_init(j, shared=True)``), the prompt scored once."""
     count: dict[tuple, int] = {}
     first: dict[tuple, StepPlan] = {}
-    for _, plan in batch:
-        if plan.policy.has_prefill and plan.policy.shares_prompt_scores():
-            key = _sharing_key(plan)
+    for (_, plan), key in zip(batch, keys):
+        if key is not None:
             count[key] = count.get(key, 0) + 1
             first.setdefault(key, plan)
     return {key: plan for key, plan in first.items() if count[key] > 1}
