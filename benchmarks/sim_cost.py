@@ -318,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in filter(None, args.models.split(",")):
             print(f"{name}...", flush=True)
             entry = model_costs(name, args.recommend)
-            if not args.recommend and "recommend_seconds" in out["models"].get(name, {}):
-                entry.update({k: v for k, v in out["models"][name].items() if k.startswith("recommend")})
+            if not args.recommend:            # keep the end-to-end runs measured before (either thread setting)
+                entry.update({k: v for k, v in out["models"].get(name, {}).items() if k.startswith("recommend")})
             out["models"][name] = entry
             print(f"  {entry['cells']} cells: simulate {entry['simulate_seconds']:.1f} s "
                   f"({entry['sim_per_cell'] * 1e3:.0f} ms a cell), closed loop {entry['closed_per_cell']:.2f} s a "

@@ -4,8 +4,9 @@ replaying each on its own (`sim.replay.policy_replay.replay`).
 A search (``kvsim recommend``, a sweep, the fidelity study) replays tens to hundreds of configurations on one trace.
 Replayed one by one, each walks all of the trace's layers again (Llama-shaped 640-token traces: 4 MB of q, k, v and
 reference per layer, 120 MB a trace, more than the last-level cache). Here the cells are replayed layer by layer:
-layer j of every cell of a batch runs while layer j's data and its trace-only tables are hot, and the cells of a
-one-pass strategy (the oracle's) are replayed all their budgets at once. Each layer of each cell runs the code
+layer j of every cell of a batch runs while layer j's data and its trace-only tables are hot, the budgets of one
+scorer configuration share the scoring of its prompt (`sim.replay.step_plan`), and the cells of a one-pass strategy
+(the oracle's) are replayed all their budgets at once. Each layer of each cell runs the code
 `sim.replay.policy_replay.replay` runs (`sim.replay.step_plan.StepPlan.run_layer`), so the results are the
 same bit for bit (``tests/test_replay_cells.py`` checks every registered policy).
 

@@ -3,7 +3,9 @@ checks, layers, allocation, kernels and prompt view; ``run_layer(j)`` replays on
 assembles them) and `replay_plans`, which runs many plans layer by layer while a layer's data is hot, batch by batch.
 
 Both `sim.replay.policy_replay` (several budgets of one step policy) and `sim.replay.cells` (a search's simulate
-stage) run their configurations through here, so their results are the same bit for bit.
+stage) run their configurations through here, so their results are the same bit for bit. Within a batch, the
+budgets of one scorer configuration start each layer from one head state with the prompt already scored
+(``ScorerPolicy.with_prompt_scores``): the prompt's scoring is trace-only work, done once per layer, not per budget.
 
 Memory: a batch holds its cells' per-layer outputs until its last layer (metrics are float64 [layers, decode steps,
 query heads, metrics]: 1.4 MB a cell on SmolLM2 at 128 decode steps); batches are cut so that they stay under
