@@ -318,7 +318,7 @@ class ExpectedAttention(ScorerPolicy):
     def prompt_head_state(self, head_state: np.ndarray, prompt_layers: Any, j: int) -> np.ndarray:
         """The head state with an empty statistics block appended for compressed layer j's geometry (G query heads
         per KV head, head_dim d: G * (d + d * d) columns per KV head), unless the replay's already holds one."""
-        if head_state.shape[1] > STATS_AT and head_state[0, STATS_AT] > 0.0:
+        if head_state[0, STATS_AT] > 0.0:
             return head_state
         q, k = prompt_layers[j]
         hkv = head_state.shape[0]

@@ -87,7 +87,7 @@ class StepPlan:
         li = self.inputs[layer]
         head = initial_head_state(self.policy, li, layer_memo(self.inputs, layer), self.prompt, j)
         P = self.trace.meta.n_prompt
-        if shared and P > 0 and self.policy.has_prefill and self.policy.shares_prompt_scores():
+        if shared and P > 0 and self.policy.shares_prompt_scores():
             head = self.policy.with_prompt_scores(head, li, P, layer, self.budgets[j])
         return head
 
@@ -243,7 +243,7 @@ def _sharing_key(plan: StepPlan, j: int) -> tuple | None:
     configuration (its label) on the same prepared inputs and layers, its prompt score reading the same bounds
     (``ScorerPolicy.prompt_bounds``); None where the policy does not share its prompt scores."""
     policy = plan.policy
-    if not (policy.has_prefill and policy.shares_prompt_scores()):
+    if not policy.shares_prompt_scores():
         return None
     return policy.label(), id(plan.inputs), tuple(plan.layers), plan.sliding, policy.prompt_bounds(plan.budgets[j])
 
