@@ -6,8 +6,9 @@ run, one thread: on the real models, and projected to 8 B geometries.
   of its budget ladder, trace recording included, with the losses recommend asks for (the engine's; the error
   after W_O only when it ranks) -- and, beside it, with every loss (``simulate_seconds_all_losses``, what the
   fidelity study asks for). ``closed_per_cell``: `gpu_validate.studies.fidelity.segments.closed_loop` for every candidate at the
-  ladder's middle rung, batched as recommend batches them, on the same window. ``ratio`` = closed / simulated per
-  cell. ``--recommend`` also times ``kvsim recommend --segments 3 --target dnll=0.1`` end to end.
+  ladder's middle rung, batched as recommend batches them, on the same window. Both sides are timed warm: each
+  first runs every candidate on a short window (kernels loaded; ``warmup_seconds``, ``closed_warmup_seconds``).
+  ``ratio`` = closed / simulated per cell. ``--recommend`` also times ``kvsim recommend --segments 3 --target dnll=0.1`` end to end.
 - ``scale``: Llama-3-8B- and Qwen3-8B-shaped synthetic traces (layers, query / KV heads, head_dim) at 4 k and 32 k
   tokens (+ 256 decoded), replayed here for the recommend families' paper defaults: seconds per layer, times the
   geometry's layers, per cell; the trace-only tables (BUZZ's prompt attention, D2O's allocation statistics...) are
@@ -110,6 +111,11 @@ def model_costs(name: str, recommend: bool) -> dict[str, Any]:
     rung = ladder[len(ladder) // 2]
     closed_cfg = [(c.policy, rung) for c in cands if c.policy.min_budget() <= rung]
     with tempfile.TemporaryDirectory(prefix="kvsim-simcost-") as tmp:
+        # the closed loop's kernels loaded too, on the short window (as the simulator's were): both sides timed warm
+        t0 = time.perf_counter()
+        closed_loop(model, short, [(p, max(16, p.min_budget())) for p, _ in closed_cfg], ResultStore(f"{tmp}/warm"),
+                    n_prompt=short_prompt, model_id=name, progress=False, log=lambda s: None)
+        out["closed_warmup_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         closed_loop(model, seg, closed_cfg, ResultStore(tmp), n_prompt=P, model_id=name, progress=False,
                     log=lambda s: None)

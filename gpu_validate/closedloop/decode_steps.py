@@ -30,6 +30,7 @@ from gpu_validate.kvcache.kernels.kernel_errors import CacheCapacityError
 from policies.core.base import STEP_SIG
 from sim.replay.contract import raise_on
 from sim.replay.plan import replay_threads
+from sim.replay.step_plan import engine_kernels
 
 _STEP = types.FunctionType(STEP_SIG)
 
@@ -160,7 +161,9 @@ class DecodeSteps:
                                np.zeros((H, c, d), np.float32) if row_v[b] else zero_kv[c],
                                np.full((H, c), -1, np.int64))
             scratch.append(shared[key])
-        steps = _list([row.kernels[layer][0] for row in self.rows], _STEP)
+        # compiled functions, one numba type for all (a dispatcher is a type of its own: numba compiled the typed
+        # list's append anew, uncached, for every policy in the batch, ~1.2 s each)
+        steps = _list([engine_kernels(row.layer_policy[layer])[0][0] for row in self.rows], _STEP)
         return LayerPlan(
             steps=steps, params=_list([row.params[layer] for row in self.rows]),
             budgets=_list([np.ascontiguousarray(row.budgets[layer]) for row in self.rows]),
