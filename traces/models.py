@@ -335,44 +335,57 @@ def check_gguf(path: Path) -> str:
 def convert_gguf(gguf_path: Path, out: Path, *, progress: bool = True, provenance: dict | None = None,
                  extra_files: dict[str, bytes] | None = None) -> Path:
     """Convert a supported GGUF into an HF folder at ``out`` (float16 safetensors + tokenizer, plus
-    ``extra_files`` such as licence terms), atomically."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
+    ``extra_files`` such as licence terms), atomically: staged in a temporary folder beside ``out``, then renamed."""
     with one_gguf_parse():
         arch = check_gguf(gguf_path)
         _say(progress, f"converting {gguf_path.name} ({arch}) into {out} (dequantising, 10-40 s) ...")
         t0 = time.perf_counter()
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            with tempfile.TemporaryDirectory(dir=_partial_root(out), prefix=".partial-") as tmp:
-                kw = {"gguf_file": gguf_path.name, "local_files_only": True}
-                model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
-                tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
-                # the weights are plain tensors now; transformers refuses to save a model still marked as
-                # GGUF-quantised
-                model.hf_quantizer = None
-                if hasattr(model.config, "quantization_config"):
-                    del model.config.quantization_config
-                model.to(torch.float16)
-                stage = Path(tmp) / "model"
-                model.save_pretrained(stage)
-                tok.save_pretrained(stage)
-                for name, data in (extra_files or {}).items():
-                    (stage / name).write_bytes(data)
-                info = {"converted_from": gguf_path.name, "architecture": arch, "weights": "float16",
-                        "converter": "transformers GGUF loader", "seconds": round(time.perf_counter() - t0, 1),
-                        **(provenance or {})}
-                (stage / MARKER).write_text(json.dumps(info, indent=1))
-                if out.exists():                        # a concurrent run finished first: keep its folder
-                    return out
-                os.replace(stage, out)
-        finally:
-            hf_logging.set_verbosity(verbosity)
+        with _quiet_transformers(), tempfile.TemporaryDirectory(dir=_partial_root(out), prefix=".partial-") as tmp:
+            stage = Path(tmp) / "model"
+            _save_converted(gguf_path, stage, extra_files or {})
+            info = {"converted_from": gguf_path.name, "architecture": arch, "weights": "float16",
+                    "converter": "transformers GGUF loader", "seconds": round(time.perf_counter() - t0, 1),
+                    **(provenance or {})}
+            (stage / MARKER).write_text(json.dumps(info, indent=1))
+            if out.exists():                        # a concurrent run finished first: keep its folder
+                return out
+            os.replace(stage, out)
     _say(progress, f"converted in {time.perf_counter() - t0:.0f} s; later runs load {out} offline")
     return out
+
+
+def _save_converted(gguf_path: Path, stage: Path, extra_files: dict[str, bytes]) -> None:
+    """Load ``gguf_path`` with transformers' GGUF loader (dequantised) and save it at ``stage`` as a float16 HF folder
+    with its tokenizer and ``extra_files``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": gguf_path.name, "local_files_only": True}
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    # the weights are plain tensors now; transformers refuses to save a model still marked as GGUF-quantised
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.to(torch.float16)
+    model.save_pretrained(stage)
+    tok.save_pretrained(stage)
+    for name, data in extra_files.items():
+        (stage / name).write_bytes(data)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' logging at errors only within the block (a conversion shows kvsim's progress lines, not the
+    loader's warnings); the previous verbosity is restored afterwards, also after an error."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 @contextlib.contextmanager
