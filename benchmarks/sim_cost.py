@@ -93,7 +93,7 @@ def model_costs(name: str, recommend: bool) -> dict[str, Any]:
     short_prompt = max(64, *(c.policy.min_budget() for c in cands))   # room for every candidate's smallest budget
     short = make_segments({TEXT: ids}, 1, short_prompt + 32)
     t0 = time.perf_counter()
-    simulated(model, short, [(c.policy, max(16, c.policy.min_budget())) for c in cands], n_prompt=short_prompt,
+    simulated(model, short, _warmup_cells(c.policy for c in cands), n_prompt=short_prompt,
               model_id=name, progress=False, losses=losses)
     warm = time.perf_counter() - t0
     out: dict[str, Any] = {"n_prompt": P, "n_decode": D, "text": f"{TEXT}@{seg[0].start}", "candidates": len(cands),
@@ -113,7 +113,7 @@ def model_costs(name: str, recommend: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvsim-simcost-") as tmp:
         # the closed loop's kernels loaded too, on the short window (as the simulator's were): both sides timed warm
         t0 = time.perf_counter()
-        closed_loop(model, short, [(p, max(16, p.min_budget())) for p, _ in closed_cfg], ResultStore(f"{tmp}/warm"),
+        closed_loop(model, short, _warmup_cells(p for p, _ in closed_cfg), ResultStore(f"{tmp}/warm"),
                     n_prompt=short_prompt, model_id=name, progress=False, log=lambda s: None)
         out["closed_warmup_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -128,6 +128,11 @@ def model_costs(name: str, recommend: bool) -> dict[str, Any]:
     if recommend:
         out.update(recommend_run(name))
     return out
+
+
+def _warmup_cells(policies) -> list:
+    """The warm-up's cells on the short window: each policy at its smallest budget, at least 16 slots."""
+    return [(p, max(16, p.min_budget())) for p in policies]
 
 
 def _record_and_families(model, seg, P: int, name: str, cands, configs) -> tuple[float, dict[str, Any]]:
