@@ -108,15 +108,11 @@ def test_search_no_verify(corrupt_dir, tmp_path, capsys):
     assert main([*args, "--no-verify"]) == 0
 
 
-def test_ray_jobs_carry_verify(corrupt_dir):
+def test_ray_jobs_carry_verify(corrupt_dir, ray_local):
     """Ray runs the same pickled Job through run_job: the flag is part of the job itself."""
-    ray = pytest.importorskip("ray")
     ref = TraceRef(str(corrupt_dir), verify=False)
     job = Job(ref, "h2o", (("group_reduce", "mean"), ("recent_ratio", 0.5)), (16,), ("k",))
-    try:
-        rows = [r for rows in execute([job], ray_address="local") for r in rows]
-    finally:
-        ray.shutdown()
+    rows = [r for rows in execute([job], ray_address="local") for r in rows]
     assert rows[0]["budget"] == 16
 
 

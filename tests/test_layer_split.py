@@ -127,14 +127,10 @@ def test_split_sweep_on_local_workers_equals_unsplit():
     assert json.dumps(split, sort_keys=True, default=str) == json.dumps(whole, sort_keys=True, default=str)
 
 
-def test_split_sweep_on_ray_local_equals_unsplit():
-    ray = pytest.importorskip("ray")
+def test_split_sweep_on_ray_local_equals_unsplit(ray_local):
     jobs = sweep_jobs()
     whole = rows_by_key(execute(jobs, workers=1))
-    try:
-        split = rows_by_key(execute(jobs, ray_address="local", split_layers=2))
-    finally:
-        ray.shutdown()
+    split = rows_by_key(execute(jobs, ray_address="local", split_layers=2))
     assert json.dumps(split, sort_keys=True, default=str) == json.dumps(whole, sort_keys=True, default=str)
 
 

@@ -404,10 +404,9 @@ def test_a_raced_recommendation_simulates_the_survivors_on_the_other_segments(ti
     assert wide["answer"] == unraced["answer"] and wide["per_budget"] == unraced["per_budget"]
 
 
-def test_closed_loop_on_ray_workers_equals_in_process(tiny_segments, tmp_path):
+def test_closed_loop_on_ray_workers_equals_in_process(tiny_segments, tmp_path, ray_local):
     """``--ray``: every batch a Ray task on a worker that loads the model itself; the same rows as in this
     process (a local Ray cluster stands in for a remote one)."""
-    ray = pytest.importorskip("ray")
     from gpu_validate.studies.fidelity.segments import RayTarget, closed_loop
     from policies import get_policy
     from sim.experiments.store import ResultStore
@@ -416,11 +415,7 @@ def test_closed_loop_on_ray_workers_equals_in_process(tiny_segments, tmp_path):
     configs = [(get_policy("h2o"), 16), (get_policy("tova"), 32), (get_policy("streaming_llm", n_sinks=2), 16)]
     kw = dict(n_prompt=64, model_id="tiny", progress=False, log=lambda s: None, max_rows=2)
     here = closed_loop(model, segs, configs, ResultStore(tmp_path / "here"), **kw)
-    try:
-        there = closed_loop(model, segs, configs, ResultStore(tmp_path / "ray"), ray=RayTarget("local", "tiny"),
-                            **kw)
-    finally:
-        ray.shutdown()
+    there = closed_loop(model, segs, configs, ResultStore(tmp_path / "ray"), ray=RayTarget("local", "tiny"), **kw)
     cols = ["key", "label", "budget", "segment", "delta_nll", "top1_disagreement"]
     a, b = (df[cols].sort_values("key").reset_index(drop=True) for df in (here, there))
     assert len(a) == 6

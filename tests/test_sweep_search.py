@@ -47,14 +47,10 @@ def test_processes_equal_in_process(tmp_path):
     pd.testing.assert_frame_equal(_sorted(a), _sorted(b))
 
 
-def test_ray_local_equals_local_processes(tmp_path):
-    ray = pytest.importorskip("ray")
+def test_ray_local_equals_local_processes(tmp_path, ray_local):
     pols = parse_policy_grid("tova;streaming_llm;oracle")
     a = run_sweep([REF], pols, [8, 16], ResultStore(tmp_path / "a"), workers=2, progress=False)
-    try:
-        b = run_sweep([REF], pols, [8, 16], ResultStore(tmp_path / "b"), ray_address="local", progress=False)
-    finally:
-        ray.shutdown()
+    b = run_sweep([REF], pols, [8, 16], ResultStore(tmp_path / "b"), ray_address="local", progress=False)
     pd.testing.assert_frame_equal(_sorted(a), _sorted(b))
 
 

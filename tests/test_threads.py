@@ -53,8 +53,8 @@ def test_workers_keep_running_jobs_after_the_probe():
     assert rows[0]["budget"] == 8 and rows[0]["slots_mean"] <= 8
 
 
-def test_ray_tasks_declare_and_cap_their_threads(monkeypatch):
-    ray = pytest.importorskip("ray")
+def test_ray_tasks_declare_and_cap_their_threads(monkeypatch, ray_local):
+    ray = ray_local
     import sys
 
     from ray import cloudpickle
@@ -68,12 +68,9 @@ def test_ray_tasks_declare_and_cap_their_threads(monkeypatch):
         return real_remote(**options)
 
     monkeypatch.setattr(ray, "remote", spy)
-    try:
-        with Executor(ray_address="local") as ex:
-            assert ex.plan == ThreadPlan(1, 1)
-            counts = list(ex.run([JOB, JOB], fn=worker_thread_counts))
-    finally:
-        ray.shutdown()
+    with Executor(ray_address="local") as ex:
+        assert ex.plan == ThreadPlan(1, 1)
+        counts = list(ex.run([JOB, JOB], fn=worker_thread_counts))
     ours = [d for d in declared if "runtime_env" in d]             # Ray's own calls declare no environment
     assert [(d["num_cpus"], d["num_gpus"]) for d in ours] == [(1, 0)]
     assert ours[0]["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
