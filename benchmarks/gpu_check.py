@@ -61,15 +61,15 @@ CONFIGS = {"full": ("full", None, "triton", {}),
 PER_LAYER_RUNS = {("llama3-8b-shaped-4l", "bfloat16")}
 #: the closed-loop step's configurations: prefilled policies (one batch key) at budgets within one tier
 BATCH_POLICIES = ("snapkv", "pyramidkv", "ada_snapkv", POLICY)
-#: new tokens of a warm-up generate: past the CUDA graph's capture and past POLICY's first compression (every=8), so
-#: that no kernel compiles inside a timed run
-WARMUP_TOKENS = 12
 
 
 @dataclass(frozen=True)
 class Sizes:
     """What one run does: prompt lengths, new tokens, budget, the closed-loop step's prompt / decode tokens /
-    budgets, kernel test files and kernels.py's mode, per-step subprocess time limits (s), toy-sized models."""
+    budgets, kernel test files and kernels.py's mode, per-step subprocess time limits (s), toy-sized models, and the
+    new tokens of each configuration's warm-up before its timed run (on a GPU past the CUDA graph's capture and past
+    POLICY's first compression, every=8, so that no kernel compiles inside a timed run; the dry run times nothing, so
+    two tokens walk the same path)."""
 
     prompts: tuple[int, ...]
     new_tokens: int
@@ -81,11 +81,13 @@ class Sizes:
     kernel_benchmark: tuple[str, ...]
     timeout_s: int
     toy: bool
+    warmup_tokens: int
 
 
-GPU = Sizes((8192, 32768), 32, 1024, 2048, 32, (512, 640, 768, 1024), KERNEL_TESTS, ("--quick",), 150, toy=False)
+GPU = Sizes((8192, 32768), 32, 1024, 2048, 32, (512, 640, 768, 1024), KERNEL_TESTS, ("--quick",), 150, toy=False,
+            warmup_tokens=12)
 DRY = Sizes((64,), 6, 16, 40, 4, (8, 10, 12, 16), ("tests/test_kernels_cache.py",), ("--interpret-smoke",), 120,
-            toy=True)
+            toy=True, warmup_tokens=2)
 
 
 def llama3_shaped(toy: bool):
@@ -214,7 +216,7 @@ def generate_check(name: str, model, P: int, sizes: Sizes) -> dict[str, Any]:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     configs = [c for c in CONFIGS if c != "policy_per_layer" or (name, dtype) in PER_LAYER_RUNS]
     for config in configs:     # every kernel of this length (graph capture, compaction) compiled outside the timings
-        _run_generate(model, ids, WARMUP_TOKENS, config, sizes.budget, P)
+        _run_generate(model, ids, sizes.warmup_tokens, config, sizes.budget, P)
     runs = {config: _run_generate(model, ids, n, config, sizes.budget, P) for config in configs}
     tri, ref = runs["policy"], runs["policy_torch"]
     same = next((i for i, (a, b) in enumerate(zip(tri["tokens"], ref["tokens"])) if a != b), n)
@@ -311,7 +313,7 @@ def closed_loop_step(sizes: Sizes, device: str) -> dict[str, Any]:
     mid = sizes.batch_budgets[len(sizes.batch_budgets) // 2]
 
     def timed(batch: list) -> dict[str, Any]:
-        run_batch(model, [BatchJob(j.policy, j.budget, j.prompt, continuation=j.continuation[:WARMUP_TOKENS])
+        run_batch(model, [BatchJob(j.policy, j.budget, j.prompt, continuation=j.continuation[:sizes.warmup_tokens])
                           for j in batch], backend=backend)     # compiled and warmed up outside the timing
         res = run_batch(model, batch, backend=backend)
         seconds = res[0].decode_seconds * len(batch)
