@@ -69,7 +69,7 @@ class Sizes:
     budgets, kernel test files and kernels.py's mode, per-step subprocess time limits (s), toy-sized models, and the
     new tokens of each configuration's warm-up before its timed run (on a GPU past the CUDA graph's capture and past
     POLICY's first compression, every=8, so that no kernel compiles inside a timed run; the dry run times nothing, so
-    two tokens walk the same path)."""
+    two tokens only check that the warm-up runs)."""
 
     prompts: tuple[int, ...]
     new_tokens: int
