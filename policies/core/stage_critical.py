@@ -40,46 +40,66 @@ FIRST_STAGE_RATIO = Param("first_stage_ratio", 0.5, "float", 0.0, 1.0,
                           doc="share of the size selected by the plain score before the W_O rescaling (CriticalKV)")
 
 
-@njit(cache=True, nogil=True)
-def _projected_l1(bt, vec, g_n, prods):
-    """mean_j ||W_O^(j) vec||_1 for one value row ``vec`` [d] (float32) against its group's W_O stacked and
-    transposed as ``bt`` [d, G * hidden]: the products in float32 into ``prods`` [G * hidden], summed over x = 0, 1,
-    ... in that order (four x per pass over ``prods``, SIMD over its entries), their absolute values summed in
-    float64 in four fixed partial sums.
+#: value rows projected side by side in one pass over their group's W_O block (``_projected_l1_rows``): the block is
+#: read once for them all, and their float32 products ([_ROWS, G * hidden]) stay in the core's L2
+_ROWS = 16
 
-    No fast-math: every number is the same whatever else is computed beside it, so a norm taken for one new slot
-    at a step (closed loop, ``sim.replay.numpy_reference``), for a prompt, or for a whole trace at once
-    (``projected_norms``) is bit for bit the same, and replays with and without the precomputed table agree.
+
+@njit(cache=True, nogil=True)
+def _projected_l1_rows(bt, vecs, rows, g_n, prods, out):
+    """``out[k]`` = mean_j ||W_O^(j) vecs[rows[k]]||_1 for each k < len(rows) (``vecs`` [n, d] float32) against the
+    group's W_O stacked and transposed as ``bt`` [d, G * hidden]: per row, the products in float32 (``prods``
+    [_ROWS, G * hidden] scratch), summed over x = 0, 1, ... in that order (four x per pass, SIMD over the entries),
+    their absolute values summed in float64 in four fixed partial sums. Up to `_ROWS` rows share each pass over
+    ``bt``, which is what a decode step's single new row pays for in full (the block is hundreds of KB, the layer's
+    several MB).
+
+    No fast-math, and each row's operations are the same whichever rows are projected beside it: a norm taken for
+    one new slot at a step (closed loop, ``sim.replay.numpy_reference``), for a window of slots, for a prompt, or
+    for a whole trace at once (``projected_norms``) is bit for bit the same, and replays with and without the
+    precomputed table agree.
     """
     d, J = bt.shape
-    a = vec[0]
-    for j in range(J):
-        prods[j] = a * bt[0, j]
-    for xx in range((d - 1) // 4):
-        x = 1 + 4 * xx
-        a0 = vec[x]
-        a1 = vec[x + 1]
-        a2 = vec[x + 2]
-        a3 = vec[x + 3]
-        for j in range(J):
-            prods[j] = (((prods[j] + a0 * bt[x, j]) + a1 * bt[x + 1, j]) + a2 * bt[x + 2, j]) + a3 * bt[x + 3, j]
-    for x in range(1 + 4 * ((d - 1) // 4), d):
-        a = vec[x]
-        for j in range(J):
-            prods[j] = prods[j] + a * bt[x, j]
-    s0 = 0.0
-    s1 = 0.0
-    s2 = 0.0
-    s3 = 0.0
-    for jj in range(J // 4):
-        j = 4 * jj
-        s0 += abs(np.float64(prods[j]))
-        s1 += abs(np.float64(prods[j + 1]))
-        s2 += abs(np.float64(prods[j + 2]))
-        s3 += abs(np.float64(prods[j + 3]))
-    for j in range(4 * (J // 4), J):
-        s0 += abs(np.float64(prods[j]))
-    return ((s0 + s1) + (s2 + s3)) / g_n
+    m = rows.shape[0]
+    for k0 in range(0, m, _ROWS):
+        k1 = min(k0 + _ROWS, m)
+        for k in range(k0, k1):
+            a = vecs[rows[k], 0]
+            p = prods[k - k0]
+            for j in range(J):
+                p[j] = a * bt[0, j]
+        for xx in range((d - 1) // 4):
+            x = 1 + 4 * xx
+            for k in range(k0, k1):
+                v = vecs[rows[k]]
+                a0 = v[x]
+                a1 = v[x + 1]
+                a2 = v[x + 2]
+                a3 = v[x + 3]
+                p = prods[k - k0]
+                for j in range(J):
+                    p[j] = (((p[j] + a0 * bt[x, j]) + a1 * bt[x + 1, j]) + a2 * bt[x + 2, j]) + a3 * bt[x + 3, j]
+        for x in range(1 + 4 * ((d - 1) // 4), d):
+            for k in range(k0, k1):
+                a = vecs[rows[k], x]
+                p = prods[k - k0]
+                for j in range(J):
+                    p[j] = p[j] + a * bt[x, j]
+        for k in range(k0, k1):
+            p = prods[k - k0]
+            s0 = 0.0
+            s1 = 0.0
+            s2 = 0.0
+            s3 = 0.0
+            for jj in range(J // 4):
+                j = 4 * jj
+                s0 += abs(np.float64(p[j]))
+                s1 += abs(np.float64(p[j + 1]))
+                s2 += abs(np.float64(p[j + 2]))
+                s3 += abs(np.float64(p[j + 3]))
+            for j in range(4 * (J // 4), J):
+                s0 += abs(np.float64(p[j]))
+            out[k] = ((s0 + s1) + (s2 + s3)) / g_n
 
 
 @njit(cache=True)
@@ -104,14 +124,13 @@ def norm_table(head_state, off):
 @njit(cache=True)
 def wo_l1(head_state, off, h, vecs):
     """CriticalKV's projected value norms of KV head h for the rows of ``vecs`` [n, d] (float32): the L1 norm of
-    W_O^(j) v averaged over the query heads j of its group (``_projected_l1``, row by row). The stage's head-state
-    slice at ``off``: slot-field index, G*d, hidden, norm-table width, then the group's W_O transposed, [d, G * hidden], as float32
-    pairs packed into float64 slots (``CriticalStage.head_state_init``)."""
+    W_O^(j) v averaged over the query heads j of its group (``_projected_l1_rows``). The stage's head-state slice
+    at ``off``: slot-field index, G*d, hidden, norm-table width, then the group's W_O transposed, [d, G * hidden],
+    as float32 pairs packed into float64 slots (``CriticalStage.head_state_init``)."""
     bt, g_n = _wo_block(head_state, off, h, vecs.shape[1])
-    prods = np.empty(bt.shape[1], np.float32)
     out = np.empty(vecs.shape[0])
-    for r in range(vecs.shape[0]):
-        out[r] = _projected_l1(bt, vecs[r], g_n, prods)
+    prods = np.empty((min(vecs.shape[0], _ROWS), bt.shape[1]), np.float32)
+    _projected_l1_rows(bt, vecs, np.arange(vecs.shape[0]), g_n, prods, out)
     return out
 
 
@@ -122,11 +141,10 @@ def projected_norms(head_state, off, v):
     steps project a value again. Bit for bit what ``wo_l1`` gives each row."""
     T, hkv, d = v.shape
     out = np.empty((hkv, T))
+    rows = np.arange(T)
     for h in range(hkv):
         bt, g_n = _wo_block(head_state, off, h, d)
-        prods = np.empty(bt.shape[1], np.float32)
-        for t in range(T):
-            out[h, t] = _projected_l1(bt, v[t, h], g_n, prods)
+        _projected_l1_rows(bt, v[:, h, :], rows, g_n, np.empty((_ROWS, bt.shape[1]), np.float32), out[h])
     return out
 
 
@@ -280,15 +298,42 @@ def critical_stages(eps, ratio, size, lo, hi, positions, h, n, scores, norms):
 
 
 @njit(cache=True)
+def _project_missing(head_state, off, h, n, lo, hi, positions, values, norms):
+    """Head h's projected value norms of its first n slots where a candidate (position in [lo, hi)) lacks one:
+    then every slot lacking one, in one pass over the group's W_O (``_projected_l1_rows``). The slots of the recent
+    window wait until the first of them leaves it, and are projected together: a decode step's new value reads the
+    whole W_O block for itself alone otherwise (a window of w slots, w times less W_O read). A slot's norm is
+    the same whenever it is taken (its value never changes while it is held: scorers merge nothing), so the
+    decisions are exactly those of projecting every slot as it arrives."""
+    due = False
+    for i in range(n):
+        if norms[i] == 0.0 and lo <= positions[i] < hi:
+            due = True
+            break
+    if not due:
+        return
+    rows = np.empty(n, np.int64)
+    m = 0
+    for i in range(n):
+        if norms[i] == 0.0:
+            rows[m] = i
+            m += 1
+    bt, g_n = _wo_block(head_state, off, h, values.shape[1])
+    out = np.empty(m)
+    _projected_l1_rows(bt, values, rows[:m], g_n, np.empty((min(m, _ROWS), bt.shape[1]), np.float32), out)
+    for k in range(m):
+        norms[rows[k]] = out[k]
+
+
+@njit(cache=True)
 def critical_step(eps, ratio, sizes, lo, hi, lengths, positions, values, slot_state, head_state, off, scores,
                   every_head):
-    """CriticalKV at a decode step: a slot's projected value norm is set once, when it is new (kept in the stage's
-    slot field; 0 = not yet): read from the head state's per-position table when the replay precomputed it, else
-    projected here; then the two stages within each head's current size. Heads within their size are left as
+    """CriticalKV at a decode step: a slot's projected value norm is set once (kept in the stage's slot field; 0 =
+    not yet): read from the head state's per-position table when the replay precomputed it, else projected when
+    some candidate first needs one (`_project_missing`); then the two stages within each head's current size. Heads within their size are left as
     they are unless ``every_head`` (an ``ada`` stage outside compares the scores of all heads)."""
     f = int(head_state[0, off])
     tab = norm_table(head_state, off)
-    d = values.shape[2]
     for h in range(lengths.shape[0]):
         n = lengths[h]
         if n <= sizes[h] and not every_head:
@@ -299,11 +344,7 @@ def critical_step(eps, ratio, sizes, lo, hi, lengths, positions, values, slot_st
                 if norms[i] == 0.0:
                     norms[i] = head_state[h, tab + positions[h, i]]
         else:
-            bt, g_n = _wo_block(head_state, off, h, d)
-            prods = np.empty(bt.shape[1], np.float32)
-            for i in range(n):
-                if norms[i] == 0.0:
-                    norms[i] = _projected_l1(bt, values[h, i], g_n, prods)
+            _project_missing(head_state, off, h, n, lo[h], hi[h], positions[h], values[h], norms)
         critical_stages(eps, ratio, sizes[h], lo[h], hi[h], positions[h], h, n, scores, norms)
 
 
