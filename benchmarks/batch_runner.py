@@ -101,6 +101,7 @@ def streamed_main(args) -> int:
     import numpy as np
 
     from benchmarks._util import RESULTS, machine, write_result
+    from sim.reports.runinfo import kvsim_version, now
 
     before = None
     if args.before_json:
@@ -146,6 +147,12 @@ def streamed_main(args) -> int:
         detail["top1_identical_to_before"] = before["top1"] == after["top1"]
     path = RESULTS / "batch_runner.json"
     payload = json.loads(path.read_text()) if path.exists() else {}
+    if "streamed" in payload:      # the earlier measurement stays, with the code and load it was taken on
+        old = payload.get("streamed_detail", {})
+        payload.setdefault("streamed_history", []).append(
+            {**payload["streamed"], "code": old.get("kvsim"), "before_code": old.get("before_code"),
+             "date": old.get("date")})
+    detail.update(kvsim=kvsim_version(), date=now())
     payload["streamed"] = streamed
     payload["streamed_detail"] = detail
     print(json.dumps(streamed), json.dumps({k: v for k, v in detail.items() if k != "machine"}))
