@@ -17,6 +17,14 @@ never saw against an exhaustive closed-loop grid there.
 
     python -m benchmarks.recommend --model smollm2-135m --stage grid
     python -m benchmarks.recommend --model smollm2-135m --stage report
+
+Refinement's budgets (``refine_points`` between two rungs) cost most as the report's own runs: a recommendation
+confirms a few configurations at a time, and each small batch pays the whole prompt (on Gemma-3, 1 024 tokens: about
+25 s a run, against 4.7 s in the grid's batches of 64). Where the answers land on a few rungs, run the refined budgets
+below them as a grid first, so that the report finds them in the store; Gemma-3's answers land on 192-512, whose
+refined budgets are 160, 224, 312 and 440:
+
+    python -m benchmarks.recommend --model gemma3-270m --stage grid --budgets 160,224,312,440
 """
 from __future__ import annotations
 
