@@ -302,8 +302,8 @@ def speed_page() -> str:
                        f"against {s['before_host_cpu_ms_per_token']:.3g} ms on the previous runner "
                        f"({s['host_cpu_ratio_before_vs_after']:.3g}x less), results bit-identical.\n")
             for h in d.get("streamed_history", [])[::-1]:
-                out.append(f"\nEarlier ({h['date']}, load {h['load']:.2g}): {h['host_cpu_ms_per_token']:.3g} ms against "
-                           f"{h['before_host_cpu_ms_per_token']:.3g} ms on the runner before it "
+                out.append(f"\nEarlier ({h['date']}, load {h['load']:.2g}): {h['host_cpu_ms_per_token']:.3g} ms "
+                           f"against {h['before_host_cpu_ms_per_token']:.3g} ms on the runner before it "
                            f"({h['host_cpu_ratio_before_vs_after']:.3g}x less).\n")
         out.append("\n" + measured_on(d, "batch_runner"))
     d = load("threads")

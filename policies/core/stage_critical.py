@@ -46,10 +46,10 @@ _ROWS = 16
 
 
 @njit(cache=True, nogil=True)
-def _projected_l1_rows(bt, vecs, rows, g_n, prods, out):
+def _projected_l1_rows(bt, vecs, rows, g_n, out):
     """``out[k]`` = mean_j ||W_O^(j) vecs[rows[k]]||_1 for each k < len(rows) (``vecs`` [n, d] float32) against the
-    group's W_O stacked and transposed as ``bt`` [d, G * hidden]: per row, the products in float32 (``prods``
-    [_ROWS, G * hidden] scratch), summed over x = 0, 1, ... in that order (four x per pass, SIMD over the entries),
+    group's W_O stacked and transposed as ``bt`` [d, G * hidden]: per row, the products in float32 (a scratch of
+    up to `_ROWS` rows of G * hidden), summed over x = 0, 1, ... in that order (four x per pass, SIMD over the entries),
     their absolute values summed in float64 in four fixed partial sums. Up to `_ROWS` rows share each pass over
     ``bt``, which is what a decode step's single new row pays for in full (the block is hundreds of KB, the layer's
     several MB).
@@ -61,6 +61,7 @@ def _projected_l1_rows(bt, vecs, rows, g_n, prods, out):
     """
     d, J = bt.shape
     m = rows.shape[0]
+    prods = np.empty((min(m, _ROWS), J), np.float32)
     for k0 in range(0, m, _ROWS):
         k1 = min(k0 + _ROWS, m)
         for k in range(k0, k1):
@@ -129,8 +130,7 @@ def wo_l1(head_state, off, h, vecs):
     as float32 pairs packed into float64 slots (``CriticalStage.head_state_init``)."""
     bt, g_n = _wo_block(head_state, off, h, vecs.shape[1])
     out = np.empty(vecs.shape[0])
-    prods = np.empty((min(vecs.shape[0], _ROWS), bt.shape[1]), np.float32)
-    _projected_l1_rows(bt, vecs, np.arange(vecs.shape[0]), g_n, prods, out)
+    _projected_l1_rows(bt, vecs, np.arange(vecs.shape[0]), g_n, out)
     return out
 
 
@@ -144,7 +144,7 @@ def projected_norms(head_state, off, v):
     rows = np.arange(T)
     for h in range(hkv):
         bt, g_n = _wo_block(head_state, off, h, d)
-        _projected_l1_rows(bt, v[:, h, :], rows, g_n, np.empty((_ROWS, bt.shape[1]), np.float32), out[h])
+        _projected_l1_rows(bt, v[:, h, :], rows, g_n, out[h])
     return out
 
 
@@ -305,22 +305,19 @@ def _project_missing(head_state, off, h, n, lo, hi, positions, values, norms):
     whole W_O block for itself alone otherwise (a window of w slots, w times less W_O read). A slot's norm is
     the same whenever it is taken (its value never changes while it is held: scorers merge nothing), so the
     decisions are exactly those of projecting every slot as it arrives."""
-    due = False
-    for i in range(n):
-        if norms[i] == 0.0 and lo <= positions[i] < hi:
-            due = True
-            break
-    if not due:
-        return
     rows = np.empty(n, np.int64)
     m = 0
+    due = False
     for i in range(n):
         if norms[i] == 0.0:
             rows[m] = i
             m += 1
+            due |= lo <= positions[i] < hi
+    if not due:
+        return
     bt, g_n = _wo_block(head_state, off, h, values.shape[1])
     out = np.empty(m)
-    _projected_l1_rows(bt, values, rows[:m], g_n, np.empty((min(m, _ROWS), bt.shape[1]), np.float32), out)
+    _projected_l1_rows(bt, values, rows[:m], g_n, out)
     for k in range(m):
         norms[rows[k]] = out[k]
 
@@ -330,8 +327,9 @@ def critical_step(eps, ratio, sizes, lo, hi, lengths, positions, values, slot_st
                   every_head):
     """CriticalKV at a decode step: a slot's projected value norm is set once (kept in the stage's slot field; 0 =
     not yet): read from the head state's per-position table when the replay precomputed it, else projected when
-    some candidate first needs one (`_project_missing`); then the two stages within each head's current size. Heads within their size are left as
-    they are unless ``every_head`` (an ``ada`` stage outside compares the scores of all heads)."""
+    some candidate first needs one (`_project_missing`); then the two stages within each head's current size.
+    Heads within their size are left as they are unless ``every_head`` (an ``ada`` stage outside compares the
+    scores of all heads)."""
     f = int(head_state[0, off])
     tab = norm_table(head_state, off)
     for h in range(lengths.shape[0]):
