@@ -6,11 +6,18 @@ solo ones. Writes benchmarks/results/batch_runner.json.
 
 ``--streamed``: one batch of STREAMED configurations (policies without a prefill selector, whose prompt goes token by
 token through the policy: the closed loop's costliest batches) on 512 + 128 tokens of the shipped text, one thread,
-timed, with the CPU time of its policy steps (the host's work around the model) per token; with ``--before DIR`` the same batch is first timed on another checkout of the code (e.g. ``git worktree add
-/tmp/head HEAD``) in a subprocess and the results compared. Adds the ``streamed`` object to batch_runner.json,
+timed, with the CPU time of its policy steps (the host's work around the model) per token; with ``--before DIR``
+the same batch is first timed on another checkout of the code (e.g. ``git worktree add /tmp/head HEAD``) in a
+subprocess and the results compared. Adds the ``streamed`` object to batch_runner.json,
 keeping its other keys.
 
     python -m benchmarks.batch_runner --streamed [--before /tmp/head | --before-json FILE | --before-seconds S]
+                                                 [--pairs N]
+
+``--pairs N`` times the old code and this one N times, alternated, each batch in its own process, and reports the
+medians (this VM's speed drifts by 20-35% from one day to the next, and within a session with its neighbours). The
+issue's baseline, the runner that stepped each layer inside its attention, is ``git worktree add /tmp/base 3f55fb9``
+(the worker's imports fall back to that checkout's module layout).
 
 (``--before-json``: what ``PYTHONPATH=/tmp/head python benchmarks/batch_runner.py --streamed-worker`` printed, the old
 code timed earlier in the same session.)
@@ -39,13 +46,13 @@ def _streamed_batch(model_name: str, n_prompt: int, n_decode: int) -> dict:
     import numpy as np
     import torch
 
-    try:
-        from gpu_validate.closedloop.jobs import BatchJob
-    except ImportError:   # --before's checkout may predate gpu_validate.closedloop.jobs (BatchJob was in gpu_validate.closedloop.runner)
-        from gpu_validate.closedloop.runner import BatchJob
-    from gpu_validate.closedloop.runner import run_batch
-    from sim.experiments.specs import parse_policy
-    from sim.replay.threads import limit_threads
+    # --before's checkout may predate today's modules: the tree by feature (gpu_validate.closedloop, sim.replay,
+    # sim.experiments) and gpu_validate.closedloop.jobs (BatchJob was in the runner module)
+    BatchJob = _first_of("gpu_validate.closedloop.jobs", "gpu_validate.closedloop.runner", "gpu_validate.jobs",
+                         "gpu_validate.runner", name="BatchJob")
+    run_batch = _first_of("gpu_validate.closedloop.runner", "gpu_validate.runner", name="run_batch")
+    parse_policy = _first_of("sim.experiments.specs", "sim.specs", name="parse_policy")
+    limit_threads = _first_of("sim.replay.threads", "sim.threads", name="limit_threads")
     from traces.model import default_text
     from traces.models import load_model
 
@@ -74,10 +81,10 @@ def _time_host_steps() -> dict:
     the forward), or, in a checkout from before it, `BatchRunner._policy_step` (one layer inside its attention)."""
     acc = {"cpu": 0.0, "wall": 0.0}
     try:
-        from gpu_validate.closedloop.decode_steps import DecodeSteps as owner
+        owner = _first_of("gpu_validate.closedloop.decode_steps", "gpu_validate.decode_steps", name="DecodeSteps")
         name = "step"
     except ImportError:
-        from gpu_validate.closedloop.batch_runner import BatchRunner as owner
+        owner = _first_of("gpu_validate.closedloop.batch_runner", "gpu_validate.batch_runner", name="BatchRunner")
         name = "_policy_step"
     acc["what"] = f"{owner.__name__}.{name}"
     real = getattr(owner, name)
@@ -94,45 +101,89 @@ def _time_host_steps() -> dict:
     return acc
 
 
-def streamed_main(args) -> int:
+def _first_of(*modules: str, name: str):
+    """``name`` from the first of ``modules`` that defines it (the benchmark's imports on an older checkout)."""
+    import importlib
+
+    for mod in modules:
+        try:
+            return getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(f"none of {modules} defines {name}")
+
+
+def _worker(args, checkout: str | None) -> dict:
+    """One timed streamed batch in its own process (``_streamed_batch``): this checkout's code, or ``checkout``'s
+    when given (first on PYTHONPATH; this file's worker, so an older checkout needs none of its own)."""
     import json
     import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = os.path.abspath(checkout) if checkout else root
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [code, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--streamed-worker", "--model", args.model,
+                          "--prompt", str(args.prompt), "--decode", str(args.decode)], env=env, cwd=code,
+                         check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _commit(checkout: str | None) -> str | None:
+    """The short commit of a git checkout (``--before``'s code), or None."""
+    import subprocess
+
+    if not checkout:
+        return None
+    out = subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    return out.stdout.strip() or None
+
+
+def streamed_main(args) -> int:
+    import json
 
     import numpy as np
 
     from benchmarks._util import RESULTS, machine, write_result
     from sim.reports.runinfo import kvsim_version, now
 
-    before = None
-    if args.before_json:
-        with open(args.before_json) as f:
-            before = json.loads(f.read().strip().splitlines()[-1])
-    elif args.before:      # the other checkout's code, in its own process, before this one's (never side by side)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath(args.before),
-                                                                         os.environ.get("PYTHONPATH")]))}
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--streamed-worker", "--model", args.model,
-                              "--prompt", str(args.prompt), "--decode", str(args.decode)], env=env, cwd=args.before,
-                             check=True, stdout=subprocess.PIPE, text=True).stdout
-        before = json.loads(out.strip().splitlines()[-1])
-        print(f"before ({args.before}): {before['seconds']:.1f} s, load {before['load']}", flush=True)
-    if before:
-        print(f"before: {before['seconds']:.1f} s, load {before['load']}", flush=True)
-    after = _streamed_batch(args.model, args.prompt, args.decode)
-    print(f"after: {after['seconds']:.1f} s, load {after['load']}", flush=True)
     tokens = args.prompt + args.decode
+    runs: list[dict] = []          # per pair: the old code's batch (when timed here), then this checkout's
+    for i in range(args.pairs):    # alternated, one process each, never side by side
+        pair = {}
+        if args.before_json and i == 0:
+            with open(args.before_json) as f:
+                pair["before"] = json.loads(f.read().strip().splitlines()[-1])
+        elif args.before:
+            pair["before"] = _worker(args, args.before)
+        pair["after"] = _worker(args, None)
+        for side, r in pair.items():
+            print(f"pair {i + 1}/{args.pairs} {side}: {r['seconds']:.1f} s, host "
+                  f"{1e3 * r['host_cpu_seconds'] / tokens:.2f} ms/token, load {r['load']}", flush=True)
+        runs.append(pair)
+    after, before = runs[0]["after"], runs[0].get("before")
+
+    def median(side: str, key: str, per_token: bool = False):
+        xs = [r[side][key] for r in runs if side in r and key in r[side]]
+        return float(np.median(xs)) * (1e3 / tokens if per_token else 1.0) if xs else None
+
     streamed = {"n_configs": after["rows"], "n_prompt": args.prompt, "n_decode": args.decode, "threads": 1,
-                "batch_seconds": after["seconds"],
-                "before_seconds": before["seconds"] if before else args.before_seconds,
+                "pairs": len(runs), "batch_seconds": median("after", "seconds"),
+                "before_seconds": median("before", "seconds") if before else args.before_seconds,
                 "load": after["load"][0],
-                "host_cpu_ms_per_token": 1e3 * after["host_cpu_seconds"] / tokens,
-                "before_host_cpu_ms_per_token": (1e3 * before["host_cpu_seconds"] / tokens
-                                                 if before and "host_cpu_seconds" in before else None)}
+                "host_cpu_ms_per_token": median("after", "host_cpu_seconds", True),
+                "before_host_cpu_ms_per_token": median("before", "host_cpu_seconds", True)}
     if streamed["before_host_cpu_ms_per_token"]:
         streamed["host_cpu_ratio_before_vs_after"] = (streamed["before_host_cpu_ms_per_token"]
                                                       / streamed["host_cpu_ms_per_token"])
     detail = {"model": args.model, "budget": STREAMED_BUDGET, "policies": list(STREAMED),
               "load_after": after["load"][1], "before_load": before["load"] if before else None,
-              "before_code": args.before or args.before_json, "machine": machine(),
+              "before_code": args.before or args.before_json, "before_commit": _commit(args.before),
+              "machine": machine(),
+              "runs": [{side: {"seconds": r["seconds"], "load": r["load"],
+                               "host_cpu_ms_per_token": 1e3 * r["host_cpu_seconds"] / tokens,
+                               "host_wall_ms_per_token": 1e3 * r["host_wall_seconds"] / tokens}
+                        for side, r in pair.items()} for pair in runs],
               "host_steps": {"after": after["host_steps"], "before": before.get("host_steps") if before else None,
                              "after_wall_seconds": after["host_wall_seconds"],
                              "before_wall_seconds": before.get("host_wall_seconds") if before else None,
@@ -141,17 +192,19 @@ def streamed_main(args) -> int:
                                      "host's work around the model's forward"},
               "note": "load: 1-minute load average of this 2-core machine (shared with other jobs) when the timed "
                       "batch started (load_after: when it ended); before: the previous code on the same batch, "
-                      "same session, never side by side"}
+                      "same session, never side by side; with several pairs (runs), the figures are the medians"}
     if before:
-        detail["max_abs_nll_diff_vs_before"] = float(np.abs(np.array(before["nll"]) - np.array(after["nll"])).max())
-        detail["top1_identical_to_before"] = before["top1"] == after["top1"]
+        compared = [r for r in runs if "before" in r]
+        detail["max_abs_nll_diff_vs_before"] = max(
+            float(np.abs(np.array(r["before"]["nll"]) - np.array(r["after"]["nll"])).max()) for r in compared)
+        detail["top1_identical_to_before"] = all(r["before"]["top1"] == r["after"]["top1"] for r in compared)
     path = RESULTS / "batch_runner.json"
     payload = json.loads(path.read_text()) if path.exists() else {}
     if "streamed" in payload:      # the earlier measurement stays, with the code and load it was taken on
         old = payload.get("streamed_detail", {})
         payload.setdefault("streamed_history", []).append(
             {**payload["streamed"], "code": old.get("kvsim"), "before_code": old.get("before_code"),
-             "date": old.get("date")})
+             "before_commit": old.get("before_commit"), "date": old.get("date")})
     detail.update(kvsim=kvsim_version(), date=now())
     payload["streamed"] = streamed
     payload["streamed_detail"] = detail
@@ -161,17 +214,6 @@ def streamed_main(args) -> int:
 
 
 def main(argv: list[str]) -> int:
-    import numpy as np
-    import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
-
-    from benchmarks._util import machine, write_result
-    from gpu_validate.closedloop.jobs import BatchJob
-    from gpu_validate.closedloop.runner import CompressedRunner, run_batch
-    from sim.experiments.specs import parse_policy
-    from sim.replay.threads import limit_threads
-    from traces.model import default_text
-    from traces.models import load_model
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompt", type=int, default=128)
@@ -184,6 +226,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--before-json", default=None, help="with --streamed: the old code's --streamed-worker output")
     ap.add_argument("--before-seconds", type=float, default=None,
                     help="with --streamed: the old code's time on the same batch, measured separately")
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="with --streamed: how many times the old code and this one are timed, alternated (the "
+                         "medians are reported; the machine's speed drifts)")
     ap.add_argument("--streamed-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.streamed or args.streamed_worker:
@@ -191,12 +236,23 @@ def main(argv: list[str]) -> int:
             args.prompt = 512
         if "--decode" not in argv:
             args.decode = 128
-        if args.streamed_worker:
+        if args.streamed_worker:      # what it imports must be importable from an older checkout too
             import json
 
             print(json.dumps(_streamed_batch(args.model, args.prompt, args.decode)))
             return 0
         return streamed_main(args)
+    import numpy as np
+    import torch  # noqa: F401  (loaded first, so limit_threads caps its pool too)
+
+    from benchmarks._util import machine, write_result
+    from gpu_validate.closedloop.jobs import BatchJob
+    from gpu_validate.closedloop.runner import CompressedRunner, run_batch
+    from sim.experiments.specs import parse_policy
+    from sim.replay.threads import limit_threads
+    from traces.model import default_text
+    from traces.models import load_model
+
     limit_threads(1)   # one thread, through the API sweep workers use
     torch.set_grad_enabled(False)
     model, tok = load_model(args.model, device="cpu")

@@ -56,6 +56,12 @@ def load(name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _before_code(detail: dict[str, Any]) -> str:
+    """The code a benchmark compared itself with: its commit when recorded, else the path or file it was given."""
+    commit = detail.get("before_commit")
+    return f"commit `{commit}`" if commit else f"`{detail.get('before_code')}`"
+
+
 def measured_on(d: dict[str, Any], name: str) -> str:
     """One line: the source file, the machine and its load when measured (a benchmark that describes its machine
     in words, as ``kvsim needle`` does, is quoted as it is)."""
@@ -297,13 +303,18 @@ def speed_page() -> str:
         out.append("\n*before*: the prefilled batch's configurations run one at a time; the streamed batch on the "
                    "previous runner.\n")
         if s and s.get("host_cpu_ms_per_token"):
+            pairs = s.get("pairs", 1)
+            median = f"medians of {pairs} alternated runs of each, " if pairs > 1 else ""
             out.append(f"\nThe streamed batch's policy steps (the host's work around the model: every row's step, "
                        f"its checks and the compaction) take {s['host_cpu_ms_per_token']:.3g} ms of CPU per token fed, "
-                       f"against {s['before_host_cpu_ms_per_token']:.3g} ms on the previous runner "
-                       f"({s['host_cpu_ratio_before_vs_after']:.3g}x less), results bit-identical.\n")
+                       f"against {s['before_host_cpu_ms_per_token']:.3g} ms on the code it is compared with "
+                       f"({_before_code(d['streamed_detail'])}; {median}same session): "
+                       f"{s['host_cpu_ratio_before_vs_after']:.3g}x less, results bit-identical.\n")
             for h in d.get("streamed_history", [])[::-1]:
-                out.append(f"\nEarlier ({h['date']}, load {h['load']:.2g}): {h['host_cpu_ms_per_token']:.3g} ms "
-                           f"against {h['before_host_cpu_ms_per_token']:.3g} ms on the runner before it "
+                against = _before_code(h) if h.get("before_commit") else "the runner before it"
+                runs = f", medians of {h['pairs']} alternated runs" if h.get("pairs", 1) > 1 else ""
+                out.append(f"\nEarlier ({h['date']}, load {h['load']:.2g}{runs}): {h['host_cpu_ms_per_token']:.3g} ms "
+                           f"against {h['before_host_cpu_ms_per_token']:.3g} ms on {against} "
                            f"({h['host_cpu_ratio_before_vs_after']:.3g}x less).\n")
         out.append("\n" + measured_on(d, "batch_runner"))
     d = load("threads")

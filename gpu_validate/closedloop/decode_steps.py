@@ -125,8 +125,12 @@ class DecodeSteps:
             row.held = self.held[b]
         self.mirrors = None if self.host else [self._mirror(layer) for layer in range(L)]
         self._zero_probs: dict[int, np.ndarray] = {}
+        #: per layer, the float64 host copy of the cache's last probabilities and a torch view of it (`_host_inputs`)
+        self._probs64: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
         self._info = [[np.zeros(3, np.int64) for _ in self.chunks] for _ in range(L)]
-        self._out = [np.zeros((B, 3), np.int64) for _ in range(L)]
+        #: every layer's per-row step outcome (deviated, dropped, held), one array so a step reads them at once
+        self._out_all = np.zeros((L, B, 3), np.int64)
+        self._out = list(self._out_all)
         self._no_masks = (np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
         self._no_flat = (np.zeros((1, 1), np.float32), np.zeros(0, np.int64))   # probabilities given padded
         self._pool = _pool(threads)
@@ -244,14 +248,12 @@ class DecodeSteps:
         for (layer, ci), b in zip(tasks, failed):
             if b >= 0:
                 raise_on(self.rows[b].layer_policy[layer], int(self._out[layer][b, 0]), self._info[layer][ci], layer)
-        deviated = False
-        evicting = []
-        for layer in layers:
-            out = self._out[layer]
-            deviated |= bool(out[:, 0].any())
-            if out[:, 1].any():
-                evicting.append(layer)
-            self._record(layer, t, out)
+        outs = self._out_all[layers]                     # [layers, B, 3]: one read of every layer's outcome
+        flags = outs[:, :, :2].any(axis=1)
+        deviated = bool(flags[:, 0].any())
+        evicting = [layer for layer, e in zip(layers, flags[:, 1].tolist()) if e]
+        self.held[:, layers] = outs[:, :, 2].T
+        self._record(layers, t)
         if evicting and not self.host:
             self._compact(evicting)
         self.host_seconds += time.perf_counter() - t0
@@ -262,10 +264,20 @@ class DecodeSteps:
         if summed is not None:
             probs = summed
         elif plan.reads_probs:
-            probs = cache.p.double().numpy()
+            probs = self._float64(layer, cache.p)
         else:
             probs = self._zeros(layer, cache.max_capacity)
         return cache.length, probs, self._no_flat, cache.k3, cache.v3, cache.pos, self._no_masks
+
+    def _float64(self, layer: int, p: torch.Tensor) -> np.ndarray:
+        """``p`` (float32) converted into the layer's persistent float64 host buffer: one torch copy, no new array
+        a step (the steps read it before the next forward overwrites it)."""
+        buf = self._probs64.get(layer)
+        if buf is None or buf[0].shape != tuple(p.shape):
+            arr = np.empty(tuple(p.shape))
+            buf = self._probs64[layer] = (arr, torch.from_numpy(arr))
+        buf[1].copy_(p)
+        return buf[0]
 
     def _zeros(self, layer: int, width: int) -> np.ndarray:
         """Zero probabilities for a layer whose policies do not read them (one buffer per layer: layers step on
@@ -325,13 +337,13 @@ class DecodeSteps:
         else:
             group.compact(torch.from_numpy(keep).to(dev), check=False)
 
-    def _record(self, layer: int, t: int, out: np.ndarray) -> None:
-        """The rows' slots held on ``layer`` after the step and, where asked, their kept positions."""
-        self.held[:, layer] = out[:, 2]
+    def _record(self, layers: Sequence[int], t: int) -> None:
+        """Where asked (the runner's ``record_kept``), the rows' kept positions on ``layers`` after step t."""
         rec = self.runner.record_kept
         if not rec or not 0 <= t - rec[0] < rec[1]:
             return
-        pos = self.caches[layer].pos if self.host else self.mirrors[layer].pos
-        for b, row in enumerate(self.rows):
-            cap = self.plans[layer].caps[b]
-            row.kept[layer, t - rec[0], :, :cap] = pos[b * self.H:(b + 1) * self.H, :cap]
+        for layer in layers:
+            pos = self.caches[layer].pos if self.host else self.mirrors[layer].pos
+            for b, row in enumerate(self.rows):
+                cap = self.plans[layer].caps[b]
+                row.kept[layer, t - rec[0], :, :cap] = pos[b * self.H:(b + 1) * self.H, :cap]
