@@ -301,7 +301,7 @@ def speed_page() -> str:
                          ([[ "streamed", s["n_configs"], f"{s['n_prompt']} + {s['n_decode']}", s["threads"],
                              s["batch_seconds"], s["before_seconds"], s["load"]]] if (s := d.get("streamed")) else [])))
         out.append("\n*before*: the prefilled batch's configurations run one at a time; the streamed batch on the "
-                   "previous runner.\n")
+                   "code it is compared with (named below).\n")
         if s and s.get("host_cpu_ms_per_token"):
             pairs = s.get("pairs", 1)
             median = f"medians of {pairs} alternated runs of each, " if pairs > 1 else ""
