@@ -305,19 +305,23 @@ def _project_missing(head_state, off, h, n, lo, hi, positions, values, norms):
     whole W_O block for itself alone otherwise (a window of w slots, w times less W_O read). A slot's norm is
     the same whenever it is taken (its value never changes while it is held: scorers merge nothing), so the
     decisions are exactly those of projecting every slot as it arrives."""
-    rows = np.empty(n, np.int64)
     m = 0
     due = False
     for i in range(n):
         if norms[i] == 0.0:
-            rows[m] = i
             m += 1
             due |= lo <= positions[i] < hi
-    if not due:
+    if not due:              # most steps: nothing to project, nothing allocated
         return
+    rows = np.empty(m, np.int64)
+    k = 0
+    for i in range(n):
+        if norms[i] == 0.0:
+            rows[k] = i
+            k += 1
     bt, g_n = _wo_block(head_state, off, h, values.shape[1])
     out = np.empty(m)
-    _projected_l1_rows(bt, values, rows[:m], g_n, out)
+    _projected_l1_rows(bt, values, rows, g_n, out)
     for k in range(m):
         norms[rows[k]] = out[k]
 
