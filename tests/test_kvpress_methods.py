@@ -329,7 +329,7 @@ def test_qfilter_decode_scores_with_the_prompt_filter_and_none_without_prompt():
     scores = np.ones((1, 3))                                          # no prompt, no filter: every key scores 0
     score_step(get_policy("qfilter").param_vector(), 0, 2, np.array([3]), np.zeros((1, 1, 3)),
                np.ones((1, 3, 8), np.float32), np.ones((1, 3, 8), np.float32), np.array([[0, 1, 2]]),
-               np.zeros((1, 3, 0)), np.zeros((1, 257)), np.array([2]), scores)
+               np.zeros((1, 3, get_policy("qfilter").slot_fields)), np.zeros((1, 257)), np.array([2]), scores)
     np.testing.assert_array_equal(scores, 0.0)
 
 
