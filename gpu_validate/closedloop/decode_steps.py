@@ -37,19 +37,15 @@ _STEP = types.FunctionType(STEP_SIG)
 
 @dataclass
 class LayerPlan:
-    """One layer's rows, as `step_layer` takes them: typed lists of each row's kernel and arrays, the per-row
-    flags, and the layer's constants."""
+    """One layer's rows, as `step_layer` takes them: typed lists of each row's kernel and of its (params, budgets,
+    slot state, head state, scratch, decisions), the per-row flags, and the layer's constants."""
 
     steps: Any
-    params: Any
-    budgets: Any
-    states: Any
-    heads: Any
+    rows: Any
     adaptive: np.ndarray
     bounded: np.ndarray
     views: np.ndarray
-    scratch: Any
-    decisions: Any
+    row_p: np.ndarray
     caps: list[int]
     window: int
     compressed: bool
@@ -125,14 +121,15 @@ class DecodeSteps:
             row.held = self.held[b]
         self.mirrors = None if self.host else [self._mirror(layer) for layer in range(L)]
         self._zero_probs: dict[int, np.ndarray] = {}
-        #: per layer, the float64 host copy of the cache's last probabilities and a torch view of it (`_host_inputs`)
-        self._probs64: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        #: per layer, the float64 buffer the steps widen the cache's float32 probabilities into (`_host_inputs`)
+        self._probs64: dict[int, np.ndarray] = {}
         self._info = [[np.zeros(3, np.int64) for _ in self.chunks] for _ in range(L)]
         #: every layer's per-row step outcome (deviated, dropped, held), one array so a step reads them at once
         self._out_all = np.zeros((L, B, 3), np.int64)
         self._out = list(self._out_all)
         self._no_masks = (np.zeros((1, 1), np.uint8), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
         self._no_flat = (np.zeros((1, 1), np.float32), np.zeros(0, np.int64))   # probabilities given padded
+        self._no_probs32 = np.zeros((0, 1, 1), np.float32)                        # probabilities given as float64
         self._pool = _pool(threads)
         self.host_seconds = 0.0      # wall time of `step`, for the runner's profile
 
@@ -168,14 +165,14 @@ class DecodeSteps:
         # compiled functions, one numba type for all (a dispatcher is a type of its own: numba compiled the typed
         # list's append anew, uncached, for every policy in the batch, ~1.2 s each)
         steps = _list([engine_kernels(row.layer_policy[layer])[0][0] for row in self.rows], _STEP)
+        rows = [(row.params[layer], np.ascontiguousarray(row.budgets[layer]), row.slot_state[layer],
+                 np.ascontiguousarray(row.head_state[layer]), scratch[b], dec[b]) for b, row in enumerate(self.rows)]
         return LayerPlan(
-            steps=steps, params=_list([row.params[layer] for row in self.rows]),
-            budgets=_list([np.ascontiguousarray(row.budgets[layer]) for row in self.rows]),
-            states=_list([row.slot_state[layer] for row in self.rows]),
-            heads=_list([np.ascontiguousarray(row.head_state[layer]) for row in self.rows]),
+            steps=steps, rows=_list(rows),
             adaptive=np.array([p.head_adaptive for p in policies], np.bool_),
             bounded=np.array([not p.unbounded for p in policies], np.bool_), views=views,
-            scratch=_list(scratch), decisions=_list(dec), caps=caps, window=int(r.attn[layer].window or 0),
+            row_p=np.array([p.reads_attention for p in policies], np.bool_),
+            caps=caps, window=int(r.attn[layer].window or 0),
             compressed=bool(r.compressed[layer]), reads_probs=bool(r.layer_reads[layer]), read_k=read_k,
             read_v=read_v, row_k=row_k, row_v=row_v)
 
@@ -236,12 +233,11 @@ class DecodeSteps:
 
         def run(task: tuple[int, int]) -> int:
             layer, ci = task
-            p, (lengths, probs, flat, keys, values, pos, masks) = self.plans[layer], inputs[layer]
+            p, (lengths, probs, probs32, flat, keys, values, pos, masks) = self.plans[layer], inputs[layer]
             b0, b1 = self.chunks[ci]
-            return step_layer(p.steps, p.params, p.budgets, p.states, p.heads, p.adaptive, p.bounded, p.views,
-                              p.scratch, p.decisions, b0, b1, layer, t, n_new, p.window, p.compressed, p.row_k,
-                              p.row_v, self.host, not self.host, lengths, probs, *flat, keys, values, pos, *masks,
-                              self._info[layer][ci], self._out[layer])
+            return step_layer(p.steps, p.rows, p.adaptive, p.bounded, p.views, p.row_p, b0, b1, layer, t, n_new,
+                              p.window, p.compressed, p.row_k, p.row_v, self.host, not self.host, lengths, probs,
+                              probs32, *flat, keys, values, pos, *masks, self._info[layer][ci], self._out[layer])
 
         tasks = [(layer, ci) for layer in layers for ci in range(len(self.chunks))]
         failed = list(self._pool.map(run, tasks)) if self._pool and len(tasks) > 1 else [run(x) for x in tasks]
@@ -261,23 +257,17 @@ class DecodeSteps:
 
     def _host_inputs(self, layer: int, summed: np.ndarray | None) -> tuple:
         cache, plan = self.caches[layer], self.plans[layer]
+        probs32 = self._no_probs32
         if summed is not None:
             probs = summed
-        elif plan.reads_probs:
-            probs = self._float64(layer, cache.p)
+        elif plan.reads_probs:        # the steps widen the cache's float32 probabilities into the layer's buffer
+            probs32 = cache.p.numpy()
+            probs = self._probs64.get(layer)
+            if probs is None or probs.shape != probs32.shape:     # zeros: rows that read none leave theirs so
+                probs = self._probs64[layer] = np.zeros(probs32.shape)
         else:
             probs = self._zeros(layer, cache.max_capacity)
-        return cache.length, probs, self._no_flat, cache.k3, cache.v3, cache.pos, self._no_masks
-
-    def _float64(self, layer: int, p: torch.Tensor) -> np.ndarray:
-        """``p`` (float32) converted into the layer's persistent float64 host buffer: one torch copy, no new array
-        a step (the steps read it before the next forward overwrites it)."""
-        buf = self._probs64.get(layer)
-        if buf is None or buf[0].shape != tuple(p.shape):
-            arr = np.empty(tuple(p.shape))
-            buf = self._probs64[layer] = (arr, torch.from_numpy(arr))
-        buf[1].copy_(p)
-        return buf[0]
+        return cache.length, probs, probs32, self._no_flat, cache.k3, cache.v3, cache.pos, self._no_masks
 
     def _zeros(self, layer: int, width: int) -> np.ndarray:
         """Zero probabilities for a layer whose policies do not read them (one buffer per layer: layers step on
@@ -314,8 +304,8 @@ class DecodeSteps:
             m = self.mirrors[layer]
             width = m.pos.shape[1]
             probs = summed[layer] if layer in summed else self._zeros(layer, 1 if layer in flat_probs else width)
-            inputs[layer] = (m.length, probs, flat_probs.get(layer, self._no_flat), m.keys, m.values, m.pos,
-                             (m.keep, m.merge_to, m.merge_w))
+            inputs[layer] = (m.length, probs, self._no_probs32, flat_probs.get(layer, self._no_flat), m.keys,
+                             m.values, m.pos, (m.keep, m.merge_to, m.merge_w))
         return inputs
 
     def _compact(self, layers: Sequence[int]) -> None:

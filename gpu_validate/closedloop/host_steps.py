@@ -180,22 +180,37 @@ def row_post(t, budget, head_adaptive, bounded, window, compressed, ln, keep, me
 
 
 @njit(cache=True, nogil=True)
-def step_layer(steps, params, budgets, states, heads, adaptive, bounded, views, scratch, decisions, b0, b1, layer, t,
-               n_new, window, compressed, read_k, read_v, kv_in_place, emit, lengths, probs, flat_probs, start, keys,
-               values, pos, keep_all, mt_all, mw_all, info, out):
-    """The policy steps of rows b0 .. b1-1 on one layer: row b's ``steps[b]`` with ``params[b]``, ``budgets[b]``, slot
-    state ``states[b]`` and head state ``heads[b]``, on views of rows b*Hkv.. of the layer's padded host arrays when
-    ``views[b]``, else on its own scratch (``scratch[b]``: lengths, probs, keys, values, positions of its width,
-    filled by `row_prep`, which copies keys / values only where the row's policy reads them, ``read_k[b]`` /
-    ``read_v[b]``, and reads the probabilities from the flat ``flat_probs`` where ``start`` is not empty), with its
-    decision arrays ``decisions[b]`` (keep, merge_to, merge_w); then `row_post`.
+def _widen(src, dst, r0, r1):
+    """dst[r0:r1] = src[r0:r1]: float32 probabilities into the float64 the policies read (exact)."""
+    for r in range(r0, r1):
+        for g in range(src.shape[1]):
+            for i in range(src.shape[2]):
+                dst[r, g, i] = src[r, g, i]
+
+
+@njit(cache=True, nogil=True)
+def step_layer(steps, rows, adaptive, bounded, views, row_p, b0, b1, layer, t, n_new, window, compressed, read_k,
+               read_v, kv_in_place, emit, lengths, probs, probs32, flat_probs, start, keys, values, pos, keep_all,
+               mt_all, mw_all, info, out):
+    """The policy steps of rows b0 .. b1-1 on one layer. Row b's ``steps[b]`` (a first-class function of
+    ``STEP_SIG``) runs with ``rows[b]`` = (params, budgets, slot state, head state, scratch, decisions): one typed
+    list for the arrays, not one per field (numba types each typed-list argument through Python at every call, ~0.7
+    µs a list). It steps on views of rows b*Hkv.. of the layer's padded host arrays when ``views[b]``, else on its
+    own scratch (lengths, probs, keys, values, positions of its width, filled by `row_prep`, which copies keys /
+    values only where the row's policy reads them, ``read_k[b]`` / ``read_v[b]``, and reads the probabilities from
+    the flat ``flat_probs`` where ``start`` is not empty), with its decision arrays (keep, merge_to, merge_w); then
+    `row_post`. Where ``probs32`` is not empty (the host cache's float32 probabilities, [B*Hkv, G, W]), the rows
+    whose policy reads them (``row_p[b]``) first widen theirs into ``probs``: here, row by row, instead of one
+    torch conversion of the whole layer.
     ``out[b]``: (deviated, dropped, held). Returns -1, or the first row whose step broke the contract (its status
     in ``out[b, 0]``, the (step, head, value) in ``info``)."""
-    H = lengths.shape[0] // len(steps)
+    H = lengths.shape[0] // len(rows)
     for b in range(b0, b1):
         r0 = b * H
-        keep, merge_to, merge_w = decisions[b]
-        sst = states[b]
+        params, budget, sst, head, scratch, decisions = rows[b]
+        keep, merge_to, merge_w = decisions
+        if probs32.shape[0] and row_p[b]:
+            _widen(probs32, probs, r0, r0 + H)
         if views[b]:
             ln = lengths[r0:r0 + H]
             pr = probs[r0:r0 + H]
@@ -203,12 +218,12 @@ def step_layer(steps, params, budgets, states, heads, adaptive, bounded, views, 
             vs = values[r0:r0 + H]
             ps = pos[r0:r0 + H]
         else:
-            ln, pr, ks, vs, ps = scratch[b]
+            ln, pr, ks, vs, ps = scratch
             row_prep(r0, n_new, read_k[b], read_v[b], lengths, probs, flat_probs, start, keys, values, pos, sst, ln,
                      pr, ks, vs, ps)
-        steps[b](params[b], layer, t, budgets[b], ln, pr, ks, vs, ps, sst, heads[b], keep, merge_to, merge_w)
+        steps[b](params, layer, t, budget, ln, pr, ks, vs, ps, sst, head, keep, merge_to, merge_w)
         row_out = out[b]
-        status = row_post(t, budgets[b], adaptive[b], bounded[b], window, compressed, ln, keep, merge_to, merge_w,
+        status = row_post(t, budget, adaptive[b], bounded[b], window, compressed, ln, keep, merge_to, merge_w,
                           ps, sst, info, row_out, kv_in_place, emit, r0, keys, values, pos, lengths, keep_all, mt_all,
                           mw_all)
         if status != OK:
