@@ -61,6 +61,22 @@ def test_skipping_unread_attention_changes_nothing(name):
     np.testing.assert_array_equal(a.kept, b.kept)
 
 
+@pytest.mark.parametrize("name", [n for n in POLICIES
+                                  if not (get_policy(n).reads_keys and get_policy(n).reads_values)])
+def test_deferred_keys_and_values_change_nothing(name):
+    """A streamed prompt's steps leave the cached keys / values a policy declares it does not read unwritten and
+    unmoved, and fill them from the trace before the first measured step or merge (``_deferred_rows``): bit for
+    bit the replay of the same policy declaring it reads both (D2O merges while its values are deferred)."""
+    trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=64,
+                                 n_prompt=40, seed=5)
+    policy = short_policy(name)
+    eager = type(policy.name + "_eager", (type(policy),), {"reads_keys": True, "reads_values": True})(**policy.params)
+    budget = max(12, policy.min_budget())
+    a, b = replay(trace, policy, budget, record_kept=(40, 24)), replay(trace, eager, budget, record_kept=(40, 24))
+    np.testing.assert_array_equal(a.metrics, b.metrics)
+    np.testing.assert_array_equal(a.kept, b.kept)
+
+
 def test_profiling_hooks_time_the_engine_parts():
     """benchmarks/replay.py times the engine through these public hooks; they run the engine's own kernels."""
     from sim.replay.engine import profile_attention, profile_parts

@@ -4,7 +4,8 @@ For every step t the new token's k/v is appended to each KV head's cache, the st
 the cached slots only (O(budget * d) per head), metrics are taken against the trace's full-attention
 reference, then the policy's jitted ``step`` decides evictions/merges and the caches are compacted (one memmove
 per field and run of kept slots). Unmeasured (prompt) steps skip the attention when the policy's step does not
-read it (``Policy.reads_attention``). The engine is compiled once (the policy kernels are first-class functions
+read it (``Policy.reads_attention``), and leave the cached keys (values) unwritten and unmoved when neither they nor
+the step read them, filled from the trace before anything does (``_deferred_rows``). The engine is compiled once (the policy kernels are first-class functions
 with fixed signatures, the other inputs three named tuples) and cached on disk; it releases the GIL so layers
 replay in parallel threads.
 The step contract is checked by ``sim.replay.contract``'s jitted checks, the same ones the numpy reference and the
@@ -88,10 +89,13 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, mult, ck, cv, 
 
 
 @njit(cache=True, nogil=True)
-def _move_left(ck, cv, cpos, dirty, cst, i, j, dst):
-    """Move slots [i, j) to [dst, dst + j - i) with dst < i (the regions may overlap), field by field."""
-    _move_rows(ck, i, j, dst)
-    _move_rows(cv, i, j, dst)
+def _move_left(ck, cv, cpos, dirty, cst, i, j, dst, move_k, move_v):
+    """Move slots [i, j) to [dst, dst + j - i) with dst < i (the regions may overlap), field by field (keys and
+    values only where ``move_k`` / ``move_v``: see ``_deferred_rows``)."""
+    if move_k:
+        _move_rows(ck, i, j, dst)
+    if move_v:
+        _move_rows(cv, i, j, dst)
     _move_rows(cpos, i, j, dst)
     _move_rows(dirty, i, j, dst)
     _move_rows(cst, i, j, dst)
@@ -105,9 +109,11 @@ def _move_left(ck, cv, cpos, dirty, cst, i, j, dst):
 #:   rec_start first step whose kept positions are recorded; reads_attention: the step reads ``probs`` (when
 #:   not, unmeasured steps skip the attention); window > 0 makes the layer a sliding one
 #:   (``sim.replay.contract.apply_window`` after every step and after the prompt's selection), 0 a global one;
-#:   chunk: prompt tokens per policy step when the prompt is streamed (1: token by token; see sim.replay.policy_replay)
+#:   chunk: prompt tokens per policy step when the prompt is streamed (1: token by token; see sim.replay.policy_replay);
+#:   reads_keys / reads_values: the step reads the cached keys / values (``Policy.reads_keys``; see ``_deferred_rows``)
 EngineConfig = namedtuple("EngineConfig", "params layer scale has_prefill metric_start budget head_adaptive bounded "
-                                          "cap n_slot_fields head_init rec_start reads_attention window chunk")
+                                          "cap n_slot_fields head_init rec_start reads_attention window chunk "
+                                          "reads_keys reads_values")
 #: one layer of the trace: q [T,Hq,d], k/v [T,Hkv,d] float32 (C-contiguous: the SIMD kernels index q by rows);
 #: lse [T,Hq], o [T,Hq,d] the full-attention
 #: reference; vmax1 [T,Hkv] running max of ||v||_1 (for the Ada-KV bound); prompt_acc [Hkv,G,P] float64 the
@@ -173,9 +179,9 @@ def _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, dirty):
 
 
 @njit(cache=True, nogil=True)
-def _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst):
-    """Stable compaction of head h's kept slots (each run of kept slots moves with one block copy); resets the
-    decision arrays for the next step. Returns the slots held."""
+def _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, move_k, move_v):
+    """Stable compaction of head h's kept slots (each run of kept slots moves with one block copy; keys and values
+    only where ``move_k`` / ``move_v``); resets the decision arrays for the next step. Returns the slots held."""
     wpos = 0
     i = 0
     while i < n:
@@ -186,7 +192,7 @@ def _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst):
         while j < n and keep[h, j] != 0:
             j += 1
         if wpos != i:
-            _move_left(ck[h], cv[h], cpos[h], dirty[h], cst[h], i, j, wpos)
+            _move_left(ck[h], cv[h], cpos[h], dirty[h], cst[h], i, j, wpos, move_k, move_v)
         wpos += j - i
         i = j
     for i in range(wpos):
@@ -253,17 +259,20 @@ def _chunk_end(t_first, P, chunk):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _append(t, h, k, v, cap, ck, cv, cpos, dirty, cst, clen, info):
-    """Append token t's key and value to KV head h's cache as a fresh slot (clean, zero slot state). Returns
-    OVER_CAPACITY (with the step, head and slots needed in ``info``) when the head's buffer is full."""
+def _append(t, h, k, v, cap, ck, cv, cpos, dirty, cst, clen, info, lazy_k, lazy_v):
+    """Append token t's key and value to KV head h's cache as a fresh slot (clean, zero slot state; a deferred key
+    or value is not written, ``_deferred_rows``). Returns OVER_CAPACITY (with the step, head and slots needed in
+    ``info``) when the head's buffer is full."""
     s = clen[h]
     if s >= cap:
         info[0] = t
         info[1] = h
         info[2] = s + 1
         return OVER_CAPACITY
-    ck[h, s] = k[t, h]
-    cv[h, s] = v[t, h]
+    if not lazy_k:
+        ck[h, s] = k[t, h]
+    if not lazy_v:
+        cv[h, s] = v[t, h]
     cpos[h, s] = t
     dirty[h, s] = 0
     for f in range(cst.shape[2]):
@@ -293,9 +302,11 @@ def _store_metrics(metrics, row, metric_row, h, g_n):
 
 
 @njit(cache=True, nogil=True)
-def _evict(t, budget, head_adaptive, bounded, window, clen, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, info):
+def _evict(t, budget, head_adaptive, bounded, window, clen, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, info,
+           move_k, move_v):
     """Carry out the policy step's decisions at step t: check them (``check_step``), evict what left a sliding
-    window, fold the merges and compact every head. Returns the contract status."""
+    window, fold the merges and compact every head (keys / values only where ``move_k`` / ``move_v``). Returns the
+    contract status."""
     status = check_step(clen, keep, merge_to, budget, head_adaptive, bounded, t, info)
     if status != OK:
         return status
@@ -303,8 +314,34 @@ def _evict(t, budget, head_adaptive, bounded, window, clen, keep, merge_to, merg
     for h in range(clen.shape[0]):
         n = clen[h]
         _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, dirty)
-        clen[h] = _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst)
+        clen[h] = _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, move_k, move_v)
     return OK
+
+
+@njit(cache=True, nogil=True)
+def _merges_due(clen, merge_to):
+    """Whether the step's decision merges some held slot."""
+    for h in range(clen.shape[0]):
+        for i in range(clen[h]):
+            if merge_to[h, i] >= 0:
+                return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _deferred_rows(k, v, clen, cpos, ck, cv, fill_k, fill_v):
+    """Deferred keys / values: a streamed prompt's steps that neither attend (``reads_attention`` off, unmeasured)
+    nor read the cached keys / values (``reads_keys`` / ``reads_values`` off) leave ck / cv unwritten and unmoved
+    -- the compaction's block moves of them are most of such a step's cost -- and track positions only. Before
+    the first step that reads them (the first measured step, or a merge) this fills every held slot's key / value
+    from the trace by its position: exactly the rows the eager cache would hold, as nothing was merged into them."""
+    for h in range(clen.shape[0]):
+        for i in range(clen[h]):
+            p = cpos[h, i]
+            if fill_k:
+                ck[h, i] = k[p, h]
+            if fill_v:
+                cv[h, i] = v[p, h]
 
 
 @njit(cache=True, nogil=True)
@@ -362,9 +399,14 @@ def replay_layer(kernels, cfg, data, out):
         t0 = P
 
     acc = np.zeros((hkv, g_n, cap), np.float64) if cfg.chunk > 1 else probs   # a chunk's summed attention
+    lazy_k = t0 < P and not cfg.reads_keys and not cfg.reads_attention         # ``_deferred_rows``
+    lazy_v = t0 < P and not cfg.reads_values
     t_next = t0
     while t_next < T:
         t_first = t_next
+        if (lazy_k or lazy_v) and t_first >= P:
+            _deferred_rows(k, v, clen, cpos, ck, cv, lazy_k, lazy_v)
+            lazy_k = lazy_v = False
         t_next = _chunk_end(t_first, P, cfg.chunk)
         chunked = t_next - t_first > 1
         given = chunked and t_first == 0 and t_next == P and data.prompt_acc.shape[2] == P
@@ -375,7 +417,7 @@ def replay_layer(kernels, cfg, data, out):
                 return status
             want = t >= P
             for h in range(hkv):
-                status = _append(t, h, k, v, cap, ck, cv, cpos, dirty, cst, clen, info)
+                status = _append(t, h, k, v, cap, ck, cv, cpos, dirty, cst, clen, info, lazy_k, lazy_v)
                 if status != OK:
                     return status
                 if want or (cfg.reads_attention and not given):
@@ -393,8 +435,11 @@ def replay_layer(kernels, cfg, data, out):
              merge_w)
         if chunked:
             acc[:] = 0.0
+        if (lazy_k or lazy_v) and _merges_due(clen, merge_to):
+            _deferred_rows(k, v, clen, cpos, ck, cv, lazy_k, lazy_v)
+            lazy_k = lazy_v = False
         status = _evict(t, budget, cfg.head_adaptive, cfg.bounded, cfg.window, clen, keep, merge_to, merge_w, ck, cv,
-                        cpos, dirty, cst, info)
+                        cpos, dirty, cst, info, not lazy_k, not lazy_v)
         if status != OK:
             return status
         _record(t, P, cfg.rec_start, clen, cpos, out.slots, out.kept)
@@ -515,7 +560,7 @@ def profile_parts(q, k, v, lse, o, vmax1, scale, t, n, rounds, keep_at, secs):
     for _ in range(rounds):
         for h in range(hkv):
             keep[h, keep_at] = 0
-            _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst)   # slot n - 1 moves into place
+            _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, True, True)   # slot n-1 moves in
     with objmode(t5="f8"):
         t5 = time.perf_counter()
     per = 1.0 / (rounds * hkv)

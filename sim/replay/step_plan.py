@@ -111,7 +111,8 @@ class StepPlan:
                            head_adaptive=policy.head_adaptive, bounded=not policy.unbounded, cap=cap,
                            n_slot_fields=policy.slot_fields, head_init=np.ascontiguousarray(head_init, np.float64),
                            rec_start=self.rec_start, reads_attention=policy.reads_attention,
-                           window=int(li.attention.window or 0), chunk=self.chunk)
+                           window=int(li.attention.window or 0), chunk=self.chunk,
+                           reads_keys=policy.reads_keys, reads_values=policy.reads_values)
         status = call_replay_layer(self.kernels, cfg, LayerData(li.q, li.k, li.v, li.lse, li.o, li.vmax1,
                                                            _whole_prompt_acc(self.inputs, li, layer, P, self.chunk,
                                                                              policy)), out)
