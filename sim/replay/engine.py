@@ -5,9 +5,9 @@ the cached slots only (O(budget * d) per head), metrics are taken against the tr
 reference, then the policy's jitted ``step`` decides evictions/merges and the caches are compacted (one memmove
 per field and run of kept slots). Unmeasured (prompt) steps skip the attention when the policy's step does not
 read it (``Policy.reads_attention``), and leave the cached keys (values) unwritten and unmoved when neither they nor
-the step read them, filled from the trace before anything does (``_deferred_rows``). The engine is compiled once (the policy kernels are first-class functions
-with fixed signatures, the other inputs three named tuples) and cached on disk; it releases the GIL so layers
-replay in parallel threads.
+the step read them, filled from the trace before anything does (``_deferred_rows``). The engine is compiled once
+(the policy kernels are first-class functions with fixed signatures, the other inputs three named tuples) and cached
+on disk; it releases the GIL so layers replay in parallel threads.
 The step contract is checked by ``sim.replay.contract``'s jitted checks, the same ones the numpy reference and the
 closed-loop runner call.
 
