@@ -14,21 +14,28 @@ from sim.replay.engine import _attention_scratch
 @pytest.mark.parametrize("n", [1, 7, 8, 17, 129])
 def test_dots_and_weighted_sums_match_numpy(g_n, d, n):
     rng = np.random.default_rng(g_n * 1000 + d + n)
-    hkv, cap = 2, n + 5
+    hkv, cap, b = 2, n + 5, 3
     q = rng.standard_normal((3, hkv * g_n, d)).astype(np.float32)
-    ck = rng.standard_normal((hkv, cap, d)).astype(np.float32)
-    cv = rng.standard_normal((hkv, cap, d)).astype(np.float32)
+    ck = rng.standard_normal((hkv, b + cap, d)).astype(np.float32)
+    cv = rng.standard_normal((hkv, b + cap, d)).astype(np.float32)
     dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv, lse_caches = _attention_scratch(g_n, d, cap)
     t, h = 1, 1
-    qk_dots(q, t, h, g_n, ck, n, dots, dmax)
-    ref = q[t, h * g_n:(h + 1) * g_n].astype(np.float64) @ ck[h, :n].T.astype(np.float64)
+    qk_dots(q, t, h, g_n, ck, b, n, dots, dmax)
+    ref = q[t, h * g_n:(h + 1) * g_n].astype(np.float64) @ ck[h, b:b + n].T.astype(np.float64)
     np.testing.assert_allclose(dots[:, :n], ref, rtol=1e-5, atol=1e-4 * np.sqrt(d))
     np.testing.assert_array_equal(dmax, dots[:, :n].max(axis=1))
     e = rng.random((g_n, cap)).astype(np.float32)
     norm = 1.0 / rng.uniform(1.0, 2.0, g_n)
-    weighted_sums(e, norm, h, g_n, cv, n, oacc, oacc32)
-    ref = (e[:, :n].astype(np.float64) @ cv[h, :n].astype(np.float64)) * norm[:, None]
+    weighted_sums(e, norm, h, g_n, cv, b, n, oacc, oacc32)
+    ref = (e[:, :n].astype(np.float64) @ cv[h, b:b + n].astype(np.float64)) * norm[:, None]
     np.testing.assert_allclose(oacc, ref, rtol=1e-5, atol=1e-5 * np.sqrt(n))
+    # the row base moves the rows read, nothing else: bit for bit the kernels over the rows copied to row 0
+    dots0, dmax0, _, _, _, oacc0, oacc320, _, _ = _attention_scratch(g_n, d, cap)
+    ck0, cv0 = np.ascontiguousarray(ck[:, b:]), np.ascontiguousarray(cv[:, b:])
+    qk_dots(q, t, h, g_n, ck0, 0, n, dots0, dmax0)
+    weighted_sums(e, norm, h, g_n, cv0, 0, n, oacc0, oacc320)
+    np.testing.assert_array_equal(dots0[:, :n], dots[:, :n])
+    np.testing.assert_array_equal(oacc0, oacc)
 
 
 def _stages_by_sort(eps, ratio, size, lo, hi, positions, n, scores, norms):

@@ -65,8 +65,10 @@ def test_skipping_unread_attention_changes_nothing(name):
                                   if not (get_policy(n).reads_keys and get_policy(n).reads_values)])
 def test_deferred_keys_and_values_change_nothing(name):
     """A streamed prompt's steps leave the cached keys / values a policy declares it does not read unwritten and
-    unmoved, and fill them from the trace before the first measured step or merge (``_deferred_rows``): bit for
-    bit the replay of the same policy declaring it reads both (D2O merges while its values are deferred)."""
+    unmoved, and fill them from the trace before the first measured step or merge (``_deferred_rows``); where it
+    reads neither, their rows start anywhere in a buffer with room past the capacity and close up to whichever side
+    moves fewer (``_compact``; 24 decode steps at budget 12 run into its end and move back to row 0). Bit for bit
+    the replay of the same policy declaring it reads both (D2O merges while its values are deferred)."""
     trace = make_synthetic_trace("mixed", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=64,
                                  n_prompt=40, seed=5)
     policy = short_policy(name)

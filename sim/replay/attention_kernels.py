@@ -112,20 +112,20 @@ def _f32_c_arrays(*arrays):
 
 
 def _make_qk(n_heads, n_keys):
-    """The intrinsic qk(q, t, hq, ck, h, i0, dots, g): dots[g + j, i0:i0 + n_keys] = q[t, hq + j] . ck[h, i0:...] for
-    j < n_heads (float32, d % 16 == 0). Each key's 16-lane chunk is loaded once for the heads (n_heads * n_keys
+    """The intrinsic qk(q, t, hq, ck, h, b, i0, dots, g): dots[g + j, i0:i0 + n_keys] = q[t, hq + j] . ck[h, b + i0:...]
+    for j < n_heads (float32, d % 16 == 0). Each key's 16-lane chunk is loaded once for the heads (n_heads * n_keys
     partial sums held in registers over d), then the keys' partial sums are reduced together (``_transpose_sum``)."""
     @intrinsic
-    def qk(typingctx, q, t, hq, ck, h, i0, dots, g):
+    def qk(typingctx, q, t, hq, ck, h, b, i0, dots, g):
         if not _f32_c_arrays(q, ck, dots):
             return None
-        sig = types.void(q, types.int64, types.int64, ck, types.int64, types.int64, dots, types.int64)
+        sig = types.void(q, types.int64, types.int64, ck, types.int64, types.int64, types.int64, dots, types.int64)
 
         def codegen(context, builder, signature, args):
-            qv, tv, hqv, ckv, hv, i0v, dotsv, gv = args
+            qv, tv, hqv, ckv, hv, bv, i0v, dotsv, gv = args
             qp, qshape = _row_ptr(context, builder, signature.args[0], qv, [tv, hqv])
-            kp, _ = _row_ptr(context, builder, signature.args[3], ckv, [hv, i0v])
-            dp, dshape = _row_ptr(context, builder, signature.args[6], dotsv, [gv])
+            kp, _ = _row_ptr(context, builder, signature.args[3], ckv, [hv, builder.add(bv, i0v)])
+            dp, dshape = _row_ptr(context, builder, signature.args[7], dotsv, [gv])
             d = qshape[2]
             zero = ir.Constant(_V16, [0.0] * 16)
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(n_keys)] for _ in range(n_heads)]
@@ -146,20 +146,20 @@ def _make_qk(n_heads, n_keys):
 
 
 def _make_pv(n_heads, n_chunks):
-    """The intrinsic pv(e, g, cv, h, i0, i1, x0, acc): acc[g + j, x0:x0 + 16 n_chunks] += sum_{i0 <= i < i1}
-    e[g + j, i] * cv[h, i, x0:...] for j < n_heads (float32): the n_heads * n_chunks output vectors stay in registers
-    over the slots, each value chunk loaded once for the heads."""
+    """The intrinsic pv(e, g, cv, h, b, i0, i1, x0, acc): acc[g + j, x0:x0 + 16 n_chunks] += sum_{i0 <= i < i1}
+    e[g + j, i] * cv[h, b + i, x0:...] for j < n_heads (float32): the n_heads * n_chunks output vectors stay in
+    registers over the slots, each value chunk loaded once for the heads."""
     @intrinsic
-    def pv(typingctx, e, g, cv, h, i0, i1, x0, acc):
+    def pv(typingctx, e, g, cv, h, b, i0, i1, x0, acc):
         if not _f32_c_arrays(e, cv, acc):
             return None
-        sig = types.void(e, types.int64, cv, types.int64, types.int64, types.int64, types.int64, acc)
+        sig = types.void(e, types.int64, cv, types.int64, types.int64, types.int64, types.int64, types.int64, acc)
 
         def codegen(context, builder, signature, args):
-            ev, gv, cvv, hv, i0v, i1v, x0v, accv = args
+            ev, gv, cvv, hv, bv, i0v, i1v, x0v, accv = args
             ep, eshape = _row_ptr(context, builder, signature.args[0], ev, [gv])
-            vp, vshape = _row_ptr(context, builder, signature.args[2], cvv, [hv, i0v])
-            ap, _ = _row_ptr(context, builder, signature.args[7], accv, [gv])
+            vp, vshape = _row_ptr(context, builder, signature.args[2], cvv, [hv, builder.add(bv, i0v)])
+            ap, _ = _row_ptr(context, builder, signature.args[8], accv, [gv])
             d = vshape[2]
             zero = ir.Constant(_V16, [0.0] * 16)
             regs = [[cgutils.alloca_once_value(builder, zero) for _ in range(n_chunks)] for _ in range(n_heads)]
@@ -219,8 +219,8 @@ _pv3x1, _pv2x1, _pv1x1 = _make_pv(3, 1), _make_pv(2, 1), _make_pv(1, 1)
 # ---------------------------------------------------------------- the attention pass
 
 @njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
-def _dots3(q, t, hq, ck, h, i0, n, dots, g):
-    """dots[g + j, i] = q[t, hq + j] . ck[h, i] for j < 3 and i0 <= i < n (d % 16 != 0, or the keys after the SIMD
+def _dots3(q, t, hq, ck, h, b, i0, n, dots, g):
+    """dots[g + j, i] = q[t, hq + j] . ck[h, b + i] for j < 3 and i0 <= i < n (d % 16 != 0, or the keys after the SIMD
     blocks): three query heads and two keys per pass, all six accumulators live (SIMD over d), each key element
     loaded once for six multiply-adds."""
     d = q.shape[2]
@@ -233,8 +233,8 @@ def _dots3(q, t, hq, ck, h, i0, n, dots, g):
         a20 = np.float32(0.0)
         a21 = np.float32(0.0)
         for x in range(d):
-            k0 = ck[h, i, x]
-            k1 = ck[h, i + 1, x]
+            k0 = ck[h, b + i, x]
+            k1 = ck[h, b + i + 1, x]
             q0 = q[t, hq, x]
             q1 = q[t, hq + 1, x]
             q2 = q[t, hq + 2, x]
@@ -256,7 +256,7 @@ def _dots3(q, t, hq, ck, h, i0, n, dots, g):
         a1 = np.float32(0.0)
         a2 = np.float32(0.0)
         for x in range(d):
-            k0 = ck[h, i, x]
+            k0 = ck[h, b + i, x]
             a0 += q[t, hq, x] * k0
             a1 += q[t, hq + 1, x] * k0
             a2 += q[t, hq + 2, x] * k0
@@ -266,7 +266,7 @@ def _dots3(q, t, hq, ck, h, i0, n, dots, g):
 
 
 @njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
-def _dots2(q, t, hq, ck, h, i0, n, dots, g):
+def _dots2(q, t, hq, ck, h, b, i0, n, dots, g):
     """``_dots3`` for two query heads, three keys per pass."""
     d = q.shape[2]
     i = i0
@@ -278,9 +278,9 @@ def _dots2(q, t, hq, ck, h, i0, n, dots, g):
         a11 = np.float32(0.0)
         a12 = np.float32(0.0)
         for x in range(d):
-            k0 = ck[h, i, x]
-            k1 = ck[h, i + 1, x]
-            k2 = ck[h, i + 2, x]
+            k0 = ck[h, b + i, x]
+            k1 = ck[h, b + i + 1, x]
+            k2 = ck[h, b + i + 2, x]
             q0 = q[t, hq, x]
             q1 = q[t, hq + 1, x]
             a00 += q0 * k0
@@ -300,7 +300,7 @@ def _dots2(q, t, hq, ck, h, i0, n, dots, g):
         a0 = np.float32(0.0)
         a1 = np.float32(0.0)
         for x in range(d):
-            k0 = ck[h, i, x]
+            k0 = ck[h, b + i, x]
             a0 += q[t, hq, x] * k0
             a1 += q[t, hq + 1, x] * k0
         dots[g, i] = a0
@@ -309,7 +309,7 @@ def _dots2(q, t, hq, ck, h, i0, n, dots, g):
 
 
 @njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
-def _dots1(q, t, hq, ck, h, i0, n, dots, g):
+def _dots1(q, t, hq, ck, h, b, i0, n, dots, g):
     """``_dots3`` for one query head, four keys per pass."""
     d = q.shape[2]
     i = i0
@@ -320,10 +320,10 @@ def _dots1(q, t, hq, ck, h, i0, n, dots, g):
         a3 = np.float32(0.0)
         for x in range(d):
             qx = q[t, hq, x]
-            a0 += qx * ck[h, i, x]
-            a1 += qx * ck[h, i + 1, x]
-            a2 += qx * ck[h, i + 2, x]
-            a3 += qx * ck[h, i + 3, x]
+            a0 += qx * ck[h, b + i, x]
+            a1 += qx * ck[h, b + i + 1, x]
+            a2 += qx * ck[h, b + i + 2, x]
+            a3 += qx * ck[h, b + i + 3, x]
         dots[g, i] = a0
         dots[g, i + 1] = a1
         dots[g, i + 2] = a2
@@ -332,7 +332,7 @@ def _dots1(q, t, hq, ck, h, i0, n, dots, g):
     while i < n:
         acc = np.float32(0.0)
         for x in range(d):
-            acc += q[t, hq, x] * ck[h, i, x]
+            acc += q[t, hq, x] * ck[h, b + i, x]
         dots[g, i] = acc
         i += 1
 
@@ -347,10 +347,11 @@ def _group_chunk(left):
 
 
 @njit(cache=True, nogil=True)
-def qk_dots(q, t, h, g_n, ck, n, dots, mx):
-    """dots[g, i] = q[t, h*G + g] . ck[h, i] in float32 for the G query heads of KV head h, and each head's largest
-    dot in mx[g] (n >= 1): the heads in passes of up to three, each key loaded once per pass for all of them; the
-    SIMD kernels take blocks of eight keys (sixteen for a lone head) when d % 16 == 0, the numba loops the rest."""
+def qk_dots(q, t, h, g_n, ck, b, n, dots, mx):
+    """dots[g, i] = q[t, h*G + g] . ck[h, b + i] in float32 for the G query heads of KV head h (its n slots from
+    row b of the cache), and each head's largest dot in mx[g] (n >= 1): the heads in passes of up to three, each
+    key loaded once per pass for all of them; the SIMD kernels take blocks of eight keys (sixteen for a lone head)
+    when d % 16 == 0, the numba loops the rest."""
     simd = q.shape[2] % 16 == 0
     g = 0
     while g < g_n:
@@ -360,21 +361,21 @@ def qk_dots(q, t, h, g_n, ck, n, dots, mx):
         if c == 3:
             if simd:
                 while i + 8 <= n:
-                    _qk3(q, t, hq, ck, h, i, dots, g)
+                    _qk3(q, t, hq, ck, h, b, i, dots, g)
                     i += 8
-            _dots3(q, t, hq, ck, h, i, n, dots, g)
+            _dots3(q, t, hq, ck, h, b, i, n, dots, g)
         elif c == 2:
             if simd:
                 while i + 8 <= n:
-                    _qk2(q, t, hq, ck, h, i, dots, g)
+                    _qk2(q, t, hq, ck, h, b, i, dots, g)
                     i += 8
-            _dots2(q, t, hq, ck, h, i, n, dots, g)
+            _dots2(q, t, hq, ck, h, b, i, n, dots, g)
         else:
             if simd:
                 while i + 16 <= n:
-                    _qk1(q, t, hq, ck, h, i, dots, g)
+                    _qk1(q, t, hq, ck, h, b, i, dots, g)
                     i += 16
-            _dots1(q, t, hq, ck, h, i, n, dots, g)
+            _dots1(q, t, hq, ck, h, b, i, n, dots, g)
         g += c
     for g in range(g_n):
         mx[g] = _row_max(dots, g, n)
@@ -395,8 +396,8 @@ _PV_BLOCK = 256
 
 
 @njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
-def _pv3(e, g, cv, h, i0, i1, acc):
-    """acc[g + j] += sum_{i0 <= i < i1} e[g + j, i] * cv[h, i] for j < 3 in float32 (d % 16 != 0): four value rows
+def _pv3(e, g, cv, h, b, i0, i1, acc):
+    """acc[g + j] += sum_{i0 <= i < i1} e[g + j, i] * cv[h, b + i] for j < 3 in float32 (d % 16 != 0): four value rows
     per pass, each loaded once for the three heads (SIMD over d)."""
     d = cv.shape[2]
     i = i0
@@ -414,10 +415,10 @@ def _pv3(e, g, cv, h, i0, i1, acc):
         c2 = e[g + 2, i + 2]
         c3 = e[g + 2, i + 3]
         for x in range(d):
-            v0 = cv[h, i, x]
-            v1 = cv[h, i + 1, x]
-            v2 = cv[h, i + 2, x]
-            v3 = cv[h, i + 3, x]
+            v0 = cv[h, b + i, x]
+            v1 = cv[h, b + i + 1, x]
+            v2 = cv[h, b + i + 2, x]
+            v3 = cv[h, b + i + 3, x]
             acc[g, x] += (a0 * v0 + a1 * v1) + (a2 * v2 + a3 * v3)
             acc[g + 1, x] += (b0 * v0 + b1 * v1) + (b2 * v2 + b3 * v3)
             acc[g + 2, x] += (c0 * v0 + c1 * v1) + (c2 * v2 + c3 * v3)
@@ -427,7 +428,7 @@ def _pv3(e, g, cv, h, i0, i1, acc):
         b0 = e[g + 1, i]
         c0 = e[g + 2, i]
         for x in range(d):
-            v0 = cv[h, i, x]
+            v0 = cv[h, b + i, x]
             acc[g, x] += a0 * v0
             acc[g + 1, x] += b0 * v0
             acc[g + 2, x] += c0 * v0
@@ -435,7 +436,7 @@ def _pv3(e, g, cv, h, i0, i1, acc):
 
 
 @njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
-def _pv2(e, g, cv, h, i0, i1, acc):
+def _pv2(e, g, cv, h, b, i0, i1, acc):
     """``_pv3`` for two heads."""
     d = cv.shape[2]
     i = i0
@@ -449,10 +450,10 @@ def _pv2(e, g, cv, h, i0, i1, acc):
         b2 = e[g + 1, i + 2]
         b3 = e[g + 1, i + 3]
         for x in range(d):
-            v0 = cv[h, i, x]
-            v1 = cv[h, i + 1, x]
-            v2 = cv[h, i + 2, x]
-            v3 = cv[h, i + 3, x]
+            v0 = cv[h, b + i, x]
+            v1 = cv[h, b + i + 1, x]
+            v2 = cv[h, b + i + 2, x]
+            v3 = cv[h, b + i + 3, x]
             acc[g, x] += (a0 * v0 + a1 * v1) + (a2 * v2 + a3 * v3)
             acc[g + 1, x] += (b0 * v0 + b1 * v1) + (b2 * v2 + b3 * v3)
         i += 4
@@ -460,14 +461,14 @@ def _pv2(e, g, cv, h, i0, i1, acc):
         a0 = e[g, i]
         b0 = e[g + 1, i]
         for x in range(d):
-            v0 = cv[h, i, x]
+            v0 = cv[h, b + i, x]
             acc[g, x] += a0 * v0
             acc[g + 1, x] += b0 * v0
         i += 1
 
 
 @njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
-def _pv1(e, g, cv, h, i0, i1, acc):
+def _pv1(e, g, cv, h, b, i0, i1, acc):
     """``_pv3`` for one head."""
     d = cv.shape[2]
     i = i0
@@ -477,44 +478,45 @@ def _pv1(e, g, cv, h, i0, i1, acc):
         a2 = e[g, i + 2]
         a3 = e[g, i + 3]
         for x in range(d):
-            acc[g, x] += (a0 * cv[h, i, x] + a1 * cv[h, i + 1, x]) + (a2 * cv[h, i + 2, x] + a3 * cv[h, i + 3, x])
+            acc[g, x] += ((a0 * cv[h, b + i, x] + a1 * cv[h, b + i + 1, x])
+                          + (a2 * cv[h, b + i + 2, x] + a3 * cv[h, b + i + 3, x]))
         i += 4
     while i < i1:
         a0 = e[g, i]
         for x in range(d):
-            acc[g, x] += a0 * cv[h, i, x]
+            acc[g, x] += a0 * cv[h, b + i, x]
         i += 1
 
 
 @njit(cache=True, nogil=True)
-def _pv_heads(e, g, c, cv, h, i0, i1, acc):
-    """acc[g:g + c] += the slots [i0, i1)'s share of the c (1 to 3) heads' weighted sums of value rows: the SIMD
-    kernels over slices of 64 then 16 channels when d % 16 == 0, else the numba loops."""
+def _pv_heads(e, g, c, cv, h, b, i0, i1, acc):
+    """acc[g:g + c] += the slots [i0, i1)'s share (value rows from b + i0) of the c (1 to 3) heads' weighted sums of
+    value rows: the SIMD kernels over slices of 64 then 16 channels when d % 16 == 0, else the numba loops."""
     d = cv.shape[2]
     if d % 16 != 0:
         if c == 3:
-            _pv3(e, g, cv, h, i0, i1, acc)
+            _pv3(e, g, cv, h, b, i0, i1, acc)
         elif c == 2:
-            _pv2(e, g, cv, h, i0, i1, acc)
+            _pv2(e, g, cv, h, b, i0, i1, acc)
         else:
-            _pv1(e, g, cv, h, i0, i1, acc)
+            _pv1(e, g, cv, h, b, i0, i1, acc)
         return
     x0 = 0
     while x0 + 64 <= d:
         if c == 3:
-            _pv3x4(e, g, cv, h, i0, i1, x0, acc)
+            _pv3x4(e, g, cv, h, b, i0, i1, x0, acc)
         elif c == 2:
-            _pv2x4(e, g, cv, h, i0, i1, x0, acc)
+            _pv2x4(e, g, cv, h, b, i0, i1, x0, acc)
         else:
-            _pv1x4(e, g, cv, h, i0, i1, x0, acc)
+            _pv1x4(e, g, cv, h, b, i0, i1, x0, acc)
         x0 += 64
     while x0 < d:
         if c == 3:
-            _pv3x1(e, g, cv, h, i0, i1, x0, acc)
+            _pv3x1(e, g, cv, h, b, i0, i1, x0, acc)
         elif c == 2:
-            _pv2x1(e, g, cv, h, i0, i1, x0, acc)
+            _pv2x1(e, g, cv, h, b, i0, i1, x0, acc)
         else:
-            _pv1x1(e, g, cv, h, i0, i1, x0, acc)
+            _pv1x1(e, g, cv, h, b, i0, i1, x0, acc)
         x0 += 16
 
 
@@ -528,10 +530,11 @@ def _flush(acc, g_n, oacc):
 
 
 @njit(cache=True, nogil=True, fastmath=_VECTOR_MATH)
-def weighted_sums(e, inv, h, g_n, cv, n, oacc, acc):
-    """oacc[g] = inv[g] * sum_i e[g, i] * cv[h, i] for the G query heads of KV head h (the cache's attention outputs,
-    e the unnormalised float32 softmax numerators, inv their float64 normalisers): float32 sums over blocks of
-    ``_PV_BLOCK`` slots (the heads in passes of up to three, ``_pv_heads``), each block added into float64."""
+def weighted_sums(e, inv, h, g_n, cv, b, n, oacc, acc):
+    """oacc[g] = inv[g] * sum_i e[g, i] * cv[h, b + i] for the G query heads of KV head h, its n slots from row b
+    (the cache's attention outputs, e the unnormalised float32 softmax numerators, inv their float64 normalisers):
+    float32 sums over blocks of ``_PV_BLOCK`` slots (the heads in passes of up to three, ``_pv_heads``), each block
+    added into float64."""
     d = cv.shape[2]
     for g in range(g_n):
         for x in range(d):
@@ -543,10 +546,11 @@ def weighted_sums(e, inv, h, g_n, cv, n, oacc, acc):
         g = 0
         while g < g_n:
             c = _group_chunk(g_n - g)
-            _pv_heads(e, g, c, cv, h, i0, i1, acc)
+            _pv_heads(e, g, c, cv, h, b, i0, i1, acc)
             g += c
         _flush(acc, g_n, oacc)
         i0 = i1
     for g in range(g_n):
         for x in range(d):
             oacc[g, x] *= inv[g]
+

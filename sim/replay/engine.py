@@ -3,9 +3,11 @@
 For every step t the new token's k/v is appended to each KV head's cache, the step's queries attend over
 the cached slots only (O(budget * d) per head), metrics are taken against the trace's full-attention
 reference, then the policy's jitted ``step`` decides evictions/merges and the caches are compacted (one memmove
-per field and run of kept slots). Unmeasured (prompt) steps skip the attention when the policy's step does not
-read it (``Policy.reads_attention``), and leave the cached keys (values) unwritten and unmoved when neither they nor
-the step read them, filled from the trace before anything does (``_deferred_rows``). The engine is compiled once
+per field and run of kept slots; the keys and values of a policy whose step reads neither close up toward whichever
+side moves fewer rows, so evicting the oldest slot moves none: ``_compact``). Unmeasured (prompt) steps skip the
+attention when the policy's step does not read it (``Policy.reads_attention``), and leave the cached keys (values)
+unwritten and unmoved when neither they nor the step read them, filled from the trace before anything does
+(``_deferred_rows``). The engine is compiled once
 (the policy kernels are first-class functions with fixed signatures, the other inputs three named tuples) and cached
 on disk; it releases the GIL so layers replay in parallel threads.
 The step contract is checked by ``sim.replay.contract``'s jitted checks, the same ones the numpy reference and the
@@ -24,7 +26,7 @@ from numba import njit, objmode
 
 from sim.replay.attention_kernels import qk_dot32, qk_dots, weighted_sums
 from sim.replay.row_moves import move_rows as _move_rows
-from sim.replay.contract import OK, OVER_CAPACITY, apply_window, check_kept, check_scale, check_step
+from sim.replay.contract import OK, OVER_CAPACITY, apply_window, check_kept, check_merges, check_scale
 from sim.replay.metrics import N_METRICS, measure
 from sim.replay.softmax_kernels import softmax_rows
 
@@ -51,19 +53,20 @@ def _merged_mass_kl(t, h, g, hq, n, q, k, lse, scale, cpos, dirty, probs, dots, 
 
 
 @njit(cache=True, nogil=True)
-def _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, mult, ck, cv, cpos, dirty, probs, metric_row, want,
-                        dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv, lse_caches):
-    """Attention of the G query heads of KV head h over its n cached slots into ``probs[h]``; when ``want``,
-    also the step's metrics (``sim.replay.metrics.measure``) against the full-attention reference into ``metric_row[hq]``.
+def _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, mult, ck, cv, b, cpos, dirty, probs, metric_row,
+                        want, dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv, lse_caches):
+    """Attention of the G query heads of KV head h over its n cached slots (keys / values from row b) into
+    ``probs[h]``; when ``want``, also the step's metrics (``sim.replay.metrics.measure``) against the
+    full-attention reference into ``metric_row[hq]``.
     The last nine arguments are ``_attention_scratch``'s buffers (passed one by one: no reference counting)."""
-    qk_dots(q, t, h, g_n, ck, n, dots, dmax)
+    qk_dots(q, t, h, g_n, ck, b, n, dots, dmax)
     softmax_rows(dots, dmax, h, g_n, n, np.float32(scale * mult), probs, ebuf, ibuf, fbuf, inv, lse_caches)
     if not want:
         return
     any_dirty = False
     for i in range(n):
         any_dirty |= dirty[h, i] != 0
-    weighted_sums(ebuf, inv, h, g_n, cv, n, oacc, oacc32)
+    weighted_sums(ebuf, inv, h, g_n, cv, b, n, oacc, oacc32)
     for g in range(g_n):
         hq = h * g_n + g
         lse_cache = lse_caches[g]
@@ -89,16 +92,21 @@ def _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, mult, ck, cv, 
 
 
 @njit(cache=True, nogil=True)
-def _move_left(ck, cv, cpos, dirty, cst, i, j, dst, move_k, move_v):
-    """Move slots [i, j) to [dst, dst + j - i) with dst < i (the regions may overlap), field by field (keys and
-    values only where ``move_k`` / ``move_v``: see ``_deferred_rows``)."""
+def _move_slots(cpos, dirty, cst, i, j, dst):
+    """Move the slot fields of slots [i, j) to [dst, dst + j - i) (the regions may overlap)."""
+    _move_rows(cpos, i, j, dst)
+    _move_rows(dirty, i, j, dst)
+    _move_rows(cst, i, j, dst)
+
+
+@njit(cache=True, nogil=True)
+def _move_kv(ck, cv, i, j, dst, move_k, move_v):
+    """Move key / value rows [i, j) to [dst, dst + j - i) (the regions may overlap), each only where ``move_k`` /
+    ``move_v`` (see ``_deferred_rows``)."""
     if move_k:
         _move_rows(ck, i, j, dst)
     if move_v:
         _move_rows(cv, i, j, dst)
-    _move_rows(cpos, i, j, dst)
-    _move_rows(dirty, i, j, dst)
-    _move_rows(cst, i, j, dst)
 
 
 #: the policy and run settings of one layer's replay (numba reads it as a typed named tuple)
@@ -127,13 +135,13 @@ EngineOutputs = namedtuple("EngineOutputs", "metrics slots kept info")
 
 
 @njit(cache=True, nogil=True)
-def _new_buffers(hkv, g_n, d, cap, n_slot_fields, head_init):
-    """Per-head slot buffers of a layer (keys, values, positions, slot state, merged flags), the head state
-    (``head_init`` itself: the replay owns it, so a large, mostly untouched zero block -- expected attention's
-    statistics laid out for d <= 256 -- costs only the pages a policy writes) and the step's decision arrays,
-    all for ``cap`` slots per KV head."""
-    ck = np.zeros((hkv, cap, d), np.float32)
-    cv = np.zeros((hkv, cap, d), np.float32)
+def _new_buffers(hkv, g_n, d, cap, kv_rows, n_slot_fields, head_init):
+    """Per-head slot buffers of a layer (keys and values in ``kv_rows`` >= ``cap`` rows: ``_compact``; positions,
+    slot state, merged flags), the head state (``head_init`` itself: the replay owns it, so a large, mostly
+    untouched zero block -- expected attention's statistics laid out for d <= 256 -- costs only the pages a policy
+    writes) and the step's decision arrays, all for ``cap`` slots per KV head."""
+    ck = np.zeros((hkv, kv_rows, d), np.float32)
+    cv = np.zeros((hkv, kv_rows, d), np.float32)
     cpos = np.full((hkv, cap), -1, np.int64)
     cst = np.zeros((hkv, cap, n_slot_fields), np.float64)
     hst = head_init
@@ -143,6 +151,13 @@ def _new_buffers(hkv, g_n, d, cap, n_slot_fields, head_init):
     merge_to = np.full((hkv, cap), -1, np.int64)
     merge_w = np.ones((hkv, cap), np.float64)
     return ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w
+
+
+@njit(cache=True, nogil=True)
+def _kv_slack(cap):
+    """Rows of room past ``cap`` for keys / values whose rows may start anywhere (``_compact``): a quarter more, so
+    that moving the rows back to row 0 (``_append``) costs at most four rows per slot dropped."""
+    return max(cap // 4, 16)
 
 
 @njit(cache=True, nogil=True)
@@ -157,33 +172,65 @@ def _attention_scratch(g_n, d, cap):
 
 
 @njit(cache=True, nogil=True)
-def _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, dirty):
-    """Fold the merged slots of head h: scale each receiving slot by its self weight once, then add the weighted
-    sources (``dirty`` = 2 marks a slot merged this step). The merges were checked by ``check_step``."""
+def _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, b, dirty):
+    """Fold the merged slots of head h (keys / values from row b): scale each receiving slot by its self weight
+    once, then add the weighted sources (``dirty`` = 2 marks a slot merged this step). The merges were checked
+    (``check_merges``)."""
     d = ck.shape[2]
     for i in range(n):
         j = merge_to[h, i]
         if j >= 0 and dirty[h, j] != 2:
             w = merge_w[h, j]
             for x in range(d):
-                ck[h, j, x] = np.float32(w * ck[h, j, x])
-                cv[h, j, x] = np.float32(w * cv[h, j, x])
+                ck[h, b + j, x] = np.float32(w * ck[h, b + j, x])
+                cv[h, b + j, x] = np.float32(w * cv[h, b + j, x])
             dirty[h, j] = 2
     for i in range(n):
         j = merge_to[h, i]
         if j >= 0:
             w = merge_w[h, i]
             for x in range(d):
-                ck[h, j, x] = np.float32(ck[h, j, x] + w * ck[h, i, x])
-                cv[h, j, x] = np.float32(cv[h, j, x] + w * cv[h, i, x])
+                ck[h, b + j, x] = np.float32(ck[h, b + j, x] + w * ck[h, b + i, x])
+                cv[h, b + j, x] = np.float32(cv[h, b + j, x] + w * cv[h, b + i, x])
 
 
 @njit(cache=True, nogil=True)
-def _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, move_k, move_v):
-    """Stable compaction of head h's kept slots (each run of kept slots moves with one block copy; keys and values
-    only where ``move_k`` / ``move_v``); resets the decision arrays for the next step. Returns the slots held."""
-    wpos = 0
-    i = 0
+def _decision(h, n, keep, merge_to, merge_w, summary):
+    """One pass over head h's decision for its n slots, into ``summary[h]``: slots kept, the first and the last slot
+    dropped (n and -1 if none), whether some slot merges and whether some merge weight is not 1 (the eviction then
+    skips what these say is not needed: ``_evict``). Branch-free, so that LLVM vectorises it."""
+    kept = 0
+    first = n
+    last = -1
+    merges = 0
+    weights = 0
+    for i in range(n):
+        kept += keep[h, i] != 0
+        first = min(first, n if keep[h, i] != 0 else i)
+        last = max(last, -1 if keep[h, i] != 0 else i)
+        merges |= merge_to[h, i] >= 0
+        weights |= merge_w[h, i] != 1.0
+    summary[h, 0] = kept
+    summary[h, 1] = first
+    summary[h, 2] = last
+    summary[h, 3] = merges
+    summary[h, 4] = weights
+
+
+@njit(cache=True, nogil=True)
+def _compact(h, n, first, last, merges, weights, keep, merge_to, merge_w, ck, cv, kv_base, cpos, dirty, cst, move_k,
+             move_v, shift):
+    """Stable compaction of head h's kept slots, its first and last dropped slots ``first`` and ``last``; resets
+    the decision arrays for the next step (the merge targets, marks and weights only where ``merges`` /
+    ``weights``). Returns the slots held.
+
+    The slot fields (positions, marks, state) close up to the left, each run of kept slots one block copy. The keys
+    and values (only where ``move_k`` / ``move_v``) do the same or, where ``shift`` lets their rows start anywhere
+    (``kv_base[h]``: the row of slot 0; the buffer has room for it, ``_append``), close up to the right -- the kept
+    slots before ``last`` move right and the base moves on by the slots dropped -- when that moves fewer rows:
+    evicting the oldest slot then moves none instead of all."""
+    wpos = first
+    i = first
     while i < n:
         if keep[h, i] == 0:
             i += 1
@@ -191,17 +238,48 @@ def _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, move_k, mo
         j = i
         while j < n and keep[h, j] != 0:
             j += 1
-        if wpos != i:
-            _move_left(ck[h], cv[h], cpos[h], dirty[h], cst[h], i, j, wpos, move_k, move_v)
+        _move_slots(cpos[h], dirty[h], cst[h], i, j, wpos)
         wpos += j - i
         i = j
-    for i in range(wpos):
-        if dirty[h, i] == 2:
-            dirty[h, i] = 1
-    for i in range(n):
+    if move_k or move_v:
+        b = kv_base[h]
+        if shift and last - (n - wpos) + 1 < wpos - first:   # kept slots before `last` < kept slots after `first`
+            end = b + last + 1
+            i = last
+            while i > 0:
+                if keep[h, i - 1] == 0:
+                    i -= 1
+                    continue
+                j = i
+                while i > 0 and keep[h, i - 1] != 0:
+                    i -= 1
+                end -= j - i
+                _move_kv(ck[h], cv[h], b + i, b + j, end, move_k, move_v)
+            kv_base[h] = b + n - wpos
+        else:
+            dst = b + first
+            i = first
+            while i < n:
+                if keep[h, i] == 0:
+                    i += 1
+                    continue
+                j = i
+                while j < n and keep[h, j] != 0:
+                    j += 1
+                _move_kv(ck[h], cv[h], b + i, b + j, dst, move_k, move_v)
+                dst += j - i
+                i = j
+    for i in range(first, n):
         keep[h, i] = 1
-        merge_to[h, i] = -1
-        merge_w[h, i] = 1.0
+    if merges:
+        for i in range(wpos):
+            if dirty[h, i] == 2:
+                dirty[h, i] = 1
+        for i in range(n):
+            merge_to[h, i] = -1
+    if weights:
+        for i in range(n):
+            merge_w[h, i] = 1.0
     return wpos
 
 
@@ -259,20 +337,26 @@ def _chunk_end(t_first, P, chunk):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _append(t, h, k, v, cap, ck, cv, cpos, dirty, cst, clen, info, lazy_k, lazy_v):
+def _append(t, h, k, v, cap, ck, cv, kv_base, cpos, dirty, cst, clen, info, lazy_k, lazy_v):
     """Append token t's key and value to KV head h's cache as a fresh slot (clean, zero slot state; a deferred key
     or value is not written, ``_deferred_rows``). Returns OVER_CAPACITY (with the step, head and slots needed in
-    ``info``) when the head's buffer is full."""
+    ``info``) when the head's buffer is full. Keys and values whose rows ran into the end of their buffer
+    (``_compact`` moved them right) move back to row 0 first."""
     s = clen[h]
     if s >= cap:
         info[0] = t
         info[1] = h
         info[2] = s + 1
         return OVER_CAPACITY
+    b = kv_base[h]
+    if b + s >= cv.shape[1]:
+        _move_kv(ck[h], cv[h], b, b + s, 0, not lazy_k, not lazy_v)
+        b = 0
+        kv_base[h] = 0
     if not lazy_k:
-        ck[h, s] = k[t, h]
+        ck[h, b + s] = k[t, h]
     if not lazy_v:
-        cv[h, s] = v[t, h]
+        cv[h, b + s] = v[t, h]
     cpos[h, s] = t
     dirty[h, s] = 0
     for f in range(cst.shape[2]):
@@ -302,19 +386,36 @@ def _store_metrics(metrics, row, metric_row, h, g_n):
 
 
 @njit(cache=True, nogil=True)
-def _evict(t, budget, head_adaptive, bounded, window, clen, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, info,
-           move_k, move_v):
-    """Carry out the policy step's decisions at step t: check them (``check_step``), evict what left a sliding
-    window, fold the merges and compact every head (keys / values only where ``move_k`` / ``move_v``). Returns the
-    contract status."""
-    status = check_step(clen, keep, merge_to, budget, head_adaptive, bounded, t, info)
+def _evict(t, budget, head_adaptive, bounded, window, clen, keep, merge_to, merge_w, ck, cv, kv_base, cpos, dirty, cst,
+           info, move_k, move_v, shift, summary):
+    """Carry out the policy step's decisions at step t: check them (``sim.replay.contract.check_step``'s checks, in
+    its order), evict what left a sliding window, fold the merges and compact every head (keys / values only where
+    ``move_k`` / ``move_v``; to the right where ``shift``: ``_compact``). Returns the contract status.
+    ``summary`` [Hkv, 5] int64 scratch (``_decision``): one pass over each head's decision decides what the rest
+    skips -- a step that drops nothing and merges nothing moves nothing, the merge checks and folds run only where
+    something merges."""
+    hkv = clen.shape[0]
+    for h in range(hkv):
+        _decision(h, clen[h], keep, merge_to, merge_w, summary)
+    for h in range(hkv):
+        if summary[h, 3]:
+            status = check_merges(h, clen[h], keep, merge_to, t, info)
+            if status != OK:
+                return status
+    status = check_kept(summary[:, 0], budget, head_adaptive, bounded, t, info)
     if status != OK:
         return status
-    apply_window(clen, keep, merge_to, cpos, t, window)
-    for h in range(clen.shape[0]):
+    if window > 0:
+        apply_window(clen, keep, merge_to, cpos, t, window)
+        for h in range(hkv):
+            _decision(h, clen[h], keep, merge_to, merge_w, summary)
+    for h in range(hkv):
         n = clen[h]
-        _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, dirty)
-        clen[h] = _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, move_k, move_v)
+        merges = summary[h, 3] != 0
+        if merges:
+            _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, kv_base[h], dirty)
+        clen[h] = _compact(h, n, summary[h, 1], summary[h, 2], merges, summary[h, 4] != 0, keep, merge_to, merge_w,
+                           ck, cv, kv_base, cpos, dirty, cst, move_k, move_v, shift)
     return OK
 
 
@@ -329,19 +430,20 @@ def _merges_due(clen, merge_to):
 
 
 @njit(cache=True, nogil=True)
-def _deferred_rows(k, v, clen, cpos, ck, cv, fill_k, fill_v):
+def _deferred_rows(k, v, clen, cpos, ck, cv, kv_base, fill_k, fill_v):
     """Deferred keys / values: a streamed prompt's steps that neither attend (``reads_attention`` off, unmeasured)
     nor read the cached keys / values (``reads_keys`` / ``reads_values`` off) leave ck / cv unwritten and unmoved
     -- the compaction's block moves of them are most of such a step's cost -- and track positions only. Before
     the first step that reads them (the first measured step, or a merge) this fills every held slot's key / value
     from the trace by its position: exactly the rows the eager cache would hold, as nothing was merged into them."""
     for h in range(clen.shape[0]):
+        b = kv_base[h]
         for i in range(clen[h]):
             p = cpos[h, i]
             if fill_k:
-                ck[h, i] = k[p, h]
+                ck[h, b + i] = k[p, h]
             if fill_v:
-                cv[h, i] = v[p, h]
+                cv[h, b + i] = v[p, h]
 
 
 @njit(cache=True, nogil=True)
@@ -379,11 +481,15 @@ def replay_layer(kernels, cfg, data, out):
     T, hq_n, d = q.shape
     hkv = k.shape[1]
     g_n = hq_n // hkv
-    ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, cap, cfg.n_slot_fields,
-                                                                                 cfg.head_init)
+    shift = not cfg.reads_keys and not cfg.reads_values   # the step never sees where the key / value rows start
+    ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, cap,
+                                                                                 cap + _kv_slack(cap) if shift else cap,
+                                                                                 cfg.n_slot_fields, cfg.head_init)
+    kv_base = np.zeros(hkv, np.int64)
     metric_row = np.zeros((hq_n, N_METRICS), np.float64)
     dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv, lse_caches = _attention_scratch(g_n, d, cap)
     clen = np.zeros(hkv, np.int64)
+    summary = np.zeros((hkv, 5), np.int64)
 
     t0 = 0
     P = cfg.metric_start
@@ -405,7 +511,7 @@ def replay_layer(kernels, cfg, data, out):
     while t_next < T:
         t_first = t_next
         if (lazy_k or lazy_v) and t_first >= P:
-            _deferred_rows(k, v, clen, cpos, ck, cv, lazy_k, lazy_v)
+            _deferred_rows(k, v, clen, cpos, ck, cv, kv_base, lazy_k, lazy_v)
             lazy_k = lazy_v = False
         t_next = _chunk_end(t_first, P, cfg.chunk)
         chunked = t_next - t_first > 1
@@ -417,13 +523,13 @@ def replay_layer(kernels, cfg, data, out):
                 return status
             want = t >= P
             for h in range(hkv):
-                status = _append(t, h, k, v, cap, ck, cv, cpos, dirty, cst, clen, info, lazy_k, lazy_v)
+                status = _append(t, h, k, v, cap, ck, cv, kv_base, cpos, dirty, cst, clen, info, lazy_k, lazy_v)
                 if status != OK:
                     return status
                 if want or (cfg.reads_attention and not given):
-                    _attend_and_measure(t, h, g_n, clen[h], q, k, lse, o, vmax1, cfg.scale, mult, ck, cv, cpos, dirty,
-                                        probs, metric_row, want, dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv,
-                                        lse_caches)
+                    _attend_and_measure(t, h, g_n, clen[h], q, k, lse, o, vmax1, cfg.scale, mult, ck, cv, kv_base[h],
+                                        cpos, dirty, probs, metric_row, want, dots, dmax, ebuf, ibuf, fbuf, oacc,
+                                        oacc32, inv, lse_caches)
                     if chunked:                  # query t over the slots it sees, summed over the chunk
                         _add_chunk_attention(probs, acc, h, g_n, clen[h], cpos, t, cfg.window)
                 if want:
@@ -436,10 +542,10 @@ def replay_layer(kernels, cfg, data, out):
         if chunked:
             acc[:] = 0.0
         if (lazy_k or lazy_v) and _merges_due(clen, merge_to):
-            _deferred_rows(k, v, clen, cpos, ck, cv, lazy_k, lazy_v)
+            _deferred_rows(k, v, clen, cpos, ck, cv, kv_base, lazy_k, lazy_v)
             lazy_k = lazy_v = False
         status = _evict(t, budget, cfg.head_adaptive, cfg.bounded, cfg.window, clen, keep, merge_to, merge_w, ck, cv,
-                        cpos, dirty, cst, info, not lazy_k, not lazy_v)
+                        kv_base, cpos, dirty, cst, info, not lazy_k, not lazy_v, shift, summary)
         if status != OK:
             return status
         _record(t, P, cfg.rec_start, clen, cpos, out.slots, out.kept)
@@ -493,7 +599,7 @@ def profile_attention(q, k, v, lse, o, vmax1, scale, start, stop, n_slots, probs
     T, hq_n, d = q.shape
     hkv = k.shape[1]
     g_n = hq_n // hkv
-    ck, cv, cpos, cst, hst, dirty, probs_, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, n_slots, 1,
+    ck, cv, cpos, cst, hst, dirty, probs_, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, n_slots, n_slots, 1,
                                                                                   np.zeros((hkv, 0)))
     dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv, lse_caches = _attention_scratch(g_n, d, n_slots)
     for h in range(hkv):
@@ -506,7 +612,7 @@ def profile_attention(q, k, v, lse, o, vmax1, scale, start, stop, n_slots, probs
         t0 = time.perf_counter()
     for t in range(start, stop):
         for h in range(hkv):
-            _attend_and_measure(t, h, g_n, n_slots, q, k, lse, o, vmax1, scale, 1.0, ck, cv, cpos, dirty, probs,
+            _attend_and_measure(t, h, g_n, n_slots, q, k, lse, o, vmax1, scale, 1.0, ck, cv, 0, cpos, dirty, probs,
                                 metric_row, True, dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv, lse_caches)
             out[0] += metric_row[h * g_n, 1]
     with objmode(t1="f8"):
@@ -523,7 +629,7 @@ def profile_parts(q, k, v, lse, o, vmax1, scale, t, n, rounds, keep_at, secs):
     T, hq_n, d = q.shape
     hkv = k.shape[1]
     g_n = hq_n // hkv
-    ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, n + 1, 1,
+    ck, cv, cpos, cst, hst, dirty, probs, keep, merge_to, merge_w = _new_buffers(hkv, g_n, d, n + 1, n + 1, 1,
                                                                                  np.zeros((hkv, 0)))
     for h in range(hkv):
         for i in range(n):
@@ -531,13 +637,14 @@ def profile_parts(q, k, v, lse, o, vmax1, scale, t, n, rounds, keep_at, secs):
             cv[h, i] = v[t - n + i, h]
             cpos[h, i] = t - n + i
     dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv, lse_caches = _attention_scratch(g_n, d, n + 1)
+    kv_base = np.zeros(hkv, np.int64)
     row = np.zeros((hq_n, N_METRICS))
     f = np.float32(scale)
     with objmode(t0="f8"):
         t0 = time.perf_counter()
     for _ in range(rounds):
         for h in range(hkv):
-            qk_dots(q, t, h, g_n, ck, n, dots, dmax)
+            qk_dots(q, t, h, g_n, ck, 0, n, dots, dmax)
     with objmode(t1="f8"):
         t1 = time.perf_counter()
     for _ in range(rounds):
@@ -547,20 +654,21 @@ def profile_parts(q, k, v, lse, o, vmax1, scale, t, n, rounds, keep_at, secs):
         t2 = time.perf_counter()
     for _ in range(rounds):
         for h in range(hkv):
-            _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, 1.0, ck, cv, cpos, dirty, probs, row, True,
-                                dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv, lse_caches)
+            _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, 1.0, ck, cv, 0, cpos, dirty, probs, row,
+                                True, dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv, lse_caches)
     with objmode(t3="f8"):
         t3 = time.perf_counter()
     for _ in range(rounds):
         for h in range(hkv):
-            _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, 1.0, ck, cv, cpos, dirty, probs, row, False,
-                                dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv, lse_caches)
+            _attend_and_measure(t, h, g_n, n, q, k, lse, o, vmax1, scale, 1.0, ck, cv, 0, cpos, dirty, probs, row,
+                                False, dots, dmax, ebuf, ibuf, fbuf, oacc, oacc32, inv, lse_caches)
     with objmode(t4="f8"):
         t4 = time.perf_counter()
     for _ in range(rounds):
         for h in range(hkv):
             keep[h, keep_at] = 0
-            _compact(h, n, keep, merge_to, merge_w, ck, cv, cpos, dirty, cst, True, True)   # slot n-1 moves in
+            _compact(h, n, keep_at, keep_at, False, False, keep, merge_to, merge_w, ck, cv, kv_base, cpos, dirty, cst,
+                     True, True, False)   # the slots after keep_at move left
     with objmode(t5="f8"):
         t5 = time.perf_counter()
     per = 1.0 / (rounds * hkv)
