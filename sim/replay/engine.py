@@ -218,17 +218,19 @@ def _decision(h, n, keep, merge_to, merge_w, summary):
 
 
 @njit(cache=True, nogil=True)
-def _compact(h, n, first, last, merges, weights, keep, merge_to, merge_w, ck, cv, kv_base, cpos, dirty, cst, move_k,
-             move_v, shift):
-    """Stable compaction of head h's kept slots, its first and last dropped slots ``first`` and ``last``; resets
-    the decision arrays for the next step (the merge targets, marks and weights only where ``merges`` /
+def _compact(h, n, kept, first, last, merges, weights, keep, merge_to, merge_w, ck, cv, kv_base, cpos, dirty, cst,
+             move_k, move_v, shift):
+    """Stable compaction of head h's ``kept`` slots, its first and last dropped slots ``first`` and ``last``;
+    resets the decision arrays for the next step (the merge targets, marks and weights only where ``merges`` /
     ``weights``). Returns the slots held.
 
     The slot fields (positions, marks, state) close up to the left, each run of kept slots one block copy. The keys
-    and values (only where ``move_k`` / ``move_v``) do the same or, where ``shift`` lets their rows start anywhere
-    (``kv_base[h]``: the row of slot 0; the buffer has room for it, ``_append``), close up to the right -- the kept
-    slots before ``last`` move right and the base moves on by the slots dropped -- when that moves fewer rows:
-    evicting the oldest slot then moves none instead of all."""
+    and values (only where ``move_k`` / ``move_v``) move with them or, where ``shift`` lets their rows start
+    anywhere (``kv_base[h]``: the row of slot 0; the buffer has room for it, ``_append``), close up to the right --
+    the kept slots before ``last`` move right and the base moves on by the slots dropped -- when that moves fewer
+    rows: evicting the oldest slot then moves none instead of all."""
+    b = kv_base[h]
+    right = shift and (move_k or move_v) and last - (n - kept) + 1 < kept - first   # fewer kept before `last`
     wpos = first
     i = first
     while i < n:
@@ -239,36 +241,23 @@ def _compact(h, n, first, last, merges, weights, keep, merge_to, merge_w, ck, cv
         while j < n and keep[h, j] != 0:
             j += 1
         _move_slots(cpos[h], dirty[h], cst[h], i, j, wpos)
+        if not right:
+            _move_kv(ck[h], cv[h], b + i, b + j, b + wpos, move_k, move_v)
         wpos += j - i
         i = j
-    if move_k or move_v:
-        b = kv_base[h]
-        if shift and last - (n - wpos) + 1 < wpos - first:   # kept slots before `last` < kept slots after `first`
-            end = b + last + 1
-            i = last
-            while i > 0:
-                if keep[h, i - 1] == 0:
-                    i -= 1
-                    continue
-                j = i
-                while i > 0 and keep[h, i - 1] != 0:
-                    i -= 1
-                end -= j - i
-                _move_kv(ck[h], cv[h], b + i, b + j, end, move_k, move_v)
-            kv_base[h] = b + n - wpos
-        else:
-            dst = b + first
-            i = first
-            while i < n:
-                if keep[h, i] == 0:
-                    i += 1
-                    continue
-                j = i
-                while j < n and keep[h, j] != 0:
-                    j += 1
-                _move_kv(ck[h], cv[h], b + i, b + j, dst, move_k, move_v)
-                dst += j - i
-                i = j
+    if right:
+        end = b + last + 1
+        i = last
+        while i > 0:
+            if keep[h, i - 1] == 0:
+                i -= 1
+                continue
+            j = i
+            while i > 0 and keep[h, i - 1] != 0:
+                i -= 1
+            end -= j - i
+            _move_kv(ck[h], cv[h], b + i, b + j, end, move_k, move_v)
+        kv_base[h] = b + n - kept
     for i in range(first, n):
         keep[h, i] = 1
     if merges:
@@ -414,8 +403,8 @@ def _evict(t, budget, head_adaptive, bounded, window, clen, keep, merge_to, merg
         merges = summary[h, 3] != 0
         if merges:
             _apply_merges(h, n, keep, merge_to, merge_w, ck, cv, kv_base[h], dirty)
-        clen[h] = _compact(h, n, summary[h, 1], summary[h, 2], merges, summary[h, 4] != 0, keep, merge_to, merge_w,
-                           ck, cv, kv_base, cpos, dirty, cst, move_k, move_v, shift)
+        clen[h] = _compact(h, n, summary[h, 0], summary[h, 1], summary[h, 2], merges, summary[h, 4] != 0, keep,
+                           merge_to, merge_w, ck, cv, kv_base, cpos, dirty, cst, move_k, move_v, shift)
     return OK
 
 
@@ -667,8 +656,8 @@ def profile_parts(q, k, v, lse, o, vmax1, scale, t, n, rounds, keep_at, secs):
     for _ in range(rounds):
         for h in range(hkv):
             keep[h, keep_at] = 0
-            _compact(h, n, keep_at, keep_at, False, False, keep, merge_to, merge_w, ck, cv, kv_base, cpos, dirty, cst,
-                     True, True, False)   # the slots after keep_at move left
+            _compact(h, n, n - 1, keep_at, keep_at, False, False, keep, merge_to, merge_w, ck, cv, kv_base, cpos,
+                     dirty, cst, True, True, False)   # the slots after keep_at move left
     with objmode(t5="f8"):
         t5 = time.perf_counter()
     per = 1.0 / (rounds * hkv)
