@@ -418,10 +418,15 @@ def guarantee_tables(s: dict[str, Any]) -> str:
            "grid budget meeting the target held out:\n\n")
     out += table(["target", "alpha", "certified", "coverage", "per unit", "cost / answer", "budget ratio"], rows)
     cal = s["confidence_calibration"]
-    out += ("\nThe confidence against the outcome (random splits): per level stated, how many answers and the share "
-            "that held on the held-out segments, with the median budget ratio:\n\n")
+    claimed = "unclaimed" in cal         # since the confidence is judged on the answers that claim the target
+    out += ("\nThe confidence against the outcome (random splits): per level stated"
+            + (" with an answer that claims the target" if claimed else "")
+            + ", how many answers and the share that held on the held-out segments, with the median budget ratio"
+            + (f" (answers meeting the target at no budget tried, {cal['unclaimed']['n']}, are not counted)"
+               if claimed else "") + ":\n\n")
     out += table(["level", "answers held", "budget ratio"],
                  [[lvl, _ci(cal[lvl]), cal[lvl]["budget_ratio_median"]] for lvl in ("high", "medium", "low")])
+    out += draw_tables(s)
     sig = s.get("confidence_signals")
     if sig:
         names = [k for k, v in sig.items() if isinstance(v, dict)]
@@ -430,6 +435,28 @@ def guarantee_tables(s: dict[str, Any]) -> str:
         out += table(["signal", "AUC", "balanced accuracy", "MCC"],
                      [[k, sig[k].get("auc_failure"), sig[k].get("balanced_accuracy"), sig[k].get("mcc")]
                       for k in names])
+    return out
+
+
+def draw_tables(s: dict[str, Any]) -> str:
+    """Why answers failed held out (`draw_difficulty`) and what an answer fixed in advance achieves
+    (`fixed_answer_ceiling`), where the benchmark recorded them."""
+    out = ""
+    dd = s.get("draw_difficulty")
+    if dd and dd.get("by_tercile"):
+        out += (f"\nThe draw against the outcome (claimed answers, random splits): how much harder the held-out "
+                f"segments were than the seen ones for every configuration at the answer's budget (mean ΔNLL held "
+                f"out minus seen), which no recommendation can see; AUC for failure {fmt(dd['auc_failure'])}:\n\n")
+        out += table(["held-out minus seen", "answers held"],
+                     [[f"{t['shift'][0]:+.3f} to {t['shift'][1]:+.3f}", _ci(t)] for t in dd["by_tercile"]])
+    ceil = s.get("fixed_answer_ceiling")
+    if ceil:
+        out += ("\nOne answer fixed in advance, knowing every segment (random splits): per target, the smallest "
+                "budget at which some configuration met the target held out in at least 90% of the draws, and its "
+                "median budget ratio:\n\n")
+        out += table(["target", "budget", "configuration", "held out met", "budget ratio"],
+                     [[t, c["budget"], c.get("label", "—"), c.get("held_out_met_share"), c.get("budget_ratio_median")]
+                      for t, c in ceil.items()])
     return out
 
 

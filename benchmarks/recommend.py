@@ -15,8 +15,13 @@ never saw against an exhaustive closed-loop grid there.
    paper default, and how many model runs it used. Writes benchmarks/results/recommend_<model>.json. CPU-heavy where
    refinement asks for budgets the store lacks: run it under the heavy lock.
 
+3. ``--stage summary``: the recorded report's confidence re-levelled with today's rule (from each recommendation's
+   recorded margin, claim and certificate) and its confidence summaries, the draw's difficulty and the fixed-answer
+   ceiling recomputed from the grid's store, in seconds (no model or simulator run).
+
     python -m benchmarks.recommend --model smollm2-135m --stage grid
     python -m benchmarks.recommend --model smollm2-135m --stage report
+    python -m benchmarks.recommend --model smollm2-135m --stage summary
 
 Refinement's budgets (``refine_points`` between two rungs) cost most as the report's own runs: a recommendation
 confirms a few configurations at a time, and each small batch pays the whole prompt (on Gemma-3, 1 024 tokens: about
@@ -32,7 +37,7 @@ import argparse
 import sys
 import time
 
-from benchmarks.recommend_report import report
+from benchmarks.recommend_report import report, resummarise
 
 TEXTS = ("default", "idle")
 #: the grid's families (each with its own search grid): a fixed subset of the candidates, for cost
@@ -54,7 +59,9 @@ MODELS = {
 def _args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
-    ap.add_argument("--stage", choices=("grid", "report"), required=True)
+    ap.add_argument("--stage", choices=("grid", "report", "summary"), required=True,
+                    help="grid: the exhaustive closed-loop grid; report: the recommendations judged on it; summary: "
+                         "the recorded report's confidence and draw summaries recomputed (no model run)")
     ap.add_argument("--segments", type=int, default=None, help="segments per text (default: the model's)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="grid stage: run only the first ROUNDS segments of each text (default: all)")
@@ -119,6 +126,8 @@ def grid(args) -> int:
 
 def main(argv: list[str]) -> int:
     args = _args(argv)
+    if args.stage == "summary":
+        return resummarise(args)
     return grid(args) if args.stage == "grid" else report(args, load)
 
 

@@ -36,7 +36,8 @@ import numpy as np
 import pandas as pd
 
 from gpu_validate.studies.recommendation.recommend_evaluation import (confidence_calibration, coverage, judge,
-                                                                      splits, threshold_scan)
+                                                                      relevel, share_interval, splits,
+                                                                      threshold_scan)
 
 #: targets whose recommendations are judged besides the model's headline one (``dnll=`` values)
 EXTRA_TARGETS = (0.1, 0.2)
@@ -91,7 +92,8 @@ def signal_analysis(judged: Sequence[dict]) -> dict[str, Any]:
     """How well each candidate signal of the confidence predicts that an answer fails held out: per signal, its
     AUC for failure (0.5: no information) and the best single threshold's balanced accuracy and MCC, with the base
     rate of failure. Signals: the answer's margin in standard errors over segments, the share of its seen segments
-    that met the target, the simulator's pair agreement, the calibration's error."""
+    that met the target, the simulator's pair agreement, the calibration's error, the certificate (0: certified at
+    the answer's budget, 1: above it, 2: at no budget tried)."""
     from sklearn.metrics import matthews_corrcoef, roc_auc_score
 
     fail = np.array([not j["held_out_met"] for j in judged])
@@ -99,7 +101,9 @@ def signal_analysis(judged: Sequence[dict]) -> dict[str, Any]:
                "units_met_share": [-j["margin"]["units_met_share"] for j in judged],
                "pair_agreement": [-(j["confidence"]["pair_agreement"] if j["confidence"]["pair_agreement"] ==
                                     j["confidence"]["pair_agreement"] else 0.5) for j in judged],
-               "calibration_rms_log": [j["calibration_rms_log"] for j in judged]}
+               "calibration_rms_log": [j["calibration_rms_log"] for j in judged],
+               "certificate": [0 if j["guarantee"]["budget"] == j["answer"]["budget"] else
+                               2 if j["guarantee"]["budget"] is None else 1 for j in judged]}
     out: dict[str, Any] = {"n": len(judged), "failure_base_rate": float(fail.mean()) if len(fail) else float("nan")}
     for name, raw in signals.items():
         x = np.nan_to_num(np.array(raw, float), posinf=1e9, neginf=-1e9)
@@ -110,6 +114,85 @@ def signal_analysis(judged: Sequence[dict]) -> dict[str, Any]:
                     for t in np.unique(x)), default=(float("nan"), float("nan")))
         out[name] = {"auc_failure": float(roc_auc_score(fail, x)), "balanced_accuracy": best[0],
                      "mcc": float(matthews_corrcoef(fail, x >= best[1]))}
+    return out
+
+
+def grid_losses(closed: pd.DataFrame, names: set[str], known: set[tuple[str, int]]
+                ) -> tuple[pd.DataFrame, dict[str, pd.Series]]:
+    """The closed-loop rows the report judges with (segments ``names``, (label, budget) cells ``known``: the grid's
+    and the refined ones confirmed) and, per target column, their losses by label, budget and segment."""
+    rows = closed[closed.segment.isin(names)]
+    rows = rows[[(lab, int(b)) in known for lab, b in zip(rows.label, rows.budget)]]
+    return rows, {col: rows.set_index(["label", "budget", "segment"])[col] for col in ("delta_nll", "top1_disagreement")}
+
+
+def confidence_summary(judged: Sequence[dict]) -> dict[str, Any]:
+    """The confidence against the outcome: per level, on the random splits and the folds (`confidence_calibration`),
+    the candidate signals (`signal_analysis`) and the margin's threshold scan, over the answers that claim the
+    target."""
+    rnd = [j for j in judged if j["kind"] == "random"]
+    claimed = [j for j in rnd if j["answer"]["met"]]
+    return {"confidence_calibration": {**confidence_calibration(rnd),
+                                       "fold": confidence_calibration([j for j in judged if j["kind"] == "fold"])},
+            "confidence_signals": signal_analysis(claimed), "confidence_threshold_scan": threshold_scan(rnd)}
+
+
+def draw_difficulty(judged: Sequence[dict], split_of: dict[str, dict], loss_of: dict[str, pd.Series]
+                    ) -> dict[str, Any]:
+    """Whether the answers that failed held out came from draws whose held-out segments were harder than the seen
+    ones (something no recommendation can see): per claimed answer of the random splits, the mean over every
+    configuration run on all segments at the answer's budget of (held-out mean - seen mean) loss (``loss_of``: per
+    target column, the loss by label, budget, segment; ``split_of``: split name -> seen and held-out segment names);
+    its AUC for failure and the share held per tercile."""
+    from sklearn.metrics import roc_auc_score
+
+    from gpu_validate.studies.recommendation.candidates import Target
+
+    claimed = [j for j in judged if j["kind"] == "random" and j["answer"]["met"]]
+    wide = {col: loss.unstack("segment").dropna() for col, loss in loss_of.items()}
+    shift, held_met = [], []
+    for j in claimed:
+        sp = split_of[j["split"]]
+        at = wide[Target.parse(j["target"]).column].xs(j["answer"]["budget"], level="budget")
+        shift.append(float((at[sp["held"]].mean(axis=1) - at[sp["seen"]].mean(axis=1)).mean()))
+        held_met.append(j["held_out_met"])
+    shift, held_met = np.array(shift), np.array(held_met)
+    if len(shift) < 3:
+        return {"n": len(shift)}
+    edges = np.quantile(shift, [0, 1 / 3, 2 / 3, 1])
+    part = np.clip(np.searchsorted(edges, shift, side="right") - 1, 0, 2)
+    return {"n": len(shift), "auc_failure": float(roc_auc_score(~held_met, shift)) if 0 < held_met.sum() < len(
+                held_met) else float("nan"),
+            "by_tercile": [{"shift": [float(edges[t]), float(edges[t + 1])], **share_interval(held_met[part == t])}
+                           for t in range(3)],
+            "note": "shift: the held-out segments' mean loss minus the seen ones', averaged over every configuration "
+                    "at the answer's budget (positive: the held-out text was harder)"}
+
+
+def fixed_answer_ceiling(judged: Sequence[dict], split_of: dict[str, dict], loss_of: dict[str, pd.Series],
+                         level: float = 0.9) -> dict[str, Any]:
+    """What a single answer fixed in advance achieves on the random splits, per target: for every configuration and
+    budget run on all segments, the share of the splits whose held-out mean met the target; the smallest budget at
+    which some configuration meets it in at least ``level`` of them, that configuration, its share and its median
+    budget ratio to each split's smallest grid budget meeting the target held out (the benchmark's
+    ``budget_ratio``). A recommendation can beat it only with what its seen segments say about the held-out ones."""
+    from gpu_validate.studies.recommendation.candidates import Target
+
+    out = {}
+    for tg_name in sorted({j["target"] for j in judged}):
+        part = [j for j in judged if j["kind"] == "random" and j["target"] == tg_name]
+        tg = Target.parse(tg_name)
+        wide = loss_of[tg.column].unstack("segment").dropna()
+        held = np.stack([wide[split_of[j["split"]]["held"]].mean(axis=1).to_numpy() for j in part])
+        share = np.mean([[tg.met(x) for x in row] for row in held], axis=0)
+        ref = np.array([j["smallest_grid_budget_meeting_target"] or np.nan for j in part], float)
+        ok = [(b, -sh, lab) for (lab, b), sh in zip(wide.index, share) if sh >= level]
+        if not ok:
+            out[tg_name] = {"budget": None, "level": level}
+            continue
+        b, sh, lab = min(ok)
+        out[tg_name] = {"budget": int(b), "label": lab, "held_out_met_share": -sh, "level": level,
+                        "budget_ratio_median": float(np.nanmedian(b / ref))}
     return out
 
 
@@ -207,11 +290,8 @@ def report(args, load) -> int:
     closed = grid_store.load()
     closed = closed[closed.model == args.model]
     fine_budgets = sorted({b for _, b in fine})
-    names = {s.name for s in every}
-    known = {*((lab, b) for lab in family_of for b in budgets), *fine}
-    rows = closed[closed.segment.isin(names) & closed.label.isin(family_of)]
-    rows = rows[[(lab, int(b)) in known for lab, b in zip(rows.label, rows.budget)]]
-    loss_of = {col: rows.set_index(["label", "budget", "segment"])[col] for col in ("delta_nll", "top1_disagreement")}
+    rows, loss_of = grid_losses(closed, {s.name for s in every},
+                                {*((lab, b) for lab in family_of for b in budgets), *fine})
 
     def held_table(held: Sequence, col: str) -> dict[tuple[str, int], np.ndarray]:
         """(label, budget) -> the loss on each held-out segment, for every cell run on all of them."""
@@ -274,10 +354,11 @@ def report(args, load) -> int:
                                                           for tg in targets},
                            "fold": coverage([j for j in judged if j["kind"] == "fold"]),
                            "cross_text": coverage([j for j in judged if j["kind"] == "cross_text"])}
-    summary["confidence_calibration"] = {**confidence_calibration(rnd),
-                                         "fold": confidence_calibration([j for j in judged if j["kind"] == "fold"])}
-    summary["confidence_signals"] = signal_analysis(rnd)
-    summary["confidence_threshold_scan"] = threshold_scan(rnd)
+    summary.update(confidence_summary(judged))
+    split_of = {sp["name"]: {"seen": [s.name for s in sp["seen"]], "held": [s.name for s in sp["held"]]}
+                for sp in every_split}
+    summary["draw_difficulty"] = draw_difficulty(judged, split_of, loss_of)
+    summary["fixed_answer_ceiling"] = fixed_answer_ceiling(judged, split_of, loss_of)
     summary["within_family_rho"] = {t: within_family_rho(table(v, SIM_LOSS), table(v, "delta_nll"), family_of)
                                     for t, v in segs.items()}
     texts = list(segs)          # the model on one text against itself on another (symmetric)
@@ -323,5 +404,44 @@ def report(args, load) -> int:
         print(f"{k}: {summary[k]}")
     print("coverage:", {k: v for k, v in summary["coverage"].items() if k not in ("by_target", "fold", "cross_text")})
     print("confidence:", summary["confidence_calibration"])
+    print(f"wrote {path}")
+    return 0
+
+
+def resummarise(args) -> int:
+    """``--stage summary``: the recorded report (``--out`` or benchmarks/results/recommend_<model>.json) with its
+    recommendations' confidence re-levelled by today's rule (`relevel`: from the margin, claim and certificate each
+    one recorded) and its confidence summaries, `draw_difficulty` and `fixed_answer_ceiling` recomputed from the
+    grid's store; no model or simulator run. The rest of the report is left as measured."""
+    from benchmarks._util import RESULTS
+    from sim.experiments.store import ResultStore
+    from sim.reports.runinfo import now
+    from traces.format import atomic_write_text
+
+    path = Path(args.out) if args.out else RESULTS / f"recommend_{args.model}.json"
+    out = json.loads(path.read_text())
+    judged = out["recommendations"]
+    for j in judged:
+        j["confidence"]["level"] = relevel(j)
+    every_split = splits(out["segments"], args.seen, args.splits)
+    split_of = {sp["name"]: {"seen": list(sp["seen"]), "held": list(sp["held"])} for sp in every_split}
+    closed = ResultStore(args.store).load()
+    labels = [lab for labs in out["grid"]["families"].values() for lab in labs]
+    known = {*((lab, b) for lab in labels for b in out["grid"]["budgets"]),
+             *((r["label"], r["budget"]) for r in out["refined_rows"])}
+    _, loss_of = grid_losses(closed[closed.model == args.model], {n for v in out["segments"].values() for n in v},
+                             known)
+    summary = out["summary"]
+    summary.update(confidence_summary(judged))
+    summary["draw_difficulty"] = draw_difficulty(judged, split_of, loss_of)
+    summary["fixed_answer_ceiling"] = fixed_answer_ceiling(judged, split_of, loss_of)
+    out["resummarised"] = {"date": now(), "command": "python -m benchmarks.recommend " + " ".join(sys.argv[1:]),
+                           "note": "confidence levels re-levelled with today's rule from each recommendation's "
+                                   "recorded margin, claim and certificate; confidence summaries, draw difficulty "
+                                   "and the fixed-answer ceiling recomputed; everything else as measured"}
+    atomic_write_text(path, json.dumps(out, indent=1, default=float))
+    print("confidence:", summary["confidence_calibration"])
+    print("draw difficulty:", summary["draw_difficulty"])
+    print("fixed-answer ceiling:", summary["fixed_answer_ceiling"])
     print(f"wrote {path}")
     return 0

@@ -165,11 +165,19 @@ def test_shortlist_caps_each_family():
     assert shortlist(["a1", "a2", "a3", "b1", "c1"], fams, 3, 1) == ["a1", "b1", "c1"]
 
 
-def test_confidence_levels_follow_the_margin():
+def test_confidence_levels_follow_the_margin_capped_by_the_certificate():
     hi, med = CONFIDENCE["high"], CONFIDENCE["medium"]
     assert hi > med
-    assert [confidence_level(x) for x in (math.inf, hi, (hi + med) / 2, med, med - 1e-6, -1.0)] == [
+    margins = (math.inf, hi, (hi + med) / 2, med, med - 1e-6, -1.0)
+    # certified at the answer's own budget: the margin alone decides
+    assert [confidence_level(True, x, 128, 128) for x in margins] == [
         "high", "high", "medium", "medium", "low", "low"]
+    # certified only above it: never high
+    assert [confidence_level(True, x, 192, 128) for x in margins] == [
+        "medium", "medium", "medium", "medium", "low", "low"]
+    # certified nowhere, or no claim: low whatever the margin
+    assert {confidence_level(True, x, None, 128) for x in margins} == {"low"}
+    assert {confidence_level(False, x, 128, 128) for x in margins} == {"low"}
 
 
 class _TableRecommender(Recommender):
@@ -321,7 +329,9 @@ def test_recommend_on_the_tiny_model_resumes_without_model_runs(tiny_segments, t
     g = rep["guarantee"]
     assert (g["n_units"], g["units_needed"], g["alpha"]) == (2, 2, pytest.approx(1 / 3))
     assert g["budget"] is None or g["budget"] >= a["budget"]
-    assert rep["confidence"]["level"] in ("high", "medium", "low")
+    c = rep["confidence"]
+    assert c["level"] == confidence_level(a["met"], c["margin_t"], g["budget"], a["budget"])
+    assert c["certified_at_answer"] == (g["budget"] == a["budget"])
     stages = rep["stage_seconds"]                # where the wall time went, for the speed page
     assert set(stages) == {"simulate", "search", "certify"} and min(stages.values()) >= 0
     assert sum(stages.values()) <= rep["seconds"]

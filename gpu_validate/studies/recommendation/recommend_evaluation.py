@@ -13,6 +13,8 @@ from typing import Any, Sequence
 import numpy as np
 from scipy.stats import beta
 
+from gpu_validate.studies.recommendation.recommend_statistics import confidence_level
+
 #: seed of the random splits
 SPLIT_SEED = 0
 
@@ -118,16 +120,29 @@ def coverage(judged: Sequence[dict]) -> dict[str, Any]:
 
 
 def confidence_calibration(judged: Sequence[dict]) -> dict[str, Any]:
-    """Per confidence level the recommendations stated: how many, the share whose answer held out (with its
-    Clopper-Pearson interval) and their median budget ratio (to the grid's smallest budget meeting the target)."""
+    """Per confidence level stated with an answer that claims the target: how many, the share that held out (with
+    its Clopper-Pearson interval) and their median budget ratio (to the grid's smallest budget meeting the target).
+    An answer that meets the target at no budget tried claims nothing a confidence could predict (it is "low" by
+    rule); those are counted apart (``unclaimed``), with the share whose held-out segments missed the target too."""
+    claimed = [j for j in judged if j["answer"]["met"]]
     out = {}
     for level in ("high", "medium", "low"):
-        part = [j for j in judged if j["confidence"]["level"] == level]
+        part = [j for j in claimed if j["confidence"]["level"] == level]
         out[level] = {**share_interval([j["held_out_met"] for j in part]),
                       "budget_ratio_median": float(np.nanmedian([j["budget_ratio"] for j in part]))
                       if part and np.isfinite([j["budget_ratio"] for j in part]).any() else float("nan")}
-    out["goal"] = "high holds in >= 95% of cases; low only where answers fail more often"
+    out["unclaimed"] = share_interval([not j["held_out_met"] for j in judged if not j["answer"]["met"]])
+    out["goal"] = ("of the answers claiming the target, high holds in >= 95% of cases; low only where answers fail "
+                   "more often")
     return out
+
+
+def relevel(j: dict[str, Any]) -> str:
+    """The confidence level today's rule (`recommend_statistics.confidence_level`) gives a judged recommendation
+    ``j`` (`judge`'s record: its claim, margin, answer budget and certified budget), for judgements recorded under an
+    earlier rule."""
+    return confidence_level(j["answer"]["met"], j["confidence"]["margin_t"], j["guarantee"]["budget"],
+                            j["answer"]["budget"])
 
 
 def threshold_scan(judged: Sequence[dict], thresholds: Sequence[float] = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8)

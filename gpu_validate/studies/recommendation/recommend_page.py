@@ -42,9 +42,10 @@ TERMS = {
     "calibration error": "the typical factor between a confirmed run's predicted and measured loss",
     "refined": "a budget between two rungs of the ladder, tried while bisecting towards the smallest budget that "
                "meets the target",
-    "confidence": "a prediction of whether the answer holds on text it has not seen, from its margin: how many "
-                  "standard errors over segments its measured loss lies below the target. The levels are those at "
-                  "which the recommend benchmark's answers held on held-out text (high: at least 95% of them)",
+    "confidence": "a prediction of whether the answer holds on text it has not seen, from its margin (how many "
+                  "standard errors over segments its measured loss lies below the target) capped by the guarantee: "
+                  "high needs the answer's own budget certified, and no certified budget is low. The levels are "
+                  "those at which the recommend benchmark's answers held on held-out text",
     "guarantee": "the budget at which the chosen configuration is certified without assuming anything of how the "
                  "losses are distributed: only that a future window of your text is exchangeable with the segments "
                  "measured (for a retrieval target: the pass-key prompts). It meets the target on a new such window "
@@ -187,13 +188,15 @@ def plot_front(report: dict[str, Any], path: str | Path) -> Path:
 
 
 def confidence_note(conf: Mapping[str, Any]) -> str:
-    """The confidence's evidence in one line: the margin, the simulator's order of confirmed pairs, the
-    calibration's error."""
+    """The confidence's evidence in one line: the margin, whether the guarantee certified the answer's budget, the
+    simulator's order of confirmed pairs, the calibration's error."""
     t = conf["margin_t"]
     margin = "∞" if math.isinf(t) else f"{t:.1f}"
     pa = conf["pair_agreement"]
     order = "n/a" if pa is None or math.isnan(pa) else f"{pa:.0%} of {conf['pairs']}"
-    return (f"margin {margin} standard errors; pair agreement {order}; calibration error "
+    cert = conf.get("certified_at_answer")          # reports written before the certificate capped the level
+    certified = "" if cert is None else ("; certified at this budget" if cert else "; not certified at this budget")
+    return (f"margin {margin} standard errors{certified}; pair agreement {order}; calibration error "
             f"±{math.expm1(conf['calibration_rms_log']):.0%}")
 
 

@@ -484,7 +484,7 @@ class Recommender:
                 "sim_loss": self.sim_loss, "validate": self.validate, "per_family": self.per_family,
                 "answer": answer, "guarantee": guarantee, "per_budget": per_budget,
                 "calibration": {"a": cal.a, "b": cal.b, "n": cal.n, "rms_log": cal.rms_log},
-                "confidence": self._confidence(cal, answer), "model_runs": self.runs,
+                "confidence": self._confidence(cal, answer, guarantee), "model_runs": self.runs,
                 "model_runs_ahead_unused": len(self.sent - set(self.measured)) * len(self.segments),
                 "raced": self._race_report(), "front": front(self._ranked_table()),
                 "configurations": self.table.to_dict("records"), "seconds": time.perf_counter() - t0,
@@ -543,11 +543,12 @@ class Recommender:
         return {"t": gap / se if se > 0 else (np.inf if gap >= 0 else -np.inf), "segment_se": se,
                 "units_met_share": float(np.mean(losses <= self.target.limit))}
 
-    def _confidence(self, cal: Calibration, answer: dict[str, Any]) -> dict[str, Any]:
-        """Whether to expect the answer to hold on text it has not seen: `CONFIDENCE` levels of the answer's
-        margin (its distance from the target in standard errors over segments, `_margin`), chosen on one model's
-        held-out outcomes and judged on the other's (``benchmarks/recommend.py``); beside it, how often the
-        simulator ordered two confirmed configurations of one rung as the model did, and the calibration's error."""
+    def _confidence(self, cal: Calibration, answer: dict[str, Any], guarantee: dict[str, Any]) -> dict[str, Any]:
+        """Whether to expect the answer to hold on text it has not seen: `confidence_level` of the answer's margin
+        (its distance from the target in standard errors over segments, `_margin`) capped by its certificate
+        (``guarantee``: none certified is low, high needs the answer's own budget), chosen on one model's held-out
+        outcomes and judged on the other's (``benchmarks/recommend.py``); beside it, how often the simulator
+        ordered two confirmed configurations of one rung as the model did, and the calibration's error."""
         agree = total = 0
         for b in self.rungs:
             cells = [(lab, v) for (lab, bb), v in self.measured.items() if bb == b]
@@ -559,11 +560,13 @@ class Recommender:
                         agree += (ds > 0) == (dm > 0)
         share = agree / total if total else float("nan")
         t = answer["margin"]["t"]
-        level = confidence_level(t) if answer["met"] else "low"
-        advice = CONFIDENCE_ADVICE[level] if answer["met"] else (
-            "The target was not met at any budget tried: give larger budgets (--budgets) or a looser target")
-        return {"level": level, "margin_t": t, "pair_agreement": share, "pairs": total,
-                "calibration_rms_log": cal.rms_log, "advice": advice}
+        level = confidence_level(answer["met"], t, guarantee["budget"], answer["budget"])
+        if not answer["met"]:
+            advice = "The target was not met at any budget tried: give larger budgets (--budgets) or a looser target"
+        else:
+            advice = CONFIDENCE_ADVICE["uncertified" if guarantee["budget"] is None else level]
+        return {"level": level, "margin_t": t, "certified_at_answer": guarantee["budget"] == answer["budget"],
+                "pair_agreement": share, "pairs": total, "calibration_rms_log": cal.rms_log, "advice": advice}
 
 
 def front(table: pd.DataFrame) -> list[dict[str, Any]]:
