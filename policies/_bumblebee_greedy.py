@@ -11,7 +11,8 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from policies._bumblebee_similarity import COL_ROWS, COL_W, VECTOR_MATH, cosines_into, self_sim, sims_row
+from policies._bumblebee_similarity import (COL_ROWS, COL_W, GEMM_ROWS, VECTOR_MATH, cosine_rows, cosines_into,
+                                            self_sim, sims_row)
 
 
 @njit(cache=True, inline="always")
@@ -313,31 +314,33 @@ KeyColumns = namedtuple("KeyColumns", ("uT", "mode", "cache", "slot", "owner", "
 
 @njit(cache=True, inline="always")
 def _keys_cover_items(src, picks, k, cover):
-    """Cover with the columns of picks[:k], COL_ROWS per pass over uT."""
-    items = src.items
-    for s in range(0, k, COL_ROWS):
-        nr = min(COL_ROWS, k - s)
+    """Cover with the columns of picks[:k], GEMM_ROWS per BLAS call (`cosine_rows`)."""
+    items = np.empty(GEMM_ROWS, np.int64)
+    blk = np.empty((GEMM_ROWS, src.uT.shape[1]), np.float32)
+    for s in range(0, k, GEMM_ROWS):
+        nr = min(GEMM_ROWS, k - s)
         for r in range(nr):
             items[r] = picks[s + r]
-        cosines_into(src.uT, items, nr, src.blk, src.blk_rows, src.acc)
+        cosine_rows(src.uT, items, nr, blk)
         src.ctr[0] += nr
         for r in range(nr):
-            sims_row(src.blk, r, items[r], src.mode, src.col)
+            sims_row(blk, r, items[r], src.mode, src.col)
             _cover_with(src.col, cover)
 
 
 @njit(cache=True)
 def _keys_first_round(src, heap, n_heap, cover, m, m_sel, phi_sel, obj):
-    """Round 0's gain of every candidate against the cover of the forced items, COL_ROWS columns per pass (heap
-    order), keeping the float32 columns of the best gains in the cache."""
-    R = COL_ROWS
-    items, blk, col, cache, slot, owner, ckey, cmark = (src.items, src.blk, src.col, src.cache, src.slot, src.owner,
-                                                        src.ckey, src.cmark)
+    """Round 0's gain of every candidate against the cover of the forced items, GEMM_ROWS columns per BLAS call
+    (`cosine_rows`, heap order), keeping the float32 columns of the best gains in the cache."""
+    R = GEMM_ROWS
+    items = np.empty(R, np.int64)
+    blk = np.empty((R, src.uT.shape[1]), np.float32)
+    col, cache, slot, owner, ckey, cmark = src.col, src.cache, src.slot, src.owner, src.ckey, src.cmark
     for s in range(0, n_heap, R):
         nr = min(R, n_heap - s)
         for r in range(nr):
             items[r] = heap[s + r]
-        cosines_into(src.uT, items, nr, blk, src.blk_rows, src.acc)
+        cosine_rows(src.uT, items, nr, blk)
         src.ctr[0] += nr
         for r in range(nr):
             e = items[r]

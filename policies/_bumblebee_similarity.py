@@ -172,6 +172,31 @@ def cosines_into(uT, items, nr, dst, dst_rows, acc):
                 dst[row, v0 + j] = acc[r, j]
 
 
+#: rows of cosines computed per BLAS call where a greedy wants many columns at once (its first round, the forced
+#: picks' cover): SGEMM gives each cosine bitwise `cosines_into`'s FMA chain from GEMM_MIN_ROWS rows up and up to
+#: GEMM_MAX_D channels (OpenBLAS, measured: with fewer rows it may take another kernel, whose sums differ in the last
+#: bit; above 448 channels it splits the sum), about twice as fast
+GEMM_ROWS = 64
+GEMM_MIN_ROWS = 16
+GEMM_MAX_D = 448
+
+
+@njit(cache=True)
+def cosine_rows(uT, items, nr, out):
+    """out[r, v] = float32 cosine of keys items[r] and v for r < nr (``out`` [>= nr, n]): `cosines_into`'s values,
+    bit for bit, by one SGEMM of the gathered rows against uT where that is exact (nr >= GEMM_MIN_ROWS, d <=
+    GEMM_MAX_D), else by `cosines_into`."""
+    d, n = uT.shape
+    if nr < GEMM_MIN_ROWS or d > GEMM_MAX_D:
+        cosines_into(uT, items, nr, out, np.arange(nr), np.empty((nr, COL_W), np.float32))
+        return
+    a = np.empty((nr, d), np.float32)
+    for r in range(nr):
+        for x in range(d):
+            a[r, x] = uT[x, items[r]]
+    out[:nr, :] = np.dot(a, uT)
+
+
 @njit(cache=True)
 def sims_row(c32, i, e, mode, out):
     """out[0, :] = the similarities of key e (float64), from its cosines c32[i, :]."""

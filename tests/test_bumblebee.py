@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from policies import get_policy
 from policies.core.base import Policy, PolicyError
 from policies._bumblebee_greedy import FULL_MATRIX_MAX, concave, greedy_select, greedy_select_keys
-from policies._bumblebee_similarity import COL_W, sim_columns, similarity_into, similarity_matrix, unit_keys_t
+from policies._bumblebee_similarity import (COL_W, GEMM_MIN_ROWS, GEMM_ROWS, cosine_rows, cosines_into, sim_columns,
+                                            similarity_into, similarity_matrix, unit_keys_t)
 from policies.bumblebee import CONCAVE, F_ACC, F_NN, F_NNPOS, F_NORM, SIMILARITY, _prefill, _step, objective
 from policies.core.shared_kernels import causal_column_sums, prompt_attention
 from policies.core.scorer import recent_slots
@@ -203,6 +204,22 @@ def test_similarity_columns_equal_full_matrix(n, d, mode):
     out = np.empty((len(rows), n))
     sim_columns(unit_keys_t(k), rows, len(rows), mode, out)
     np.testing.assert_array_equal(out, similarity_matrix(k, mode)[rows])
+
+
+@pytest.mark.parametrize("n,d", [(48, 64), (100, 2), (300, 3), (COL_W + 37, 8), (2 * COL_W + 5, 16), (2100, 64)])
+@pytest.mark.parametrize("nr", [1, 7, GEMM_MIN_ROWS, 33, GEMM_ROWS])
+def test_cosine_rows_are_the_fma_chain_bit_for_bit(n, d, nr):
+    """The SGEMM path of the first round gives the columns the cache misses recompute (`cosines_into`) bit for bit,
+    so a column's gain does not depend on which path computed it."""
+    nr = min(nr, n)
+    k, _ = _bounded_case(n * d + nr, n, d)
+    uT = unit_keys_t(k)
+    items = np.random.default_rng(n).choice(n, nr, replace=False)
+    out = np.empty((GEMM_ROWS, n), np.float32)
+    cosine_rows(uT, items, nr, out)
+    ref = np.empty((nr, n), np.float32)
+    cosines_into(uT, items, nr, ref, np.arange(nr), np.empty((nr, COL_W), np.float32))
+    np.testing.assert_array_equal(out[:nr], ref)
 
 
 @settings(max_examples=30, deadline=None)
