@@ -15,6 +15,9 @@ never saw against an exhaustive closed-loop grid there.
    paper default, and how many model runs it used. Writes benchmarks/results/recommend_<model>.json. CPU-heavy where
    refinement asks for budgets the store lacks: run it under the heavy lock.
 
+``--seen N`` with ``--out`` judges a variant whose random splits see N segments (Gemma-3 with 8 seen:
+benchmarks/results/recommend_gemma3-270m_seen8.json).
+
 3. ``--stage summary``: the recorded report's confidence re-levelled with today's rule (from each recommendation's
    recorded margin, claim and certificate) and its confidence summaries, the draw's difficulty and the fixed-answer
    ceiling recomputed from the grid's store, in seconds (no model or simulator run).
@@ -69,6 +72,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--store", default=None, help="closed-loop store (default results/recommend_<model>)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the closed loop")
     ap.add_argument("--splits", type=int, default=None, help="random splits (default: the model's)")
+    ap.add_argument("--seen", type=int, default=None,
+                    help="segments a random split's recommendation sees (default: the model's; with --out for a "
+                         "variant)")
     ap.add_argument("--verbose", action="store_true", help="the recommendations' own progress lines")
     ap.add_argument("--refine", type=float, default=None,
                     help="report stage: the refinement ratio (default: "
@@ -83,7 +89,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     args.segments = args.segments or d["segments"]
     args.prompt, args.decode, args.target = d["prompt"], d["decode"], d["target"]
     args.budgets = args.budgets or d["budgets"]
-    args.seen, args.splits, args.families = d["seen"], args.splits or d["splits"], FAMILIES
+    args.seen, args.splits, args.families = args.seen or d["seen"], args.splits or d["splits"], FAMILIES
     args.store = args.store or f"results/recommend_{args.model}"
     return args
 
