@@ -137,19 +137,24 @@ def confidence_summary(judged: Sequence[dict]) -> dict[str, Any]:
             "confidence_signals": signal_analysis(claimed), "confidence_threshold_scan": threshold_scan(rnd)}
 
 
-def draw_difficulty(judged: Sequence[dict], split_of: dict[str, dict], loss_of: dict[str, pd.Series]
+def complete_tables(loss_of: dict[str, pd.Series]) -> dict[str, pd.DataFrame]:
+    """Per target column, the (label, budget) x segment table of the cells run on every segment (what the draw's
+    difficulty and the fixed-answer ceiling compare seen and held-out segments on)."""
+    return {col: loss.unstack("segment").dropna() for col, loss in loss_of.items()}
+
+
+def draw_difficulty(judged: Sequence[dict], split_of: dict[str, dict], wide: dict[str, pd.DataFrame]
                     ) -> dict[str, Any]:
     """Whether the answers that failed held out came from draws whose held-out segments were harder than the seen
     ones (something no recommendation can see): per claimed answer of the random splits, the mean over every
-    configuration run on all segments at the answer's budget of (held-out mean - seen mean) loss (``loss_of``: per
-    target column, the loss by label, budget, segment; ``split_of``: split name -> seen and held-out segment names);
-    its AUC for failure and the share held per tercile."""
+    configuration run on all segments at the answer's budget of (held-out mean - seen mean) loss (``wide``:
+    `complete_tables`; ``split_of``: split name -> seen and held-out segment names); its AUC for failure and the
+    share held per tercile."""
     from sklearn.metrics import roc_auc_score
 
     from gpu_validate.studies.recommendation.candidates import Target
 
     claimed = [j for j in judged if j["kind"] == "random" and j["answer"]["met"]]
-    wide = {col: loss.unstack("segment").dropna() for col, loss in loss_of.items()}
     shift, held_met = [], []
     for j in claimed:
         sp = split_of[j["split"]]
@@ -169,10 +174,10 @@ def draw_difficulty(judged: Sequence[dict], split_of: dict[str, dict], loss_of: 
                     "at the answer's budget (positive: the held-out text was harder)"}
 
 
-def fixed_answer_ceiling(judged: Sequence[dict], split_of: dict[str, dict], loss_of: dict[str, pd.Series],
+def fixed_answer_ceiling(judged: Sequence[dict], split_of: dict[str, dict], wide: dict[str, pd.DataFrame],
                          level: float = 0.9) -> dict[str, Any]:
     """What a single answer fixed in advance achieves on the random splits, per target: for every configuration and
-    budget run on all segments, the share of the splits whose held-out mean met the target; the smallest budget at
+    budget run on all segments (``wide``: `complete_tables`), the share of the splits whose held-out mean met the target; the smallest budget at
     which some configuration meets it in at least ``level`` of them, that configuration, its share and its median
     budget ratio to each split's smallest grid budget meeting the target held out (the benchmark's
     ``budget_ratio``). A recommendation can beat it only with what its seen segments say about the held-out ones."""
@@ -182,11 +187,11 @@ def fixed_answer_ceiling(judged: Sequence[dict], split_of: dict[str, dict], loss
     for tg_name in sorted({j["target"] for j in judged}):
         part = [j for j in judged if j["kind"] == "random" and j["target"] == tg_name]
         tg = Target.parse(tg_name)
-        wide = loss_of[tg.column].unstack("segment").dropna()
-        held = np.stack([wide[split_of[j["split"]]["held"]].mean(axis=1).to_numpy() for j in part])
+        table = wide[tg.column]
+        held = np.stack([table[split_of[j["split"]]["held"]].mean(axis=1).to_numpy() for j in part])
         share = np.mean([[tg.met(x) for x in row] for row in held], axis=0)
         ref = np.array([j["smallest_grid_budget_meeting_target"] or np.nan for j in part], float)
-        ok = [(b, -sh, lab) for (lab, b), sh in zip(wide.index, share) if sh >= level]
+        ok = [(b, -sh, lab) for (lab, b), sh in zip(table.index, share) if sh >= level]
         if not ok:
             out[tg_name] = {"budget": None, "level": level}
             continue
@@ -357,8 +362,9 @@ def report(args, load) -> int:
     summary.update(confidence_summary(judged))
     split_of = {sp["name"]: {"seen": [s.name for s in sp["seen"]], "held": [s.name for s in sp["held"]]}
                 for sp in every_split}
-    summary["draw_difficulty"] = draw_difficulty(judged, split_of, loss_of)
-    summary["fixed_answer_ceiling"] = fixed_answer_ceiling(judged, split_of, loss_of)
+    wide = complete_tables(loss_of)
+    summary["draw_difficulty"] = draw_difficulty(judged, split_of, wide)
+    summary["fixed_answer_ceiling"] = fixed_answer_ceiling(judged, split_of, wide)
     summary["within_family_rho"] = {t: within_family_rho(table(v, SIM_LOSS), table(v, "delta_nll"), family_of)
                                     for t, v in segs.items()}
     texts = list(segs)          # the model on one text against itself on another (symmetric)
@@ -433,8 +439,9 @@ def resummarise(args) -> int:
                              known)
     summary = out["summary"]
     summary.update(confidence_summary(judged))
-    summary["draw_difficulty"] = draw_difficulty(judged, split_of, loss_of)
-    summary["fixed_answer_ceiling"] = fixed_answer_ceiling(judged, split_of, loss_of)
+    wide = complete_tables(loss_of)
+    summary["draw_difficulty"] = draw_difficulty(judged, split_of, wide)
+    summary["fixed_answer_ceiling"] = fixed_answer_ceiling(judged, split_of, wide)
     out["resummarised"] = {"date": now(), "command": "python -m benchmarks.recommend " + " ".join(sys.argv[1:]),
                            "note": "confidence levels re-levelled with today's rule from each recommendation's "
                                    "recorded margin, claim and certificate; confidence summaries, draw difficulty "

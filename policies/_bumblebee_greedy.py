@@ -307,16 +307,16 @@ def default_cache_columns(n):
 #: [cap, n]; slot[e]: e's row or -1; owner[c]: the row's item; ckey[c]: its item's bound, the eviction order;
 #: cmark[c]: the batch that filled it, never evicted by that batch), the buffers of a pass (blk, blk_rows, acc, col,
 #: items, dst, open_), round 0's gains (first) and the counters (ctr: columns computed, batches of misses,
-#: whether round 0's gains are in)
+#: whether round 0's gains are in) and the block of the passes that want many columns at once (gitems, gblk:
+#: GEMM_ROWS items and their cosines, `cosine_rows`)
 KeyColumns = namedtuple("KeyColumns", ("uT", "mode", "cache", "slot", "owner", "ckey", "cmark", "blk", "blk_rows",
-                                       "acc", "col", "items", "dst", "first", "open_", "ctr"))
+                                       "acc", "col", "items", "dst", "first", "open_", "ctr", "gitems", "gblk"))
 
 
 @njit(cache=True, inline="always")
 def _keys_cover_items(src, picks, k, cover):
     """Cover with the columns of picks[:k], GEMM_ROWS per BLAS call (`cosine_rows`)."""
-    items = np.empty(GEMM_ROWS, np.int64)
-    blk = np.empty((GEMM_ROWS, src.uT.shape[1]), np.float32)
+    items, blk = src.gitems, src.gblk
     for s in range(0, k, GEMM_ROWS):
         nr = min(GEMM_ROWS, k - s)
         for r in range(nr):
@@ -333,8 +333,7 @@ def _keys_first_round(src, heap, n_heap, cover, m, m_sel, phi_sel, obj):
     """Round 0's gain of every candidate against the cover of the forced items, GEMM_ROWS columns per BLAS call
     (`cosine_rows`, heap order), keeping the float32 columns of the best gains in the cache."""
     R = GEMM_ROWS
-    items = np.empty(R, np.int64)
-    blk = np.empty((R, src.uT.shape[1]), np.float32)
+    items, blk = src.gitems, src.gblk
     col, cache, slot, owner, ckey, cmark = src.col, src.cache, src.slot, src.owner, src.ckey, src.cmark
     for s in range(0, n_heap, R):
         nr = min(R, n_heap - s)
@@ -459,7 +458,7 @@ def greedy_select_keys(uT, m, budget, forced, lam, kind, alpha, beta, lazy, mode
                      np.full(cap, -np.inf), np.full(cap, -1, np.int64), np.empty((R, n), np.float32), np.arange(R),
                      np.empty((R, COL_W), np.float32), np.empty((1, n), np.float64), np.empty(R, np.int64),
                      np.empty(R, np.int64), np.empty(n, np.float64), np.empty(8 * R + 3, np.int64),
-                     np.zeros(3, np.int64))
+                     np.zeros(3, np.int64), np.empty(GEMM_ROWS, np.int64), np.empty((GEMM_ROWS, n), np.float32))
     ss = self_sim(mode)
     fl_norm = 0.0
     for v in range(n):

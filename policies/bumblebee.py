@@ -14,8 +14,9 @@ beyond, it keeps only the normalised keys and recomputes a similarity column (O(
 (``greedy_select_keys``): the same picks from bitwise the same gains (where BLAS sums each cosine as one FMA
 chain, as OpenBLAS does up to d = 448), in O(P d) memory plus a 256 MiB column cache
 (a 32 k-token replay at d = 256 peaks at 0.9 GB instead of 13 GB: benchmarks/bumblebee_long.py). Time O(P^2 d)
-for the first round of gains (SGEMM in blocks of 64 columns, bitwise the FMA chain: ``cosine_rows``) plus O(P d) per later evaluation that misses the cache (lazy: 1-1.5 P of them at
-32 k tokens; naive: O(budget P^2 d) in all); single-threaded (the replay runs layers in parallel).
+for the first round of gains (SGEMM in blocks of 64 columns, bitwise the FMA chain: ``cosine_rows``) plus O(P d)
+per later evaluation that misses the cache (lazy: 1-1.5 P of them at 32 k tokens; naive: O(budget P^2 d) in all);
+single-threaded (the replay runs layers in parallel).
 Decode (Alg. 2, ``step``): V = S' = cache plus the new key; when over budget, drop argmin_k g(k | S' \\ k).
 With V = S' the facility-location gain of k is (sim(k, k) - max_{j != k} sim(k, j)) / |V| sim(k, k), so each slot
 carries its nearest-neighbour similarity (and that neighbour's position) in slot_state: a step costs O(budget * d)

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("sklearn")
 
-from benchmarks.recommend_report import draw_difficulty, fixed_answer_ceiling  # noqa: E402
+from benchmarks.recommend_report import complete_tables, draw_difficulty, fixed_answer_ceiling  # noqa: E402
 
 SEGS = [f"s{i}" for i in range(6)]
 #: each segment's difficulty: s4 and s5 are hard for every configuration at every budget
@@ -48,7 +48,7 @@ def test_failures_come_from_draws_whose_held_out_segments_were_harder():
     judged = _judged(splits, 128, 128)
     # good at 128: 0.02 on easy segments, 0.08 on hard: the held-out mean misses 0.05 only with both hard ones held
     assert [j["held_out_met"] for j in judged] == [False, True, True, True]
-    dd = draw_difficulty(judged, splits, _losses())
+    dd = draw_difficulty(judged, splits, complete_tables(_losses()))
     assert dd["n"] == 4 and dd["auc_failure"] == 1.0        # the failing draw is the one with the hardest held-out
     assert sum(t["n"] for t in dd["by_tercile"]) == 4
     assert dd["by_tercile"][-1]["share"] < dd["by_tercile"][0]["share"]
@@ -57,9 +57,9 @@ def test_failures_come_from_draws_whose_held_out_segments_were_harder():
 def test_fixed_answer_ceiling_is_the_smallest_budget_one_configuration_meets_enough_draws():
     splits = {f"d{i}": {"seen": SEGS[:i] + SEGS[i + 3:], "held": SEGS[i:i + 3]} for i in range(4)}
     judged = _judged(splits, 128, 128)
-    ceil = fixed_answer_ceiling(judged, splits, _losses(), level=0.9)["dnll=0.05"]
+    ceil = fixed_answer_ceiling(judged, splits, complete_tables(_losses()), level=0.9)["dnll=0.05"]
     # at 128 "good" misses whenever both hard segments are held out (d3); at 256 every draw meets it
     assert (ceil["budget"], ceil["held_out_met_share"]) == (256, 1.0)          # both configurations do
     assert ceil["budget_ratio_median"] == 2.0
-    low = fixed_answer_ceiling(judged, splits, _losses(), level=0.75)["dnll=0.05"]
+    low = fixed_answer_ceiling(judged, splits, complete_tables(_losses()), level=0.75)["dnll=0.05"]
     assert (low["budget"], low["label"], low["held_out_met_share"]) == (128, "good", 0.75)
