@@ -123,7 +123,8 @@ def grid_losses(closed: pd.DataFrame, names: set[str], known: set[tuple[str, int
     and the refined ones confirmed) and, per target column, their losses by label, budget and segment."""
     rows = closed[closed.segment.isin(names)]
     rows = rows[[(lab, int(b)) in known for lab, b in zip(rows.label, rows.budget)]]
-    return rows, {col: rows.set_index(["label", "budget", "segment"])[col] for col in ("delta_nll", "top1_disagreement")}
+    by_cell = rows.set_index(["label", "budget", "segment"])
+    return rows, {col: by_cell[col] for col in ("delta_nll", "top1_disagreement")}
 
 
 def confidence_summary(judged: Sequence[dict]) -> dict[str, Any]:
@@ -177,10 +178,11 @@ def draw_difficulty(judged: Sequence[dict], split_of: dict[str, dict], wide: dic
 def fixed_answer_ceiling(judged: Sequence[dict], split_of: dict[str, dict], wide: dict[str, pd.DataFrame],
                          level: float = 0.9) -> dict[str, Any]:
     """What a single answer fixed in advance achieves on the random splits, per target: for every configuration and
-    budget run on all segments (``wide``: `complete_tables`), the share of the splits whose held-out mean met the target; the smallest budget at
-    which some configuration meets it in at least ``level`` of them, that configuration, its share and its median
-    budget ratio to each split's smallest grid budget meeting the target held out (the benchmark's
-    ``budget_ratio``). A recommendation can beat it only with what its seen segments say about the held-out ones."""
+    budget run on all segments (``wide``: `complete_tables`), the share of the splits whose held-out mean met the
+    target; the smallest budget at which some configuration meets it in at least ``level`` of them, that
+    configuration, its share and its median budget ratio to each split's smallest grid budget meeting the target held
+    out (the benchmark's ``budget_ratio``). A recommendation can beat it only with what its seen segments say about
+    the held-out ones."""
     from gpu_validate.studies.recommendation.candidates import Target
 
     out = {}
