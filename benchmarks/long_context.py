@@ -15,7 +15,8 @@ timed and measured for peak resident memory (``/usr/bin/time``):
 
 Writes benchmarks/results/long_context.json after every run (resumable: finished rows are kept).
 
-    python -m benchmarks.long_context [--only recordings|replay|closed_loop] [--policies ...] [--rerun ...]
+    python -m benchmarks.long_context [--only recordings|replay|closed_loop] [--models ...] [--policies ...]
+                                      [--rerun ...]
 """
 from __future__ import annotations
 
@@ -77,8 +78,9 @@ def long_text(n_tokens: int, model: str) -> Path:
     return path
 
 
-def recordings(out: dict) -> None:
-    for model, t in TRACES.items():
+def recordings(out: dict, models: list[str]) -> None:
+    for model in models:
+        t = TRACES[model]
         if any(r["model"] == model for r in out["recordings"]) and Path(t["dir"], "manifest.json").exists():
             continue
         text = long_text(t["prompt"] + t["decode"], model)
@@ -95,14 +97,15 @@ def recordings(out: dict) -> None:
         save(out)
 
 
-def replays(out: dict, policies: list[str]) -> None:
+def replays(out: dict, policies: list[str], models: list[str]) -> None:
     """Each policy x budget, and x prompt chunk for a policy that streams its prompt in chunks (for the others a
     chunk changes nothing: ``sim.replay.plan.effective_chunk``)."""
     from policies import get_policy
     from sim.replay.plan import effective_chunk
 
     done = {(r["model"], r["policy"], r["budget"], r["chunk"]) for r in out["replay"]}
-    for model, t in TRACES.items():
+    for model in models:
+        t = TRACES[model]
         if not Path(t["dir"], "manifest.json").exists():
             continue
         for name in policies:
@@ -138,11 +141,11 @@ def replays(out: dict, policies: list[str]) -> None:
                     save(out)
 
 
-def closed_loop(out: dict) -> None:
+def closed_loop(out: dict, models: list[str]) -> None:
     """Measured closed-loop runs, then per-token estimates for every replay row."""
     done = {(r["model"], r["policy"], r["budget"], r["chunk"]) for r in out["closed_loop"]}
     for model, name, budget, chunk in CLOSED_LOOP:
-        if (model, name, budget, chunk) in done:
+        if (model, name, budget, chunk) in done or model not in models:
             continue
         t = TRACES[model]
         text = long_text(t["prompt"] + t["decode"], model)
@@ -217,6 +220,9 @@ def save(out: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=("recordings", "replay", "closed_loop"), default=None)
+    ap.add_argument("--models", default=";".join(TRACES), metavar="LIST",
+                    help=f"';'-separated models to record, replay and run (default: {';'.join(TRACES)}); the rows "
+                         "of the others are kept as they are")
     ap.add_argument("--policies", default=POLICIES + ";oracle")
     ap.add_argument("--rerun", default="", metavar="LIST",
                     help="';'-separated policies whose replay rows are measured again (their old rows dropped)")
@@ -226,15 +232,19 @@ def main(argv: list[str] | None = None) -> None:
     for key in ("recordings", "replay", "closed_loop"):
         out.setdefault(key, [])
     out["goals"] = {"recording_peak_rss_gb": 6.0, "replay_peak_rss_gb": 2.0, "speedup": 20.0}
+    models = [m for m in args.models.split(";") if m]
+    unknown = sorted(set(models) - set(TRACES))
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; choose from {sorted(TRACES)}")
     rerun = {p for p in args.rerun.split(";") if p}
-    out["replay"] = [r for r in out["replay"] if r["policy"] not in rerun]
+    out["replay"] = [r for r in out["replay"] if r["policy"] not in rerun or r["model"] not in models]
     os.chdir(ROOT)
     if args.only in (None, "recordings"):
-        recordings(out)
+        recordings(out, models)
     if args.only in (None, "replay"):
-        replays(out, [p for p in args.policies.split(";") if p])
+        replays(out, [p for p in args.policies.split(";") if p], models)
     if args.only in (None, "closed_loop"):
-        closed_loop(out)
+        closed_loop(out, models)
     save(out)
 
 

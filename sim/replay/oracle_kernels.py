@@ -9,31 +9,85 @@ from sim.replay.metrics import N_METRICS, measure
 
 
 @njit(cache=True, nogil=True)
-def stable_smallest(vals, k):
-    """Indices of the ``k`` smallest of ``vals``, ties to the lower index, in that (value, index) order: the first
-    ``k`` entries of a stable argsort, in O(n + k log k) instead of O(n log n)."""
-    n = vals.shape[0]
-    if k >= n:
-        return np.argsort(vals, kind="mergesort")
-    if k <= 0:
-        return np.empty(0, np.int64)
-    thr = np.partition(vals.copy(), k - 1)[k - 1]     # the k-th smallest value
-    idx = np.empty(k, np.int64)
-    m = 0
-    for i in range(n):
-        if vals[i] < thr:
-            idx[m] = i
-            m += 1
-    for i in range(n):
-        if m == k:
+def kth_smallest(a, n, k):
+    """The k-th smallest (0-based) of a[:n], reordering a[:n] in place: quickselect (Hoare partition, median-of-three
+    pivot), O(n) expected, no allocation (``np.partition`` copies its input on every call)."""
+    lo = 0
+    hi = n - 1
+    while hi > lo:
+        x, y, z = a[lo], a[(lo + hi) >> 1], a[hi]
+        if x > y:
+            x, y = y, x
+        if y > z:
+            y = max(x, z)
+        i = lo
+        j = hi
+        while i <= j:
+            while a[i] < y:
+                i += 1
+            while a[j] > y:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i += 1
+                j -= 1
+        if k <= j:
+            hi = j
+        elif k >= i:
+            lo = i
+        else:
             break
-        if vals[i] == thr:
+    return a[k]
+
+
+@njit(cache=True, nogil=True)
+def keep_smallest(vals, idx, n, k, work, identity):
+    """Compact ``idx[:n]`` (positions into ``vals``, ascending) to the ``k`` smallest of ``vals[idx[:n]]`` by
+    (value, position), still ascending, and return how many that is (``min(k, n)``): the set of a stable
+    argsort's first k, found by one selection and two passes, without sorting. ``identity``: ``idx[:n]`` is
+    0..n-1 (read ``vals`` directly). ``work``: float64 scratch of >= n."""
+    if k >= n:
+        return n
+    if k <= 0:
+        return 0
+    for j in range(n):
+        work[j] = vals[j] if identity else vals[idx[j]]
+    thr = kth_smallest(work, n, k - 1)
+    less = 0
+    for j in range(k):              # every value below the k-th smallest now lies in work[:k]
+        if work[j] < thr:
+            less += 1
+    ties = k - less                 # how many values equal to it are kept: the lowest positions
+    m = 0
+    for j in range(n):
+        i = j if identity else idx[j]
+        x = vals[i]
+        if x < thr or (x == thr and ties > 0):
+            if x == thr:
+                ties -= 1
             idx[m] = i
             m += 1
-    sel = np.empty(k, np.float64)
-    for j in range(k):
-        sel[j] = vals[idx[j]]
-    return idx[np.argsort(sel, kind="mergesort")]
+    return m
+
+
+@njit(cache=True, nogil=True)
+def _nested_tops(vals_all, off, n, budgets, per_budget, col, work, levels, n_level):
+    """The nested top sets of ``vals_all[off:off + n]`` (smallest first, ties to the lower position), one per budget
+    (ascending; budget j keeps ``budgets[j] * per_budget``): ``levels[j, off:off + n_level[j, col]]`` its positions
+    (relative to ``off``), ascending. Each set is selected from the next larger one, so the work is
+    O(n + the largest budget * the number of budgets)."""
+    nb = budgets.shape[0]
+    vals = vals_all[off:off + n]
+    idx = levels[nb - 1, off:off + n]
+    for i in range(n):
+        idx[i] = i
+    m = keep_smallest(vals, idx, n, budgets[nb - 1] * per_budget, work, True)
+    n_level[nb - 1, col] = m
+    for j in range(nb - 2, -1, -1):
+        cur = levels[j, off:off + m]
+        cur[:] = levels[j + 1, off:off + m]
+        m = keep_smallest(vals, cur, m, budgets[j] * per_budget, work, False)
+        n_level[j, col] = m
 
 
 @njit(cache=True, nogil=True)
@@ -45,8 +99,10 @@ def oracle_layer(q, k, v, o, vmax1, scale, budgets, metric_start, layer_scope, w
 
     metrics_out: [n_budgets, T - metric_start, Hq, N_METRICS]; slots_out: [n_budgets, T - metric_start, Hkv].
     The full attention rows are float64: logits from GEMM tiles of ``ATTN_BLOCK`` steps (BLAS), the softmax
-    of ``softmax_rows_inplace``; only the top max(budgets) of each ranking are ordered. Cost
-    O(t * (Hq * d + 1) + B_max log B_max) per step and head, for all budgets at once.
+    of ``softmax_rows_inplace``. Nothing is sorted: each budget's kept set is selected from the next larger one
+    (`_nested_tops`), and its probability-weighted values are summed in ascending position (the values read in
+    memory order; each budget's own sums, so that a curve's numbers are those of each budget replayed alone, bit
+    for bit). Cost O(t * (Hq * d + 1) + sum(budgets) * Hq / Hkv * d) per step and head, all budgets at once.
     """
     T, hq_n, d = q.shape
     hkv = k.shape[1]
@@ -55,8 +111,9 @@ def oracle_layer(q, k, v, o, vmax1, scale, budgets, metric_start, layer_scope, w
     blk = ATTN_BLOCK
     p = np.zeros((hq_n, T), np.float64)
     gsum = np.zeros(hkv * T, np.float64)
-    head_of = np.zeros(hkv * T, np.int64)
-    pos_of = np.zeros(hkv * T, np.int64)
+    work = np.empty(hkv * T, np.float64)
+    levels = np.empty((nb, hkv * T), np.int64)
+    n_level = np.zeros((nb, hkv), np.int64)
     mass = np.zeros(hq_n, np.float64)
     oacc = np.zeros((hq_n, d), np.float64)
     count = np.zeros(hkv, np.int64)
@@ -65,7 +122,6 @@ def oracle_layer(q, k, v, o, vmax1, scale, budgets, metric_start, layer_scope, w
     n_tiles = kts[0].shape[0]
     qbuf = np.empty((g_n * blk, d), np.float64)
     tiles = np.empty((hkv, n_tiles, g_n * blk, blk), np.float64)
-    b_max = budgets[nb - 1]
     for t0 in range(metric_start, T, blk):
         t1 = min(T, t0 + blk)
         rows = t1 - t0
@@ -96,55 +152,45 @@ def oracle_layer(q, k, v, o, vmax1, scale, budgets, metric_start, layer_scope, w
                     for g in range(g_n):
                         s += p[h * g_n + g, i]
                     gsum[h * t + i] = -s          # ascending order of -s = descending by mass
-                    head_of[h * t + i] = h
-                    pos_of[h * t + i] = i
-            m = hkv * t
-            if layer_scope:
-                orders = stable_smallest(gsum[:m], b_max * hkv)
+            if layer_scope:                       # entry h * t + i: ties to the lower head, then the older token
+                _nested_tops(gsum, 0, hkv * t, budgets, hkv, 0, work, levels, n_level)
             else:
-                orders = np.empty(hkv * min(b_max, t), np.int64)
-                kh = min(b_max, t)
                 for h in range(hkv):
-                    orders[h * kh:(h + 1) * kh] = h * t + stable_smallest(gsum[h * t:(h + 1) * t], kh)
-            _oracle_metrics_at(t, r, hkv, g_n, d, nb, budgets, layer_scope, m, orders, head_of, pos_of, p, v, o,
-                               vmax1, mass, oacc, count, metrics_out, slots_out)
+                    _nested_tops(gsum, h * t, t, budgets, 1, h, work, levels, n_level)
+            _oracle_metrics_at(t, r, hkv, g_n, d, nb, budgets, layer_scope, levels, n_level, p, v, o, vmax1, mass,
+                               oacc, count, metrics_out, slots_out)
 
 
 @njit(cache=True, nogil=True)
-def _oracle_metrics_at(t, r, hkv, g_n, d, nb, budgets, layer_scope, m, orders, head_of, pos_of, p, v, o, vmax1, mass,
-                       oacc, count, metrics_out, slots_out):
-    """Grow the kept sets of step t budget by budget along the ranking ``orders`` and write each one's metrics."""
+def _oracle_metrics_at(t, r, hkv, g_n, d, nb, budgets, layer_scope, levels, n_level, p, v, o, vmax1, mass, oacc,
+                       count, metrics_out, slots_out):
+    """The kept sets of step t, one per budget (`_nested_tops`' sets plus the newest token): sum each one's
+    attention mass and output in ascending position and write its metrics."""
     hq_n = hkv * g_n
-    kh = orders.shape[0] // hkv if not layer_scope else 0
-    # start from the newest token, which every policy holds
-    for hq in range(hq_n):
-        h = hq // g_n
-        mass[hq] = p[hq, t]
-        for x in range(d):
-            oacc[hq, x] = p[hq, t] * v[t, h, x]
-    count[:] = 0
-    if layer_scope:
-        taken = 0
-        for b in range(nb):
-            target = min(budgets[b] * hkv, m)
-            while taken < target:
-                e = orders[taken]
-                _take(head_of[e], pos_of[e], g_n, d, p, v, mass, oacc)
-                count[head_of[e]] += 1
-                taken += 1
-            _write_oracle_metrics(b, r, t, hkv, g_n, d, mass, oacc, o, vmax1, count, metrics_out)
+    for b in range(nb):
+        for hq in range(hq_n):      # start from the newest token, which every policy holds
+            h = hq // g_n
+            mass[hq] = p[hq, t]
+            for x in range(d):
+                oacc[hq, x] = p[hq, t] * v[t, h, x]
+        count[:] = 0
+        if layer_scope:
+            for j in range(n_level[b, 0]):
+                h = levels[b, j] // t
+                _take(h, levels[b, j] - h * t, g_n, d, p, v, mass, oacc)
+                count[h] += 1
+        else:
+            for h in range(hkv):
+                for j in range(n_level[b, h]):
+                    _take(h, levels[b, h * t + j], g_n, d, p, v, mass, oacc)
+                count[h] = n_level[b, h]
+        _write_oracle_metrics(b, r, t, hkv, g_n, d, mass, oacc, o, vmax1, count, metrics_out)
+        if layer_scope:
             # held after the step: the kept past tokens plus the new ones, within budget * Hkv in total
-            spare = budgets[b] * hkv - taken
+            spare = budgets[b] * hkv - n_level[b, 0]
             for h in range(hkv):
                 slots_out[b, r, h] = count[h] + (1 if h < spare else 0)
-    else:
-        for b in range(nb):
-            target = min(budgets[b], t)
-            for h in range(hkv):
-                while count[h] < target:
-                    _take(h, pos_of[orders[h * kh + count[h]]], g_n, d, p, v, mass, oacc)
-                    count[h] += 1
-            _write_oracle_metrics(b, r, t, hkv, g_n, d, mass, oacc, o, vmax1, count, metrics_out)
+        else:
             for h in range(hkv):
                 slots_out[b, r, h] = min(count[h] + 1, budgets[b])   # held after the step
 
