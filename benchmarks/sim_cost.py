@@ -139,18 +139,17 @@ def _record_and_families(model, seg, P: int, name: str, cands, configs) -> tuple
     """Seconds to record the window's teacher-forced trace (the part of ``simulate_seconds`` that is the model's),
     and on that trace each family's cells replayed in one pass (`sim.replay.cells`): seconds and cells, where the
     simulate stage's time goes."""
+    from gpu_validate.studies.fidelity.segments import record_segment
     from policies.core.base import reconstruction_chunk
     from sim.replay.layer_inputs import load_layers
     from sim.replay.cells import replay_cells
     from traces.format import load_trace
-    from traces.recorder import record_trace
 
     family = {c.label: c.family for c in cands}
     with tempfile.TemporaryDirectory(prefix="kvsim-simcost-") as tmp:
         t0 = time.perf_counter()
-        record_trace(model, list(seg.ids), Path(tmp) / "t", n_prompt=P, n_decode=len(seg.ids) - P,
-                     teacher_forced=True, single_pass=True, progress=False, model_id=name,
-                     reconstruction_chunk=reconstruction_chunk([p for p, _ in configs]))
+        record_segment(model, seg, Path(tmp) / "t", n_prompt=P, model_id=name,
+                       reconstruction_chunk=reconstruction_chunk([p for p, _ in configs]))
         record = time.perf_counter() - t0
         trace = load_trace(Path(tmp) / "t")
         inputs = load_layers(trace)

@@ -164,3 +164,36 @@ def test_chunked_pass_closed_loop_equals_simulator(tmp_path):
     for spec in ("kvzip:chunk_size=8", "kvzip:chunk_size=8,layerwise=true", "critical(kvzip:chunk_size=8)"):
         out = kept_set_agreement(model, trace, parse_policy(spec), 10, 12)
         assert out["kept_agreement"] == 1.0, spec
+
+
+def test_recorder_hands_its_prompt_cache_to_the_pass(tmp_path, monkeypatch):
+    """When the recorder's prompt forwards are the pass's own (default chunks ending at the prompt's end), the pass
+    starts from the recorder's cache instead of feeding the prompt again, and stores the same arrays bit for bit."""
+    import torch
+
+    import traces.recorder as recorder
+    from tests.random_models import random_llama
+    from traces.hf.reconstruction_pass import run_reconstruction
+
+    handed = []
+
+    def spy(*args, **kwargs):
+        handed.append(kwargs.get("prompt_cache") is not None)
+        return run_reconstruction(*args, **kwargs)
+
+    monkeypatch.setattr(recorder, "run_reconstruction", spy)
+    model = random_llama()
+    ids = torch.randint(0, 101, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    for single_pass, reuses in ((False, True), (True, False)):   # 24 is not a multiple of the 512-token chunk
+        out = tmp_path / f"t{single_pass}"
+        recorder.record_trace(model, ids, out, n_prompt=24, n_decode=16, teacher_forced=True,
+                              single_pass=single_pass, progress=False, reconstruction_chunk=8)
+        assert handed[-1] is reuses
+        trace = load_trace(out)
+        layers = list(range(trace.meta.model.n_layers))
+        with torch.no_grad():
+            fresh = run_reconstruction(model, ids[:24], trace.meta.reconstruction, layers)
+        for layer in layers:
+            _, rq, rk = trace.reconstruction(layer)
+            np.testing.assert_array_equal(rq, fresh[layer][0])
+            np.testing.assert_array_equal(rk, fresh[layer][1])

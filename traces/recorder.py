@@ -78,9 +78,10 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
     next-token NLL and top-1 out of the tokens table (NaN and -1, as position 0's): the LM head then runs only on
     the positions that predict decoded tokens (Gemma-3's 262 k-token head is most of its forward's FLOPs).
     ``reconstruction_chunk`` (``kvsim record --kvzip``) also runs KVzip's context-reconstruction pass over the
-    prompt in chunks of that many tokens and stores its queries and keys (``traces.reconstruction``; it costs one
-    more forward over the prompt and one over its ~P repeat tokens, and (Hq + Hkv) * d values per repeat token
-    and layer, about as much as the prompt's q and k).
+    prompt in chunks of that many tokens and stores its queries and keys (``traces.reconstruction``; it costs a
+    forward over its ~P repeat tokens, and one more over the prompt unless the prompt went through in the default
+    chunks, whose cache it then starts from; and (Hq + Hkv) * d values per repeat token and layer, about as much
+    as the prompt's q and k).
     """
     import torch
 
@@ -116,9 +117,10 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
         cap = Capture(layer_ids, kv, group, np.dtype(dtype), total, Path(spill))
         try:
             with torch.no_grad(), capturing(model, cap):
-                fed, nll, top1, used_chunk = _run_model(model, ids, n_prompt=n_prompt, total=total,
-                                                        teacher_forced=teacher_forced, single_pass=single_pass,
-                                                        chunk=chunk, progress=progress, prompt_scores=prompt_scores)
+                fed, nll, top1, used_chunk, prompt_cache = _run_model(
+                    model, ids, n_prompt=n_prompt, total=total, teacher_forced=teacher_forced,
+                    single_pass=single_pass, chunk=chunk, progress=progress, prompt_scores=prompt_scores,
+                    keep_prompt_cache=bool(reconstruction_chunk))
             meta, tokens = _describe(model, cap, shape, layer_ids, kv, group, fed, nll, top1, n_prompt=n_prompt,
                                      dtype=dtype, model_id=model_id, source=source, teacher_forced=teacher_forced,
                                      single_pass=single_pass, chunk=used_chunk, tokenizer=tokenizer)
@@ -126,7 +128,8 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
             if reconstruction_chunk:
                 plan = plan_for(model, ids[:n_prompt], int(reconstruction_chunk), tokenizer)
                 recon = run_reconstruction(model, ids[:n_prompt], plan, layer_ids, q_heads=cap.q_heads, kv_heads=kv,
-                                           dtype=np.dtype(dtype))
+                                           dtype=np.dtype(dtype), prompt_cache=prompt_cache)
+                del prompt_cache
                 meta = replace(meta, reconstruction=plan)
             tolerance = default_tolerance(dtype, str(next(model.parameters()).dtype)) if tol is None else tol
             faith = _check_and_write(model, cap, meta, tokens, out_dir, tolerance=tolerance, overwrite=overwrite,
@@ -138,12 +141,17 @@ def record_trace(model, token_ids: Sequence[int], out_dir: str | Path, *, n_prom
 
 
 def _run_model(model, ids: list[int], *, n_prompt: int, total: int, teacher_forced: bool, single_pass: bool,
-               chunk: int | None, progress: bool, prompt_scores: bool = True
-               ) -> tuple[list[int], list[float], list[int], int]:
+               chunk: int | None, progress: bool, prompt_scores: bool = True, keep_prompt_cache: bool = False
+               ) -> tuple[list[int], list[float], list[int], int, Any]:
     """Feed the prompt (with ``single_pass`` the whole teacher-forced text) in chunks, then decode token by
     token on the same cache (`traces.hf.forward.CachedForward`); returns the fed tokens, each position's NLL and
-    top-1 (NaN / -1 at position 0, and at every prompt position without ``prompt_scores``) and the chunk used.
+    top-1 (NaN / -1 at position 0, and at every prompt position without ``prompt_scores``), the chunk used, and
+    with ``keep_prompt_cache`` a copy of the model's cache after the prompt when it is the one KVzip's reconstruction
+    pass would build (`traces.hf.reconstruction_pass.run_reconstruction`: the prompt in ``DEFAULT_CHUNK``-token
+    forwards, so a chunk must end at the prompt's end; else None, and the pass feeds the prompt again).
     The LM head runs only on the rows whose predictions are read (and each chunk's last, for the next token)."""
+    import copy
+
     import torch
 
     fwd = CachedForward(model)
@@ -151,6 +159,8 @@ def _run_model(model, ids: list[int], *, n_prompt: int, total: int, teacher_forc
     first = total if single_pass else n_prompt
     fed: list[int] = list(ids[:first])
     nll, top1 = [math.nan], [-1]          # position 0 has no context; position p >= 1 is predicted by p - 1
+    prompt_cache = None
+    snapshot = keep_prompt_cache and chunk == DEFAULT_CHUNK and (n_prompt == first or n_prompt % chunk == 0)
 
     def read(c0: int, c1: int) -> tuple[int, int]:
         """The rows [lo, hi) of chunk [c0, c1) whose predictions are scored: those of a fed token (hi), less the
@@ -170,6 +180,8 @@ def _run_model(model, ids: list[int], *, n_prompt: int, total: int, teacher_forc
             nll.extend(got_nll)
             top1.extend(got_top1)
             last = torch.log_softmax(logits[0, -1].float(), dim=-1)
+            if snapshot and c1 == n_prompt:
+                prompt_cache = copy.deepcopy(fwd.past)
             bar.update(c1 - c0)
         for step in range(total - first):
             tok = ids[n_prompt + step] if teacher_forced else int(last.argmax())
@@ -178,7 +190,7 @@ def _run_model(model, ids: list[int], *, n_prompt: int, total: int, teacher_forc
             fed.append(tok)
             last = torch.log_softmax(fwd([tok])[0, -1].float(), dim=-1)
             bar.update(1)
-    return fed, nll, top1, chunk
+    return fed, nll, top1, chunk, prompt_cache
 
 
 #: logits rows turned into float32 log-probabilities at a time (a 262 k-token vocabulary never makes a whole chunk's)

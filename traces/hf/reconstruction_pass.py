@@ -5,8 +5,9 @@ The prompt goes through the model with its own cache (``CachedForward``, in chun
 (``traces.reconstruction``) is fed after a copy of that cache, with the model's own attention routed through a
 handler that keeps, per layer, the post-RoPE queries and keys of the repeat tokens; the copy is dropped, so every
 chunk rereads the prompt's cache alone (kvpress truncates the cache back to the context after each chunk; a copy
-also restores a sliding layer's window, which a truncation cannot). Cost: one more forward over the prompt plus
-one over its R ~ P repeat tokens; the arrays kept are R x (Hq + Hkv) x d per layer.
+also restores a sliding layer's window, which a truncation cannot). Cost: one more forward over the prompt (none
+when the recorder hands over its own cache after the prompt) plus one over its R ~ P repeat tokens; the arrays kept
+are R x (Hq + Hkv) x d per layer.
 """
 from __future__ import annotations
 
@@ -49,11 +50,15 @@ def plan_for(model, prompt_ids: Sequence[int], chunk_size: int, tokenizer: Any =
 
 def run_reconstruction(model, prompt_ids: Sequence[int], plan: ReconstructionPlan, layers: Sequence[int],
                        q_heads: Sequence[int] | None = None, kv_heads: Sequence[int] | None = None,
-                       dtype: Any = np.float32) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                       dtype: Any = np.float32, prompt_cache: Any = None
+                       ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Run the pass (module docstring) and return, for each of ``layers``, (recon_q [R, Hq', d], recon_k
     [R, Hkv', d], recon_h [R] or None) of the chosen query and KV heads (all by default), post-RoPE, in ``dtype``; recon_h is
     the L2 norm of each repeat token's hidden state as the attention module receives it (after the layer's input
-    norm), float32: KVzip+ divides each repeat query's attention by it (kvpress ``kvzip_plus_normalization``)."""
+    norm), float32: KVzip+ divides each repeat query's attention by it (kvpress ``kvzip_plus_normalization``).
+    ``prompt_cache``: the model's cache after exactly these prompt tokens, fed in ``DEFAULT_CHUNK``-token forwards
+    by the model's own attention (the recorder's, which has just fed them so): the prompt's forward is then not
+    run again (the cache is only copied, never changed)."""
     import torch
 
     wanted = set(int(x) for x in layers)
@@ -86,10 +91,12 @@ def run_reconstruction(model, prompt_ids: Sequence[int], plan: ReconstructionPla
                for l in wanted if (m := _attention_module(model, l)) is not None]
     try:
         with torch.no_grad(), routed(model, keep):
-            ids = torch.tensor([[int(x) for x in prompt_ids]], device=fwd.device)
-            for _ in fwd.chunks(ids, DEFAULT_CHUNK):
-                pass
-            prompt_cache, rereading = fwd.past, True
+            if prompt_cache is None:
+                ids = torch.tensor([[int(x) for x in prompt_ids]], device=fwd.device)
+                for _ in fwd.chunks(ids, DEFAULT_CHUNK):
+                    pass
+                prompt_cache = fwd.past
+            rereading = True
             for c in plan.chunks:
                 fwd.past = copy.deepcopy(prompt_cache)
                 fwd(list(c.ids))

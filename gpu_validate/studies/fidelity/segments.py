@@ -238,9 +238,7 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
             path = Path(trace_dir or tmp) / _trace_name(model_id, seg, n_prompt, chunk)
             if not (path / "manifest.json").is_file():     # a trace folder is renamed into place when complete
                 bar.set_postfix_str(f"segment {si + 1}/{len(segments)}: recording")
-                record_trace(model, list(seg.ids), path, n_prompt=n_prompt, n_decode=len(seg.ids) - n_prompt,
-                             teacher_forced=True, single_pass=True, progress=False, model_id=model_id,
-                             reconstruction_chunk=chunk)
+                record_segment(model, seg, path, n_prompt=n_prompt, model_id=model_id, reconstruction_chunk=chunk)
             trace = load_trace(path)
             bar.set_postfix_str(f"segment {si + 1}/{len(segments)}")
             seg_rows = _segment_rows(trace, load_layers(trace), seg, configs, keys, want_wo, _Ticker(bar), threads)
@@ -248,6 +246,16 @@ def simulated(model, segments: Sequence[Segment], configs: Sequence[tuple[Policy
                 store.add([{**r, "model": model_id} for r in seg_rows])
             rows += seg_rows
     return rows
+
+
+def record_segment(model, seg: Segment, path: str | Path, *, n_prompt: int, model_id: str,
+                   reconstruction_chunk: int | None) -> None:
+    """The teacher-forced trace `simulated` replays a segment on: its text in one causal pass, KVzip's
+    reconstruction pass where a configuration needs it, and no prompt-position predictions (nothing reads them;
+    the LM head then runs on the decoded positions alone)."""
+    record_trace(model, list(seg.ids), path, n_prompt=n_prompt, n_decode=len(seg.ids) - n_prompt,
+                 teacher_forced=True, single_pass=True, progress=False, model_id=model_id, prompt_scores=False,
+                 reconstruction_chunk=reconstruction_chunk)
 
 
 class _Ticker:
