@@ -8,12 +8,14 @@ merged layer groups, `sim.replay.layer_groups`) builds the same object without i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import pandas as pd
 
 from sim.replay.metrics import NAMES, summarise
+
+if TYPE_CHECKING:
+    import pandas as pd     # imported where a table is built: a replay alone (`kvsim replay`) does not load it (0.3 s)
 
 #: bytes per cached element on the GPU the memory figures model (fp16/bf16 caches)
 KV_ELEMENT_BYTES = 2
@@ -82,6 +84,8 @@ class ReplayResult:
 
     def per_head(self) -> pd.DataFrame:
         """Metric means per (layer, query head)."""
+        import pandas as pd
+
         L, _, hq, _ = self.metrics.shape
         means = self.metrics.mean(axis=1)
         rows = {"layer": np.repeat(self.layer_index, hq), "head": np.tile(np.arange(hq), L)}
@@ -90,6 +94,8 @@ class ReplayResult:
 
     def per_step(self) -> pd.DataFrame:
         """Metric means over layers and heads per measured step."""
+        import pandas as pd
+
         means = self.metrics.mean(axis=(0, 2))
         df = pd.DataFrame({name: means[:, i] for i, name in enumerate(NAMES)})
         df.insert(0, "position", self.steps)
