@@ -160,7 +160,7 @@ def _run_model(model, ids: list[int], *, n_prompt: int, total: int, teacher_forc
     fed: list[int] = list(ids[:first])
     nll, top1 = [math.nan], [-1]          # position 0 has no context; position p >= 1 is predicted by p - 1
     prompt_cache = None
-    snapshot = keep_prompt_cache and chunk == DEFAULT_CHUNK and (n_prompt == first or n_prompt % chunk == 0)
+    snapshot = keep_prompt_cache and chunk == DEFAULT_CHUNK       # the pass's own chunks, where one ends at n_prompt
 
     def read(c0: int, c1: int) -> tuple[int, int]:
         """The rows [lo, hi) of chunk [c0, c1) whose predictions are scored: those of a fed token (hi), less the
