@@ -320,7 +320,7 @@ def closed_loop_step(sizes: Sizes, device: str) -> dict[str, Any]:
         return {"rows": len(batch), "decode_seconds": seconds,
                 "tokens_per_s_per_configuration": len(batch) * (n - 1) / seconds,
                 "info": {k: res[0].extra.get(k) for k in ("cuda_graph", "cuda_graph_fallback", "host_round_trips",
-                                                          "host_step_seconds")}}
+                                                          "host_step_seconds", "host_phase_seconds")}}
 
     out: dict[str, Any] = {"model": "llama3-8b-shaped-4l", "prompt_tokens": P, "decode_tokens": n,
                            "configurations": [j.policy.label() + f"@{j.budget}" for j in jobs]}

@@ -17,9 +17,10 @@ run, one thread: on the real models, and projected to 8 B geometries.
   on kvsim's Triton cache, on the GPU that check ran on, scaled to the geometry's layers) and, as a floor, the H100's roofline; the prices are stated assumptions
   (`PRICES`).
 
-Writes benchmarks/results/sim_cost.json (stages merge into it, so ``--only`` reruns one part).
+Writes benchmarks/results/sim_cost.json (stages merge into it, so ``--only`` reruns one part; ``--only gpu-side``
+re-derives the 8 B geometries' closed-loop side and comparison from a newer GPU check, the replays kept).
 
-    python -m benchmarks.sim_cost [--only models|scale|recommend] [--models smollm2-135m,gemma3-270m]
+    python -m benchmarks.sim_cost [--only models|scale|recommend|gpu-side] [--models smollm2-135m,gemma3-270m]
                                   [--geometry llama3-8b,qwen3-8b] [--recommend]
 """
 from __future__ import annotations
@@ -307,8 +308,10 @@ def compare(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("models", "scale", "recommend"), default=None,
-                    help="one part (recommend: only the end-to-end recommend runs, merged into the models' entries)")
+    ap.add_argument("--only", choices=("models", "scale", "recommend", "gpu-side"), default=None,
+                    help="one part (recommend: only the end-to-end recommend runs, merged into the models' entries; "
+                         "gpu-side: the scale entries' closed loop and comparison from the current gpu_check.json, "
+                         "their replays kept)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--geometry", default=",".join(GEOMETRIES))
     ap.add_argument("--recommend", action="store_true", help="also time kvsim recommend end to end (minutes)")
@@ -351,14 +354,24 @@ def main(argv: list[str] | None = None) -> int:
                         None)
             out["scale"][geometry] = scale_costs(geometry, done)
             _save(out, path, argv)
+    if args.only == "gpu-side":
+        for geometry, entry in out["scale"].items():
+            for P, ctx in entry["contexts"].items():
+                ctx["closed_loop"] = closed_loop_8b(geometry, int(P))
+                ctx["comparison"] = compare(ctx)
+            print(f"{geometry}: closed loop from {ctx['closed_loop']['source'][:60]}...", flush=True)
+        _save(out, path, argv, timed_here=False)
     return 0
 
 
-def _save(out: dict[str, Any], path: Path, argv: list[str] | None) -> None:
+def _save(out: dict[str, Any], path: Path, argv: list[str] | None, timed_here: bool = True) -> None:
+    """Write the JSON; ``machine`` is this machine's only when this run timed something on it (``timed_here``)."""
     from sim.reports.runinfo import kvsim_version, now
 
-    out.update(benchmark="sim_cost", prices=PRICES, h100=H100, machine=machine(), kvsim=kvsim_version(), date=now(),
+    out.update(benchmark="sim_cost", prices=PRICES, h100=H100, kvsim=kvsim_version(), date=now(),
                command="python -m benchmarks.sim_cost " + " ".join(argv if argv is not None else sys.argv[1:]))
+    if timed_here or "machine" not in out:
+        out["machine"] = machine()
     write_result("sim_cost", out)
 
 

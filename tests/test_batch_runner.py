@@ -68,6 +68,9 @@ def test_every_policy_batched_equals_one_at_a_time(llama):
             job.prompt, continuation=job.continuation)
         assert got.extra["batch_rows"] > 1
         _same(got, solo)
+    phases = batched[0].extra["host_phase_seconds"]           # the host time's split covers all of it
+    assert set(phases) == {"inputs", "policy_steps", "compaction"} and min(phases.values()) >= 0
+    assert sum(phases.values()) == pytest.approx(batched[0].extra["host_step_seconds"], rel=1e-9, abs=1e-12)
 
 
 def test_greedy_batch_with_logit_scaled_and_mixed_policies(llama):

@@ -319,10 +319,10 @@ class BatchRunner(PromptLoading):
 
     def run_info(self) -> dict:
         """How the decode steps ran: CUDA graph or eager (and why), one host round trip per step or per layer,
-        host seconds of the policy steps."""
+        host seconds of the policy steps and where they went (`DecodeSteps.phase_seconds`)."""
         graph = self.graph.info() if self.graph else {"cuda_graph": False, "cuda_graph_fallback": "no decode step"}
         return {**graph, "host_round_trips": "per step" if self.steps_after_forward else "per layer",
-                "host_step_seconds": self.steps.host_seconds}
+                "host_step_seconds": self.steps.host_seconds, "host_phase_seconds": dict(self.steps.phase_seconds)}
 
     def _record(self, rows: list[_Row], logits: torch.Tensor, r: int) -> None:
         """Store prediction r of every row (argmax, NLL of the teacher-forced token, logits if asked)."""

@@ -132,6 +132,9 @@ class DecodeSteps:
         self._no_probs32 = np.zeros((0, 1, 1), np.float32)                        # probabilities given as float64
         self._pool = _pool(threads)
         self.host_seconds = 0.0      # wall time of `step`, for the runner's profile
+        #: where that time went: reading what the steps read (on a device cache: the copy, which waits for the
+        #: forward), the policy steps on the threads, the compaction (decisions copied to the device, one launch)
+        self.phase_seconds = {"inputs": 0.0, "policy_steps": 0.0, "compaction": 0.0}
 
     # ----- set-up -----
     def _plan(self, layer: int, caps: list[int]) -> LayerPlan:
@@ -230,6 +233,7 @@ class DecodeSteps:
             inputs = {layer: self._host_inputs(layer, summed.get(layer)) for layer in layers}
         else:
             inputs = self._device_inputs(layers, summed)
+        t1 = time.perf_counter()
 
         def run(task: tuple[int, int]) -> int:
             layer, ci = task
@@ -250,9 +254,13 @@ class DecodeSteps:
         evicting = [layer for layer, e in zip(layers, flags[:, 1].tolist()) if e]
         self.held[:, layers] = outs[:, :, 2].T
         self._record(layers, t)
+        t2 = time.perf_counter()
         if evicting and not self.host:
             self._compact(evicting)
-        self.host_seconds += time.perf_counter() - t0
+        t3 = time.perf_counter()
+        for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2)):
+            self.phase_seconds[phase] += seconds
+        self.host_seconds += t3 - t0
         return deviated
 
     def _host_inputs(self, layer: int, summed: np.ndarray | None) -> tuple:
