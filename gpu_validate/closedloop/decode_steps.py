@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from numba import typed, types
 
-from gpu_validate.closedloop.host_steps import flatten_masks, step_layer, unflatten
+from gpu_validate.closedloop.host_steps import flatten_keep, flatten_merges, step_layer, unflatten
 from gpu_validate.kvcache.kernels.kernel_errors import CacheCapacityError
 from policies.core.base import STEP_SIG
 from sim.replay.contract import raise_on
@@ -88,10 +88,12 @@ def _pool(n: int) -> ThreadPoolExecutor | None:
     return _POOLS[n]
 
 
-def _chunks(n: int, k: int) -> list[tuple[int, int]]:
-    """``range(n)`` cut into ``k`` contiguous (start, stop) pieces of near-equal size."""
-    edges = np.linspace(0, n, k + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+def _chunks(n: int, k: int) -> list[np.ndarray]:
+    """``range(n)`` dealt into ``min(n, k)`` chunks of rows, round robin (chunk c holds rows c, c + k, ...): a batch
+    lists its configurations policy by policy, and a policy's step costs the same in each of its rows (SnapKV's
+    sliding window, Ada-SnapKV's allocation: 10-40x PyramidKV's per row), so dealt rows balance the threads that
+    contiguous pieces would leave waiting on the costliest policy's chunk."""
+    return [np.arange(c, n, k, dtype=np.int64) for c in range(min(n, k))]
 
 
 def _list(items: Sequence[Any], item_type: Any = None):
@@ -131,6 +133,8 @@ class DecodeSteps:
         self._no_flat = (np.zeros((1, 1), np.float32), np.zeros(0, np.int64))   # probabilities given padded
         self._no_probs32 = np.zeros((0, 1, 1), np.float32)                        # probabilities given as float64
         self._pool = _pool(threads)
+        self._keep_flat: np.ndarray | None = None     # `_compact`'s flat keep mask, and the layers it last wrote
+        self._written: list[int] = []
         self.host_seconds = 0.0      # wall time of `step`, for the runner's profile
         #: where that time went: reading what the steps read (on a device cache: the copy, which waits for the
         #: forward), the policy steps on the threads, the compaction (decisions copied to the device, one launch)
@@ -149,7 +153,10 @@ class DecodeSteps:
         decisions: dict[tuple, tuple] = {}
         scratch, dec = [], []
         zero_kv: dict[int, np.ndarray] = {}
-        chunk_of = [ci for ci, (b0, b1) in enumerate(self.chunks) for _ in range(b0, b1)]
+        chunk_of = [0] * len(self.rows)
+        for ci, members in enumerate(self.chunks):
+            for b in members:
+                chunk_of[b] = ci
         for b, cap in enumerate(caps):               # rows of one chunk step in turn and share their scratch
             if (chunk_of[b], cap) not in decisions:
                 decisions[chunk_of[b], cap] = (np.ones((H, cap), np.uint8), np.full((H, cap), -1, np.int64),
@@ -238,10 +245,10 @@ class DecodeSteps:
         def run(task: tuple[int, int]) -> int:
             layer, ci = task
             p, (lengths, probs, probs32, flat, keys, values, pos, masks) = self.plans[layer], inputs[layer]
-            b0, b1 = self.chunks[ci]
-            return step_layer(p.steps, p.rows, p.adaptive, p.bounded, p.views, p.row_p, b0, b1, layer, t, n_new,
-                              p.window, p.compressed, p.row_k, p.row_v, self.host, not self.host, lengths, probs,
-                              probs32, *flat, keys, values, pos, *masks, self._info[layer][ci], self._out[layer])
+            return step_layer(p.steps, p.rows, p.adaptive, p.bounded, p.views, p.row_p, self.chunks[ci], layer, t,
+                              n_new, p.window, p.compressed, p.row_k, p.row_v, self.host, not self.host, lengths,
+                              probs, probs32, *flat, keys, values, pos, *masks, self._info[layer][ci],
+                              self._out[layer])
 
         tasks = [(layer, ci) for layer in layers for ci in range(len(self.chunks))]
         failed = list(self._pool.map(run, tasks)) if self._pool and len(tasks) > 1 else [run(x) for x in tasks]
@@ -317,19 +324,30 @@ class DecodeSteps:
         return inputs
 
     def _compact(self, layers: Sequence[int]) -> None:
-        """One host-to-device copy of ``layers``' flat decisions and one compaction of the model's whole cache."""
+        """One host-to-device copy of ``layers``' flat decisions and one compaction of the model's whole cache. The
+        flat keep mask is the runner's own buffer, reset only where the last compaction wrote it (a fresh mask of
+        every layer's slots each step cost 2-3 ms at 16 rows of 8 KV heads and 1 100 slots over 4 layers, most of
+        it allocating); merges (D2O) are rare and build their arrays afresh."""
         group = self.runner.kv_group
         total = group.total_capacity
-        keep = np.ones(total, np.uint8)
-        merge_to = np.full(total, -1, np.int32)
-        merge_w = np.ones(total, np.float32)
+        if self._keep_flat is None or self._keep_flat.size != total:
+            self._keep_flat, self._written = np.ones(total, np.uint8), []
+        keep = self._keep_flat
+        for layer in self._written:
+            m = self.mirrors[layer]
+            keep[m.offset:m.offset + m.total] = 1
         merging = False
         for layer in layers:
             m = self.mirrors[layer]
-            merging |= flatten_masks(m.keep, m.merge_to, m.merge_w, m.start, m.capacity, m.offset, keep, merge_to,
-                                     merge_w)
+            merging |= flatten_keep(m.keep, m.merge_to, m.start, m.capacity, m.offset, keep)
+        self._written = list(layers)
         dev = group.device
         if merging:      # D2O-style merges: rare, three copies
+            merge_to = np.full(total, -1, np.int32)
+            merge_w = np.ones(total, np.float32)
+            for layer in layers:
+                m = self.mirrors[layer]
+                flatten_merges(m.merge_to, m.merge_w, m.start, m.capacity, m.offset, merge_to, merge_w)
             group.compact(torch.from_numpy(keep).to(dev), torch.from_numpy(merge_to).to(dev),
                           torch.from_numpy(merge_w).to(dev), check=False)
         else:

@@ -7,10 +7,10 @@ arrays when the row is as wide as the layer, else on contiguous copies of its wi
 the step against the contract (``sim.replay.contract``), applies the layer's window and compacts the row: the CPU's host
 cache in place (keys and values too, merges included), or the host's mirror of a device cache (positions, lengths, slot
 state), with the keep / merge decisions written out for the device's compaction. `unflatten` lays a device cache's flat
-per-slot rows out padded per head, `flatten_masks` gathers the padded decisions back into a device cache's flat layout,
-and `map_prompt_probs` spreads a prompt chunk's summed attention over every row's cached slots (the fast-forward,
-`gpu_validate.closedloop.prompt_loading`). Kept jitted and apart from the runner so that a step costs no interpreter
-time per row or slot.
+per-slot rows out padded per head, `flatten_keep` / `flatten_merges` gather the padded decisions back into a device
+cache's flat layout, and `map_prompt_probs` spreads a prompt chunk's summed attention over every row's cached slots
+(the fast-forward, `gpu_validate.closedloop.prompt_loading`). Kept jitted and apart from the runner so that a step
+costs no interpreter time per row or slot.
 """
 from __future__ import annotations
 
@@ -189,10 +189,10 @@ def _widen(src, dst, r0, r1):
 
 
 @njit(cache=True, nogil=True)
-def step_layer(steps, rows, adaptive, bounded, views, row_p, b0, b1, layer, t, n_new, window, compressed, read_k,
+def step_layer(steps, rows, adaptive, bounded, views, row_p, members, layer, t, n_new, window, compressed, read_k,
                read_v, kv_in_place, emit, lengths, probs, probs32, flat_probs, start, keys, values, pos, keep_all,
                mt_all, mw_all, info, out):
-    """The policy steps of rows b0 .. b1-1 on one layer. Row b's ``steps[b]`` (a first-class function of
+    """The policy steps of the rows ``members`` (in that order) on one layer. Row b's ``steps[b]`` (a first-class function of
     ``STEP_SIG``) runs with ``rows[b]`` = (params, budgets, slot state, head state, scratch, decisions): one typed
     list for the arrays, not one per field (numba types each typed-list argument through Python at every call, ~0.7
     µs a list). It steps on views of rows b*Hkv.. of the layer's padded host arrays when ``views[b]``, else on its
@@ -205,7 +205,7 @@ def step_layer(steps, rows, adaptive, bounded, views, row_p, b0, b1, layer, t, n
     ``out[b]``: (deviated, dropped, held). Returns -1, or the first row whose step broke the contract (its status
     in ``out[b, 0]``, the (step, head, value) in ``info``)."""
     H = lengths.shape[0] // len(rows)
-    for b in range(b0, b1):
+    for b in members:
         r0 = b * H
         params, budget, sst, head, scratch, decisions = rows[b]
         keep, merge_to, merge_w = decisions
@@ -253,19 +253,27 @@ def unflatten(flat, start, lengths, out, transpose):
 
 
 @njit(cache=True, nogil=True)
-def flatten_masks(keep_all, mt_all, mw_all, start, capacity, offset, keep, merge_to, merge_w):
-    """A layer's padded decisions (``keep_all`` / ``mt_all`` / ``mw_all`` [B*Hkv, W], as `row_post` emits them)
-    written into a device cache's flat arrays at ``offset + start[r] + i`` for each head's ``capacity[r]`` slots
-    (the compaction reads those below the head's length). Returns whether any slot merges."""
+def flatten_keep(keep_all, mt_all, start, capacity, offset, keep):
+    """A layer's padded keep decisions (``keep_all`` [B*Hkv, W], as `row_post` emits them) written into a device
+    cache's flat mask at ``offset + start[r] + i`` for each head's ``capacity[r]`` slots (the compaction reads those
+    below the head's length). Returns whether any slot merges (``mt_all`` >= 0): then `flatten_merges` too."""
     merging = False
     for r in range(capacity.shape[0]):
         s = offset + start[r]
         for i in range(capacity[r]):
             keep[s + i] = keep_all[r, i]
-            merge_to[s + i] = mt_all[r, i]
-            merge_w[s + i] = mw_all[r, i]
             merging |= mt_all[r, i] >= 0
     return merging
+
+
+@njit(cache=True, nogil=True)
+def flatten_merges(mt_all, mw_all, start, capacity, offset, merge_to, merge_w):
+    """`flatten_keep` for the merge targets and weights (``mt_all`` / ``mw_all``), where a step merges."""
+    for r in range(capacity.shape[0]):
+        s = offset + start[r]
+        for i in range(capacity[r]):
+            merge_to[s + i] = mt_all[r, i]
+            merge_w[s + i] = mw_all[r, i]
 
 
 @njit(cache=True, nogil=True)
