@@ -243,12 +243,14 @@ def sim_cost_section() -> str:
                    f"buys " + "; ".join(
                        f"{fmt(min(r[8] for r in rows if r[1] == t))}-{fmt(max(r[8] for r in rows if r[1] == t))} "
                        f"simulated configurations at {t}" for t in dict.fromkeys(r[1] for r in rows)) + ".\n")
+        measured = sorted({f"{r[3]} at {r[1]}" for r in rows if r[8] < 1})
         below = sorted({f"{r[3]} at {r[1]}" for r in rows if r[11] < 1})
-        if below:
-            out.append(f"\nWhere simulating first does not pay: against a closed loop at the H100's roofline, one "
-                       f"configuration of {', '.join(below)} costs more to simulate on a CPU core than to run in the "
-                       f"model. Ray spreads the cells over a cluster's cores: the wall time divides by the cores, the "
-                       f"machine cost does not.\n")
+        if measured or below:
+            said = [f"against the measured closed loop, one configuration of {', '.join(measured)}"] if measured else []
+            said += [f"against a closed loop at the H100's roofline, {', '.join(below)}"] if below else []
+            out.append(f"\nWhere simulating first does not pay (machine cost): {'; '.join(said)} costs more to "
+                       f"simulate on a CPU core than to run in the model. Ray spreads the cells over a cluster's "
+                       f"cores: the wall time divides by the cores, the machine cost does not.\n")
     out.append("\n" + measured_on(d, "sim_cost"))
     return "".join(out)
 
