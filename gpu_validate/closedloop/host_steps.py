@@ -192,18 +192,17 @@ def _widen(src, dst, r0, r1):
 def step_layer(steps, rows, adaptive, bounded, views, row_p, members, layer, t, n_new, window, compressed, read_k,
                read_v, kv_in_place, emit, lengths, probs, probs32, flat_probs, start, keys, values, pos, keep_all,
                mt_all, mw_all, info, out):
-    """The policy steps of the rows ``members`` (in that order) on one layer. Row b's ``steps[b]`` (a first-class function of
-    ``STEP_SIG``) runs with ``rows[b]`` = (params, budgets, slot state, head state, scratch, decisions): one typed
-    list for the arrays, not one per field (numba types each typed-list argument through Python at every call, ~0.7
-    µs a list). It steps on views of rows b*Hkv.. of the layer's padded host arrays when ``views[b]``, else on its
-    own scratch (lengths, probs, keys, values, positions of its width, filled by `row_prep`, which copies keys /
-    values only where the row's policy reads them, ``read_k[b]`` / ``read_v[b]``, and reads the probabilities from
-    the flat ``flat_probs`` where ``start`` is not empty), with its decision arrays (keep, merge_to, merge_w); then
-    `row_post`. Where ``probs32`` is not empty (the host cache's float32 probabilities, [B*Hkv, G, W]), the rows
-    whose policy reads them (``row_p[b]``) first widen theirs into ``probs``: here, row by row, instead of one
-    torch conversion of the whole layer.
-    ``out[b]``: (deviated, dropped, held). Returns -1, or the first row whose step broke the contract (its status
-    in ``out[b, 0]``, the (step, head, value) in ``info``)."""
+    """The policy steps of the rows ``members`` (in that order) on one layer. Row b's ``steps[b]`` (a first-class
+    function of ``STEP_SIG``) runs with ``rows[b]`` = (params, budgets, slot state, head state, scratch, decisions):
+    one typed list for the arrays, not one per field (numba types each typed-list argument through Python at every
+    call, ~0.7 µs a list). It steps on views of rows b*Hkv.. of the layer's padded host arrays when ``views[b]``,
+    else on its own scratch (lengths, probs, keys, values, positions of its width, filled by `row_prep`, which
+    copies keys / values only where the row's policy reads them, ``read_k[b]`` / ``read_v[b]``, and reads the
+    probabilities from the flat ``flat_probs`` where ``start`` is not empty), with its decision arrays (keep,
+    merge_to, merge_w); then `row_post`. Where ``probs32`` is not empty (the host cache's float32 probabilities,
+    [B*Hkv, G, W]), the rows whose policy reads them (``row_p[b]``) first widen theirs into ``probs``: here, row by
+    row, instead of one torch conversion of the whole layer. ``out[b]``: (deviated, dropped, held). Returns -1, or
+    the first row whose step broke the contract (its status in ``out[b, 0]``, the (step, head, value) in ``info``)."""
     H = lengths.shape[0] // len(rows)
     for b in members:
         r0 = b * H
