@@ -86,7 +86,7 @@ class Sizes:
 
 GPU = Sizes((8192, 32768), 32, 1024, 2048, 32, (512, 640, 768, 1024), KERNEL_TESTS, ("--quick",), 150, toy=False,
             warmup_tokens=12)
-DRY = Sizes((64,), 6, 16, 40, 4, (8, 10, 12, 16), ("tests/test_kernels_cache.py",), ("--interpret-smoke",), 120,
+DRY = Sizes((64,), 4, 16, 40, 4, (8, 10, 12, 16), ("tests/test_kernels_cache.py",), ("--interpret-smoke",), 120,
             toy=True, warmup_tokens=2)
 
 

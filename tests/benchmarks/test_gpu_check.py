@@ -56,13 +56,14 @@ def test_the_test_files_it_runs_on_the_device_exist():
 def test_resume_keeps_what_a_previous_run_did(tmp_path):
     """--resume reruns nothing a previous run of the same JSON finished: its steps and generate rows are kept."""
     out = tmp_path / "gpu_check.json"
-    done = {"steps": {"kernel_benchmark": {"ok": True, "marker": 1}, "kernel_tests": {"ok": False}}}
+    # the kept step is the slower one (a pytest run), the rerun one the kernel benchmark's interpreted smoke run
+    done = {"steps": {"kernel_tests": {"ok": True, "marker": 1}, "kernel_benchmark": {"ok": False}}}
     out.write_text(json.dumps(done))
-    assert gpu_check.main(["--dry-run", "--out", str(out), "--steps", "kernel_benchmark", "kernel_tests",
+    assert gpu_check.main(["--dry-run", "--out", str(out), "--steps", "kernel_tests", "kernel_benchmark",
                            "--resume"]) == 0
     report = json.loads(out.read_text())
-    assert report["steps"]["kernel_benchmark"]["marker"] == 1          # kept
-    assert report["steps"]["kernel_tests"]["ok"]                       # the failed one rerun
+    assert report["steps"]["kernel_tests"]["marker"] == 1              # kept
+    assert report["steps"]["kernel_benchmark"]["ok"]                   # the failed one rerun
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
