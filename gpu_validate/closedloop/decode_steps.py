@@ -325,9 +325,10 @@ class DecodeSteps:
 
     def _compact(self, layers: Sequence[int]) -> None:
         """One host-to-device copy of ``layers``' flat decisions and one compaction of the model's whole cache. The
-        flat keep mask is the runner's own buffer, reset only where the last compaction wrote it (a fresh mask of
-        every layer's slots each step cost 2-3 ms at 16 rows of 8 KV heads and 1 100 slots over 4 layers, most of
-        it allocating); merges (D2O) are rare and build their arrays afresh."""
+        flat keep mask is the runner's own buffer, reset only where the last compaction wrote it (with three fresh
+        flat arrays a step, this phase took 2.3 ms a step on the H200 at 16 rows of 8 KV heads and 1 100 slots over
+        4 layers; its host side at that shape 4.2 -> 0.6 ms on the CPU); merges (D2O) are rare and build their
+        arrays afresh."""
         group = self.runner.kv_group
         total = group.total_capacity
         if self._keep_flat is None or self._keep_flat.size != total:
