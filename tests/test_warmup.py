@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from policies import get_policy
-from sim.replay.warmup import background_compile, compile_policies, wait_all
+from sim.replay.warmup import background_compile, compile_policies, compiling_meanwhile, wait_all
 
 
 def test_compile_policies_leaves_every_kernel_compiled():
@@ -18,3 +18,11 @@ def test_background_compile_splits_the_policies_over_processes():
     assert procs[0].args[-2:] == ["full", "random"] and procs[1].args[-1:] == ["window"]
     wait_all(procs)
     assert [p.returncode for p in procs] == [0, 0]
+
+
+def test_compiling_meanwhile_takes_the_names_last_first_and_stops_its_helpers():
+    with compiling_meanwhile(["full", "window", "full", "random"], processes=1) as procs:
+        assert len(procs) == 1 and procs[0].args[-4:] == ["--engine", "random", "window", "full"]
+    assert procs[0].returncode is not None          # finished or stopped when the block ended
+    with compiling_meanwhile(["full"], processes=0) as none:
+        assert none == []

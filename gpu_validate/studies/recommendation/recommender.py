@@ -17,6 +17,8 @@ from gpu_validate.studies.recommendation.recommend_search import (RACE, Executio
 from gpu_validate.studies.recommendation.recommend_statistics import conformal_rank
 from gpu_validate.studies.recommendation.retrieval import recommend_retrieval
 from gpu_validate.validate_error import ValidateError
+from sim.replay.threads import available_cores
+from sim.replay.warmup import compiling_meanwhile
 from traces.model import read_text
 from traces.models import load_model, model_id
 
@@ -46,7 +48,9 @@ def recommend_texts(model: str, texts: Sequence[str], target: str, *, out: str |
     guarantee (default `default_alpha`; a retrieval target's: its Clopper-Pearson level, default 1 - Φ(`MARGIN_Z`)),
     refused before any model run when the units cannot certify it. ``race``: the candidates simulated on every
     segment, the ``race`` best at some budget on the first (None: `RACE`; 0: all). The report also names the texts,
-    device, backend and ``model_spec``, the model as given here (what ``kvsim generate --model`` takes)."""
+    device, backend and ``model_spec``, the model as given here (what ``kvsim generate --model`` takes). On a machine
+    with more than one core, the candidates' numba kernels are compiled in helper processes while the model loads and
+    the first segment is simulated (`sim.replay.warmup.compiling_meanwhile`; a first run only)."""
     goal = Target.parse(target)
     cands = candidates(policies)
     ladder = budget_ladder(prompt_tokens, budgets)
@@ -56,22 +60,25 @@ def recommend_texts(model: str, texts: Sequence[str], target: str, *, out: str |
         raise ValidateError("--ray confirms text segments; a retrieval target runs its needle prompts here")
     if goal.name != "retrieval" and alpha is not None:      # a level the segments cannot certify: refused now
         conformal_rank(len(texts) * segments, alpha)
-    torch.set_grad_enabled(False)
-    device, backend = pick_device(device)
-    hf, tok = load_model(model, device=device, progress=progress)
-    if goal.name == "retrieval":
-        report = recommend_retrieval(hf, tok, {spec: read_text(spec)[0] for spec in texts}, cands, ladder, goal,
-                                     prompt_tokens=prompt_tokens, per_text=segments, model_id=model_id(model),
-                                     out=out, backend=backend, search=SearchSettings(validate=validate),
-                                     progress=progress, alpha=alpha)
+    # a first run compiles every candidate's kernels (~400 s of one core): spare cores compile them meanwhile
+    with compiling_meanwhile([c.policy.name for c in cands], available_cores() - 1):
+        torch.set_grad_enabled(False)
+        device, backend = pick_device(device)
+        hf, tok = load_model(model, device=device, progress=progress)
+        if goal.name == "retrieval":
+            report = recommend_retrieval(hf, tok, {spec: read_text(spec)[0] for spec in texts}, cands, ladder, goal,
+                                         prompt_tokens=prompt_tokens, per_text=segments, model_id=model_id(model),
+                                         out=out, backend=backend, search=SearchSettings(validate=validate),
+                                         progress=progress, alpha=alpha)
+            report.update(texts=list(texts), device=device, backend=backend, model_spec=model)
+            return report
+        # a spec names its segments
+        ids = {spec: tok(read_text(spec)[0], verbose=False)["input_ids"] for spec in texts}
+        segs = make_segments(ids, segments, prompt_tokens + decode_tokens)
+        ray = None if ray_address is None else RayTarget(ray_address, model, device, threads)
+        search = SearchSettings(validate=validate, race=RACE if race is None else (race or None))
+        report = recommend(hf, segs, cands, ladder, goal, n_prompt=prompt_tokens, model_id=model_id(model), out=out,
+                           search=search, guarantee=GuaranteeSettings(alpha=alpha),
+                           execution=ExecutionSettings(backend=backend, progress=progress, ray=ray))
         report.update(texts=list(texts), device=device, backend=backend, model_spec=model)
         return report
-    ids = {spec: tok(read_text(spec)[0], verbose=False)["input_ids"] for spec in texts}   # a spec names its segments
-    segs = make_segments(ids, segments, prompt_tokens + decode_tokens)
-    ray = None if ray_address is None else RayTarget(ray_address, model, device, threads)
-    search = SearchSettings(validate=validate, race=RACE if race is None else (race or None))
-    report = recommend(hf, segs, cands, ladder, goal, n_prompt=prompt_tokens, model_id=model_id(model), out=out,
-                       search=search, guarantee=GuaranteeSettings(alpha=alpha),
-                       execution=ExecutionSettings(backend=backend, progress=progress, ray=ray))
-    report.update(texts=list(texts), device=device, backend=backend, model_spec=model)
-    return report
