@@ -76,7 +76,7 @@ def compiling_meanwhile(names: Sequence[str], processes: int) -> Iterator[list[s
     """Run the block while ``processes`` helpers compile ``names`` (repeated names once), the engine first, the
     names from last to first: a block that needs them in the given order finds the later ones in numba's disk cache
     by the time it gets there, instead of compiling every one itself (a first ``kvsim recommend``: 126 candidates,
-    about 400 s of one core). With the kernels already cached the helpers only load them (~5 s of one core). On
+    about 400 s of one core). With the kernels already cached the helpers only load them (about 4 s of one core). On
     exit, helpers still running are stopped: what they finished stays cached (numba writes a cache entry whole),
     the rest the caller compiles when it needs it. ``processes`` < 1 starts none."""
     order = list(dict.fromkeys(names))[::-1]
