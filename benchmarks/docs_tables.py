@@ -199,6 +199,15 @@ def sim_cost_section() -> str:
         if dflt:
             out.append("".join(f" With the CLI's default threads (all {m['recommend_default_threads']['cores']} "
                                f"cores): " + _default_threads_run(m) for m in dflt) + "\n")
+        first = [(name, m["recommend_first_run"]) for name, m in models.items() if m.get("recommend_first_run")]
+        for name, f in first:
+            out.append(f"\nA first run on {name} after installing, from an empty numba cache (every candidate's "
+                       f"kernels compiled, helper processes doing part of it on the spare cores): `{f['command']}` "
+                       f"{fmt(f['seconds'])} s end to end (simulating {fmt(f['stage_seconds']['simulate'])} s), "
+                       f"peak resident memory {fmt(f['peak_rss_gb'])} GB (load {fmt(f['load'])}); the same command "
+                       f"right after, kernels cached: {fmt(f['then_cached']['seconds'])} s (simulating "
+                       f"{fmt(f['then_cached']['stage_seconds']['simulate'])} s), "
+                       f"{fmt(f['then_cached']['peak_rss_gb'])} GB.\n")
         for name, m in models.items():
             if m.get("families"):
                 fam = m["families"]

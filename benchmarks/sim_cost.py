@@ -168,28 +168,47 @@ def _record_and_families(model, seg, P: int, name: str, cands, configs) -> tuple
 RECOMMEND_THREADS = {"one": (1,), "default": (None,), "both": (1, None)}
 
 
-def recommend_run(name: str, threads: int | None = 1) -> dict[str, Any]:
+def recommend_run(name: str, threads: int | None = 1, **env: str) -> dict[str, Any]:
     """``kvsim recommend --segments 3 --target dnll=0.1`` end to end as a user runs it (its own process): wall
-    seconds, the closed-loop runs it made and its answer. ``threads=1``: one thread (``recommend_*``, beside the
-    one-thread simulate figures); ``None``: the CLI's default, every core this machine has
-    (``recommend_default_threads``)."""
+    seconds, the closed-loop runs it made, its answer and its peak resident memory. ``threads=1``: one thread
+    (``recommend_*``, beside the one-thread simulate figures); ``None``: the CLI's default, every core this machine
+    has (``recommend_default_threads``). ``env``: variables added to the user's environment."""
     with tempfile.TemporaryDirectory(prefix="kvsim-simcost-rec-") as tmp:
         args = ["recommend", "--model", name, "--segments", "3", "--target", "dnll=0.1",
                 *(["--threads", str(threads)] if threads else []), "--out", tmp, "--quiet"]
         load0 = load_avg()
+        rss = Path(tmp) / "rss"
         t0 = time.perf_counter()
-        proc = subprocess.run([*kvsim_command(), *args], env=user_env(), capture_output=True, text=True)
+        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(rss), *kvsim_command(), *args],
+                              env=user_env(**env), capture_output=True, text=True)
         seconds = time.perf_counter() - t0
         if proc.returncode != 0:
             raise RuntimeError(f"kvsim {' '.join(args)} failed: {proc.stderr[-3000:]}")
         rep = json.loads((Path(tmp) / "recommend.json").read_text())
+        peak_gb = int(rss.read_text().split()[-1]) / 1e6
     res = {"recommend_seconds": seconds, "recommend_command": "kvsim " + " ".join("OUT" if a == tmp else a for a in args),
            "recommend_model_runs": rep.get("model_runs"), "recommend_answer": rep.get("answer", {}).get("choice"),
-           "recommend_load": max(load0, load_avg()), "recommend_stage_seconds": rep.get("stage_seconds")}
+           "recommend_load": max(load0, load_avg()), "recommend_stage_seconds": rep.get("stage_seconds"),
+           "recommend_peak_rss_gb": peak_gb}
     if threads:
         return res
     return {"recommend_default_threads": {k.removeprefix("recommend_"): v for k, v in res.items()}
             | {"cores": os.cpu_count()}}
+
+
+def recommend_first_run(name: str) -> dict[str, Any]:
+    """A user's first ``kvsim recommend`` after installing, with the CLI's default threads: an empty numba cache
+    (``NUMBA_CACHE_DIR``: every candidate's kernels compiled, by the command and the helper processes it starts on
+    the spare cores, `sim.replay.warmup.compiling_meanwhile`), then the same command again on that cache."""
+    with tempfile.TemporaryDirectory(prefix="kvsim-simcost-numba-") as cache:
+        first, second = (recommend_run(name, None, NUMBA_CACHE_DIR=cache)["recommend_default_threads"]
+                         for _ in range(2))
+    return {"recommend_first_run": {"seconds": first["seconds"], "stage_seconds": first["stage_seconds"],
+                                    "peak_rss_gb": first["peak_rss_gb"], "load": first["load"],
+                                    "answer": first["answer"], "model_runs": first["model_runs"],
+                                    "then_cached": {k: second[k] for k in ("seconds", "stage_seconds",
+                                                                           "peak_rss_gb", "load", "answer")},
+                                    "command": first["command"], "cores": first["cores"]}}
 
 
 # ----- the 8 B geometries -----
@@ -308,8 +327,10 @@ def compare(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("models", "scale", "recommend", "gpu-side"), default=None,
+    ap.add_argument("--only", choices=("models", "scale", "recommend", "recommend-first-run", "gpu-side"),
+                    default=None,
                     help="one part (recommend: only the end-to-end recommend runs, merged into the models' entries; "
+                         "recommend-first-run: a first run from an empty numba cache and the run after it; "
                          "gpu-side: the scale entries' closed loop and comparison from the current gpu_check.json, "
                          "their replays kept)")
     ap.add_argument("--models", default=",".join(MODELS))
@@ -346,6 +367,14 @@ def main(argv: list[str] | None = None) -> int:
                 out["models"].setdefault(name, {}).update(res)
                 seconds = res["recommend_seconds"] if threads else res["recommend_default_threads"]["seconds"]
                 print(f"  threads {threads or 'default'}: {seconds:.0f} s", flush=True)
+            _save(out, path, argv)
+    if args.only == "recommend-first-run":
+        for name in filter(None, args.models.split(",")):
+            print(f"{name}: kvsim recommend from an empty numba cache, then again...", flush=True)
+            res = recommend_first_run(name)
+            out["models"].setdefault(name, {}).update(res)
+            first = res["recommend_first_run"]
+            print(f"  {first['seconds']:.0f} s, then {first['then_cached']['seconds']:.0f} s", flush=True)
             _save(out, path, argv)
     if args.only in (None, "scale"):
         for geometry in filter(None, args.geometry.split(",")):

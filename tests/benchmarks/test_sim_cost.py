@@ -35,7 +35,11 @@ def test_speed_page_section(monkeypatch):
              "recommend_load": 2.0, "recommend_default_threads": {"seconds": 460.0, "command": "kvsim recommend",
                                                                   "model_runs": 45, "load": 1.9, "cores": 2,
                                                                   "stage_seconds": {"simulate": 300.0, "search": 120.0,
-                                                                                    "certify": 20.0}}}
+                                                                                    "certify": 20.0}},
+             "recommend_first_run": {"seconds": 461.0, "stage_seconds": {"simulate": 256.0}, "peak_rss_gb": 5.7,
+                                     "load": 1.0, "command": "kvsim recommend",
+                                     "then_cached": {"seconds": 285.0, "stage_seconds": {"simulate": 101.0},
+                                                     "peak_rss_gb": 5.0}}}
     ctx = {"budget": 512, "per_cell": {"h2o": {"replay_seconds": 60.0, "trace_only_seconds": 1.0}},
            "closed_loop": {"measured_seconds": 100.0, "floor_seconds": 1.5, "source": "the check"}}
     ctx["comparison"] = sim_cost.compare(ctx)
@@ -48,5 +52,7 @@ def test_speed_page_section(monkeypatch):
     assert "$2.99 per GPU-hour" in text
     assert "`kvsim recommend --threads 1`: 700 s end to end" in text
     assert "default threads (all 2 cores): `kvsim recommend`: 460 s" in text
+    assert "from an empty numba cache" in text and "`kvsim recommend` 461 s end to end (simulating 256 s)" in text
+    assert "kernels cached: 285 s (simulating 101 s), 5 GB" in text
     assert "of which simulating 300 s, the search (its closed-loop runs, refinement included) 120 s, certifying 20 s" \
         in text
