@@ -107,6 +107,21 @@ def kvsim_command() -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", "sim.cli"]
 
 
+def timed(args: list[str], env: dict[str, str] | None = None, timeout: float = 7200) -> dict:
+    """Run ``kvsim ARGS`` under /usr/bin/time in ``env`` (default: a plain user shell, ``user_env()``): wall seconds,
+    peak RSS in GB and stdout; a failed run raises with its stderr's tail."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
+        cmd = ["/usr/bin/time", "-f", "%e %M", "-o", tf.name, *kvsim_command(), *args]
+        proc = subprocess.run(cmd, env=env or user_env(), capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"kvsim {' '.join(args)} failed: {proc.stderr[-3000:]}")
+        secs, kb = tf.read().split()[-2:]
+    return {"seconds": float(secs), "peak_rss_gb": int(kb) / 1e6, "stdout": proc.stdout}
+
+
 def cli_seconds(args: list[str], env: dict[str, str] | None = None) -> float:
     """Wall seconds of one ``kvsim ARGS`` run in ``env`` (default: a plain user shell, ``user_env()``)."""
     import subprocess

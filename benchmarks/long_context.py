@@ -24,14 +24,12 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from benchmarks._util import RESULTS, kvsim_command, machine, user_env, write_result
+from benchmarks._util import RESULTS, machine, timed, user_env, write_result
 
 TRACES = {
     "smollm2-135m": {"dir": "kvsim-out/long/smollm2-8k", "prompt": 7936, "decode": 256, "text": "long-default"},
@@ -47,17 +45,6 @@ CLOSED_LOOP = (("gemma3-270m", "snapkv", 2048, 1), ("smollm2-135m", "snapkv", 20
                ("smollm2-135m", "buzz", 2048, 1), ("smollm2-135m", "expected_attention", 2048, 1),
                ("smollm2-135m", "knorm", 2048, 1), ("smollm2-135m", "d2o", 2048, 512),
                ("gemma3-270m", "bumblebee", 2048, 1), ("gemma3-270m", "buzz", 2048, 1))
-
-
-def timed(args: list[str], env: dict[str, str] | None = None, timeout: float = 7200) -> dict:
-    """Run ``kvsim ARGS`` under /usr/bin/time: wall seconds, peak RSS in GB and stdout."""
-    with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
-        cmd = ["/usr/bin/time", "-f", "%e %M", "-o", tf.name, *kvsim_command(), *args]
-        proc = subprocess.run(cmd, env=env or user_env(), capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"kvsim {' '.join(args)} failed: {proc.stderr[-3000:]}")
-        secs, kb = tf.read().split()[-2:]
-    return {"seconds": float(secs), "peak_rss_gb": int(kb) / 1e6, "stdout": proc.stdout}
 
 
 def long_text(n_tokens: int, model: str) -> Path:

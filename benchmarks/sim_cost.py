@@ -28,14 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._util import RESULTS, kvsim_command, machine, user_env, write_result
+from benchmarks._util import RESULTS, machine, timed, user_env, write_result
 
 #: the real models' windows: prompt + scored tokens, the text and which window of it
 MODELS = {"smollm2-135m": {"prompt": 512, "decode": 128}, "gemma3-270m": {"prompt": 1024, "decode": 128}}
@@ -177,19 +176,13 @@ def recommend_run(name: str, threads: int | None = 1, **env: str) -> dict[str, A
         args = ["recommend", "--model", name, "--segments", "3", "--target", "dnll=0.1",
                 *(["--threads", str(threads)] if threads else []), "--out", tmp, "--quiet"]
         load0 = load_avg()
-        rss = Path(tmp) / "rss"
-        t0 = time.perf_counter()
-        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(rss), *kvsim_command(), *args],
-                              env=user_env(**env), capture_output=True, text=True)
-        seconds = time.perf_counter() - t0
-        if proc.returncode != 0:
-            raise RuntimeError(f"kvsim {' '.join(args)} failed: {proc.stderr[-3000:]}")
+        run = timed(args, user_env(**env))
         rep = json.loads((Path(tmp) / "recommend.json").read_text())
-        peak_gb = int(rss.read_text().split()[-1]) / 1e6
-    res = {"recommend_seconds": seconds, "recommend_command": "kvsim " + " ".join("OUT" if a == tmp else a for a in args),
+    res = {"recommend_seconds": run["seconds"],
+           "recommend_command": "kvsim " + " ".join("OUT" if a == tmp else a for a in args),
            "recommend_model_runs": rep.get("model_runs"), "recommend_answer": rep.get("answer", {}).get("choice"),
            "recommend_load": max(load0, load_avg()), "recommend_stage_seconds": rep.get("stage_seconds"),
-           "recommend_peak_rss_gb": peak_gb}
+           "recommend_peak_rss_gb": run["peak_rss_gb"]}
     if threads:
         return res
     return {"recommend_default_threads": {k.removeprefix("recommend_"): v for k, v in res.items()}
