@@ -6,8 +6,6 @@ os.environ.setdefault("KVSIM_THREADS", "1")
 os.environ.setdefault("KVSIM_TABLES", tempfile.mkdtemp(prefix="kvsim-tables-"))   # not the user's cache
 os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton kernels on the CPU unless a GPU run sets 0, before any import
 
-from contextlib import ExitStack
-
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -33,28 +31,22 @@ def ray_local():
 
 #: a run of at least this many tests (the whole suite, not a file) compiles the policies' kernels on a spare core
 WARMUP_MIN_TESTS = 500
-_WARMUP = pytest.StashKey[ExitStack]()
 
 
-def pytest_collection_finish(session):
+@pytest.fixture(scope="session", autouse=True)
+def compile_policies_meanwhile(request):
     """On a cold numba cache (CI's clean clone), compiling the engine and the policies' kernels is ~400 s of one core
     of the suite; a helper process compiles them on the spare core meanwhile (``sim.replay.warmup``, niced), so that
     the tests that come to a policy later load it from the cache. Only for a whole-suite run on more than one core,
     and ``KVSIM_TEST_WARMUP=0`` turns it off; with a warm cache the helper is done in seconds."""
     from sim.replay.threads import available_cores
 
-    if (len(session.items) < WARMUP_MIN_TESTS or available_cores() < 2
+    if (len(request.session.items) < WARMUP_MIN_TESTS or available_cores() < 2
             or os.environ.get("KVSIM_TEST_WARMUP", "1") == "0"):
+        yield
         return
     from policies import list_policies
     from sim.replay.warmup import compiling_meanwhile
 
-    stack = ExitStack()
-    stack.enter_context(compiling_meanwhile(list_policies(), processes=1))
-    session.config.stash[_WARMUP] = stack
-
-
-def pytest_sessionfinish(session):
-    stack = session.config.stash.get(_WARMUP, None)
-    if stack is not None:
-        stack.close()
+    with compiling_meanwhile(list_policies(), processes=1):
+        yield
