@@ -199,7 +199,7 @@ def stats_block(n_kv_heads: int, g: int, d: int) -> np.ndarray:
     return np.zeros((n_kv_heads, g * (d + d * d)))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def prompt_stats(params, q, hkv, mus, covs):
     """Every query head's rotated statistics of the prompt queries q [P, Hq, d] (``query_stats``) into mus
     [Hkv, G, d] and covs [Hkv, G, d, d]: what ``score_prompt`` computes before scoring, a function of the trace

@@ -109,6 +109,25 @@ def test_layer_variances_match_numpy():
     assert layer_variances([(q, k)], s)[0] == pytest.approx(np.mean(vs), rel=1e-6)
 
 
+
+@pytest.mark.parametrize("mode", ["normalized", "literal"])
+def test_layer_variances_threaded_equal_serial(monkeypatch, mode):
+    """Long prompts over enough layers (here 9 on 2 threads) run the layers side by side on BLAS's thread share;
+    every layer's F_l is the serial one, bit for bit, in layer order."""
+    import policies.d2o as d2o_module
+
+    rng = np.random.default_rng(1)
+    layers = [(rng.standard_normal((40, 4, 8)).astype(np.float32), rng.standard_normal((40, 2, 8)).astype(np.float32))
+              for _ in range(9)]
+    serial = layer_variances(layers, 0.3, mode)
+    assert d2o_module._blas_threads() >= 1
+    threads_used = []
+    monkeypatch.setattr(d2o_module, "_THREADED_FROM", 1)
+    monkeypatch.setattr(d2o_module, "_blas_threads", lambda: threads_used.append(2) or 2)
+    threaded = layer_variances(layers, 0.3, mode)
+    assert threads_used, "the threaded path did not run"
+    np.testing.assert_array_equal(threaded, serial)
+
 def test_layer_allocation_cap():
     # literal eq. 5 would give [12, 4]; capped at 10 the excess 2 goes to the other layer
     np.testing.assert_array_equal(allocate_layers(8, np.array([0.0, math.log(3.0)]), 1, max_budget=10), [10, 6])

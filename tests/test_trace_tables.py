@@ -28,7 +28,7 @@ def _tables(folder):
 def _no_recompute(monkeypatch):
     def fail(*args):
         raise AssertionError("the prompt attention was recomputed")
-    monkeypatch.setattr(kernels, "prompt_attention", fail)
+    monkeypatch.setattr(kernels, "prompt_attention_into", fail)
 
 
 @pytest.mark.parametrize("name", ["bumblebee", "buzz"])
@@ -40,6 +40,19 @@ def test_a_second_process_reads_the_table_and_gets_the_same_run(recorded, monkey
     again = replay(trace, get_policy(name), 24, inputs=load_layers(trace), record_kept=(70, 30))
     np.testing.assert_array_equal(first.kept, again.kept)
     np.testing.assert_array_equal(first.metrics, again.metrics)
+
+
+@pytest.mark.parametrize("name", ["bumblebee", "buzz"])
+def test_layer_threads_compute_their_tables_side_by_side_with_the_serial_numbers(monkeypatch, name):
+    """Each layer thread of a replay computes its layer's table with the GIL released (``prompt_attention_into``);
+    the layers' tables, kept sets and metrics are those of one thread."""
+    monkeypatch.setenv("KVSIM_TABLES", "off")
+    trace = make_synthetic_trace("mixed", n_layers=4, n_q_heads=4, n_kv_heads=2, head_dim=16, n_tokens=100,
+                                 n_prompt=70, seed=6)
+    one, two = (replay(trace, get_policy(name), 24, inputs=load_layers(trace), record_kept=(70, 30), threads=t)
+                for t in (1, 2))
+    np.testing.assert_array_equal(one.kept, two.kept)
+    np.testing.assert_array_equal(one.metrics, two.metrics)
 
 
 def test_bumblebee_and_buzz_share_one_table(recorded):

@@ -272,12 +272,20 @@ def prompt_attention(q, k, scale, mode):
     """Attention each prompt key accumulates over every prompt query, per KV head: float64 [Hkv, n_prompt], the
     G query heads of a row reduced by ``mode`` (``group_rows_scores``). O(n_prompt^2 G d): what BUZZ's and
     BumbleBee's prefills score the prompt by, and a replay computes once per trace (``prompt_attention_table``)."""
-    n_prompt = q.shape[0]
-    out = np.zeros((k.shape[1], n_prompt), np.float64)
+    out = np.zeros((k.shape[1], q.shape[0]), np.float64)
+    prompt_attention_into(q, k, scale, mode, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def prompt_attention_into(q, k, scale, mode, out):
+    """``prompt_attention`` added into ``out`` [Hkv, n_prompt] (zeros in, the table out), with the GIL released: a
+    replay's layer threads compute their layers' tables side by side. It returns no array: numba boxes a returned
+    array with a dtype it reads from the function's environment, which two threads entering a cached function for
+    the first time at once can find unset ("'descr' is NULL", seen on Gemma-3's global layers)."""
     no_ring = np.zeros((1, 1), np.float64)
     for h in range(k.shape[1]):
-        group_rows_scores(q, k, scale, h, 0, n_prompt, mode, out[h], no_ring, 0)
-    return out
+        group_rows_scores(q, k, scale, h, 0, q.shape[0], mode, out[h], no_ring, 0)
 
 
 def prompt_attention_table(layer, memo: dict | None, n_prompt: int, mode: int) -> np.ndarray:
@@ -289,8 +297,9 @@ def prompt_attention_table(layer, memo: dict | None, n_prompt: int, mode: int) -
     key = ("prompt_attention", int(n_prompt), int(mode), scale)
     table = None if memo is None else memo.get(key)
     if table is None:
-        table = prompt_attention(np.ascontiguousarray(layer.q[:n_prompt]), np.ascontiguousarray(layer.k[:n_prompt]),
-                                 scale, int(mode))
+        table = np.zeros((layer.k.shape[1], n_prompt), np.float64)
+        prompt_attention_into(np.ascontiguousarray(layer.q[:n_prompt]), np.ascontiguousarray(layer.k[:n_prompt]),
+                              scale, int(mode), table)
         if memo is not None:
             memo[key] = table
     return np.array(table, np.float64)

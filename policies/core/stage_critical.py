@@ -134,18 +134,24 @@ def wo_l1(head_state, off, h, vecs):
     return out
 
 
-@njit(cache=True, nogil=True)
-def projected_norms(head_state, off, v):
+def projected_norms(head_state: np.ndarray, off: int, v: np.ndarray) -> np.ndarray:
     """Every token's projected value norm [Hkv, T] for the values v [T, Hkv, d] of a whole trace layer: the table a
     replay appends to the head state (``Combined.replay_head_state``), so that neither the prompt nor the decode
     steps project a value again. Bit for bit what ``wo_l1`` gives each row."""
+    out = np.empty((v.shape[1], v.shape[0]))
+    _projected_norms_into(head_state, off, v, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _projected_norms_into(head_state, off, v, out):
+    """``projected_norms`` into ``out``, the GIL released (layer threads side by side) and no array returned (see
+    ``policies.core.shared_kernels.prompt_attention_into``: a returned array races on a first concurrent call)."""
     T, hkv, d = v.shape
-    out = np.empty((hkv, T))
     rows = np.arange(T)
     for h in range(hkv):
         bt, g_n = _wo_block(head_state, off, h, d)
         _projected_l1_rows(bt, v[:, h, :], rows, g_n, out[h])
-    return out
 
 
 @njit(cache=True)
