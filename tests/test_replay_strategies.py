@@ -114,7 +114,8 @@ def test_long_traces_replay_a_layer_at_a_time(monkeypatch):
 
 def test_a_lazy_replay_prepares_each_layer_once(monkeypatch):
     """Read a layer at a time, a replay prepares each layer's inputs once, for its head state (BUZZ's table) and
-    its engine run alike: a second copy was another 0.34 GB per Gemma-3 layer at 32 k in flight."""
+    its engine run alike (``LayerLoader`` hands out the copy a caller still holds): a second copy was another
+    0.34 GB per Gemma-3 layer at 32 k in flight."""
     import sim.replay.layer_inputs as sl
 
     trace = make_synthetic_trace("mixed", n_layers=3, n_tokens=96, n_prompt=64, seed=4)

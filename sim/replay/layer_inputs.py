@@ -8,6 +8,7 @@ layers shares them, and the tables policies derive from them (`PreparedLayers.st
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -73,12 +74,19 @@ class LayerLoader(Sequence):
     def __init__(self, trace: Trace) -> None:
         self.trace = trace
         self.stats: dict = {}
+        #: the layers some caller still holds: asked for again meanwhile (a replay's head state and its engine run,
+        #: cells of one layer on other threads), the same copy, not another (0.34 GB a Gemma-3 layer at 32 k)
+        self._held: weakref.WeakValueDictionary[int, LayerInputs] = weakref.WeakValueDictionary()
 
     def __len__(self) -> int:
         return self.trace.n_layers
 
     def __getitem__(self, i: int) -> LayerInputs:   # type: ignore[override]
-        return LayerInputs.from_arrays(self.trace.layer(i), self.trace.meta.attention(i))
+        li = self._held.get(i)
+        if li is None:
+            li = LayerInputs.from_arrays(self.trace.layer(i), self.trace.meta.attention(i))
+            self._held[i] = li
+        return li
 
 
 #: a trace whose engine inputs (float32 q, k, v, lse, o of every layer) exceed this many bytes is replayed from a

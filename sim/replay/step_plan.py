@@ -78,14 +78,13 @@ class StepPlan:
         return cls(trace, policy, int(budget), inputs, layers, budgets, PromptLayers(trace, inputs, layers, P),
                    engine_kernels(policy), chunk, rec_start, max(0, min(n_rec, T - rec_start)), sliding)
 
-    def head_init(self, j: int, shared: bool = False, li: LayerInputs | None = None) -> np.ndarray:
+    def head_init(self, j: int, shared: bool = False) -> np.ndarray:
         """The head state the j-th compressed layer's replay starts with (``initial_head_state``); ``shared``: with
         the prompt's scores computed in it (``ScorerPolicy.with_prompt_scores``, where the policy
         ``shares_prompt_scores``), the same for every budget of the configuration (``replay_plans`` hands one to all
-        of a batch's budgets). ``li``: the layer's inputs when the caller holds them already (from a
-        ``LayerLoader`` each ``inputs[layer]`` prepares another copy: 0.34 GB a Gemma-3 layer at 32 k)."""
+        of a batch's budgets)."""
         layer = self.layers[j]
-        li = self.inputs[layer] if li is None else li
+        li = self.inputs[layer]
         head = initial_head_state(self.policy, li, layer_memo(self.inputs, layer), self.prompt, j)
         P = self.trace.meta.n_prompt
         if shared and P > 0 and self.policy.shares_prompt_scores():
@@ -106,7 +105,7 @@ class StepPlan:
         out = EngineOutputs(metrics=np.zeros((T - P, meta.model.n_q_heads, N_METRICS), np.float64),
                             slots=np.zeros((T - P, hkv), np.int32),
                             kept=np.full((self.n_rec, hkv, cap), -1, np.int32), info=np.zeros(3, np.int64))
-        head_init = self.head_init(j, li=li) if head_init is None else head_init.copy()
+        head_init = self.head_init(j) if head_init is None else head_init.copy()
         cfg = EngineConfig(params=policy.param_vector(li.attention), layer=layer, scale=float(li.attention.scale),
                            has_prefill=policy.has_prefill, metric_start=P, budget=b,
                            head_adaptive=policy.head_adaptive, bounded=not policy.unbounded, cap=cap,
